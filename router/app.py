@@ -1,0 +1,60 @@
+"""``build_app``: the one factory that wires registry, supervisor and protocol modules."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+
+from router.api.admin import AdminAPI
+from router.api.openai import OpenAIAPI
+from router.api.wire import api_error_handler, http_error_handler, server_error_handler
+from router.errors import APIError
+from router.registry import ModelRegistry
+from router.supervisor import Supervisor
+from shared.config import Preset
+
+log = logging.getLogger("modelyard.router")
+
+
+def build_app(preset: Preset) -> Starlette:
+    """A Starlette app serving ``preset``; workers start on demand and stop on shutdown."""
+    server = preset.server
+    registry = ModelRegistry(preset)
+    own_runtime_dir = server.runtime_dir is None
+    runtime_dir = Path(server.runtime_dir or tempfile.mkdtemp(prefix="modelyard-"))
+    runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    supervisor = Supervisor(registry, server, runtime_dir)
+    openai = OpenAIAPI(supervisor, server, server.max_body_bytes)
+    admin = AdminAPI(supervisor, server.max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        log.info("modelyard: %d model(s) from %s; runtime dir %s", len(registry.entries),
+                 preset.source, runtime_dir)
+        for entry in registry:
+            if entry.spec.load_on_startup:
+                supervisor.start_loading(entry)
+        try:
+            yield
+        finally:
+            await supervisor.stop_all()
+            if own_runtime_dir:
+                shutil.rmtree(runtime_dir, ignore_errors=True)
+
+    app = Starlette(
+        routes=openai.routes() + admin.routes(),
+        lifespan=lifespan,
+        exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
+                            Exception: server_error_handler},
+    )
+    app.state.supervisor = supervisor
+    app.state.registry = registry
+    app.state.runtime_dir = runtime_dir
+    return app

@@ -1,0 +1,63 @@
+"""The errors a client can see, drawn once.
+
+    APIError                 any error answered as OpenAI's {"error": {...}} object
+    ├── BadRequest           400  invalid_request_error (body, field or value is wrong)
+    ├── ModelNotFound        404  invalid_request_error, code model_not_found
+    ├── PayloadTooLarge      413  invalid_request_error
+    ├── ModelUnavailable     503  the model could not be started / loaded in time
+    └── WorkerLost           502  the worker died while serving the request
+
+Everything else that escapes a handler is a bug and becomes a 500 ``server_error``.
+"""
+
+from __future__ import annotations
+
+
+class APIError(Exception):
+    status = 500
+    type = "server_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type,
+                          "param": self.param, "code": self.code}}
+
+
+class BadRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ModelNotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class PayloadTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+    default_code = "payload_too_large"
+
+
+class ModelUnavailable(APIError):
+    status = 503
+    type = "model_unavailable"
+    default_code = "model_unavailable"
+
+
+class WorkerLost(APIError):
+    status = 502
+    type = "server_error"
+    default_code = "worker_lost"

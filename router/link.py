@@ -1,0 +1,241 @@
+"""``WorkerLink``: the router's end of one worker's ZeroMQ socket.
+
+It sends requests, reads every message the worker sends, and hands each request's deltas
+to that request's ``RequestStream``. A worker's death fails every open stream at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+
+import zmq
+import zmq.asyncio
+
+from router.errors import APIError, ModelUnavailable, WorkerLost
+from shared.protocol import (
+    Cancel,
+    Delta,
+    Deltas,
+    Error,
+    Generate,
+    Ping,
+    Pong,
+    Ready,
+    Shutdown,
+    Tokenize,
+    TokenizeResult,
+    router_codec,
+)
+
+log = logging.getLogger("modelyard.router")
+_ids = itertools.count()
+
+
+def _api_error(err: Error) -> APIError:
+    return APIError(err.message, param=err.param, code=err.code, status=err.status,
+                    type=err.type)
+
+
+class RequestStream:
+    """The deltas of one or more ``Generate`` requests that answer one client request.
+
+    Several generates feed one stream when a completions request has several prompts;
+    each one's choice indexes are shifted by its ``offset``. Iterating it yields batches:
+    every delta that arrived since the last step, so a burst becomes one HTTP write. A
+    worker error raises ``APIError``. ``close()`` cancels what has not finished.
+    """
+
+    __slots__ = ("_link", "_items", "_waiter", "_open", "_error")
+
+    def __init__(self, link: WorkerLink) -> None:
+        self._link = link
+        self._items: list[Delta] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._open: dict[str, int] = {}  # generate id -> choices not yet finished
+        self._error: APIError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _feed(self, delta: Delta, offset: int) -> None:
+        delta.index += offset
+        self._items.append(delta)
+        if delta.finish_reason is not None:
+            left = self._open.get(delta.id, 0) - 1
+            if left <= 0:
+                self._open.pop(delta.id, None)
+                self._link._forget(delta.id)
+            else:
+                self._open[delta.id] = left
+        self._wake()
+
+    def _fail(self, error: APIError) -> None:
+        if self._error is None:
+            self._error = error
+        for gen_id in self._open:  # siblings of a failed generate stop too
+            self._link.cancel(gen_id)
+        self._open.clear()
+        self._wake()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> list[Delta]:
+        while not self._items:
+            if self._error is not None:
+                raise self._error
+            if not self._open:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+            self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+    def close(self) -> None:
+        """Cancel every generation of this stream that is still running."""
+        for gen_id in list(self._open):
+            self._link.cancel(gen_id)
+        self._open.clear()
+
+
+class WorkerLink:
+    """One bound DEALER socket per worker; the worker connects to it."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, model: str) -> None:
+        self.endpoint = endpoint
+        self.model = model
+        self._codec = router_codec()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.bind(endpoint)
+        self._routes: dict[str, tuple[RequestStream, int]] = {}
+        self._calls: dict[str, asyncio.Future[object]] = {}
+        self._ready: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.create_task(self._read(), name=f"link-{model}")
+        self._failure: APIError | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._routes)
+
+    async def wait_ready(self) -> Ready:
+        return await asyncio.shield(self._ready)
+
+    def _send(self, message: object) -> None:
+        if self._failure is not None:
+            raise self._failure
+        self._sock.send(self._codec.encode(message))  # type: ignore[arg-type]
+
+    def submit(self, gens: Sequence[Generate]) -> RequestStream:
+        """Send generates whose deltas all flow into one returned stream."""
+        stream = RequestStream(self)
+        offset = 0
+        for gen in gens:
+            self._routes[gen.id] = (stream, offset)
+            stream._open[gen.id] = gen.sampling.n
+            offset += gen.sampling.n
+        try:
+            for gen in gens:
+                self._send(gen)
+        except APIError:
+            for gen in gens:
+                self._routes.pop(gen.id, None)
+            raise
+        return stream
+
+    def cancel(self, gen_id: str) -> None:
+        if self._routes.pop(gen_id, None) is not None and self._failure is None:
+            self._sock.send(self._codec.encode(Cancel(id=gen_id)))
+
+    def _forget(self, gen_id: str) -> None:
+        self._routes.pop(gen_id, None)
+
+    async def _call(self, message: Tokenize | Ping) -> object:
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._calls[message.id] = future
+        try:
+            self._send(message)
+            return await future
+        finally:
+            self._calls.pop(message.id, None)
+
+    async def tokenize(self, req: Tokenize) -> TokenizeResult:
+        result = await self._call(req)
+        assert isinstance(result, TokenizeResult)
+        return result
+
+    async def ping(self) -> Pong:
+        result = await self._call(Ping(id=f"ping-{next(_ids)}"))
+        assert isinstance(result, Pong)
+        return result
+
+    def shutdown(self) -> None:
+        """Ask the worker to exit cleanly (it aborts what it still runs)."""
+        if self._failure is None:
+            self._sock.send(self._codec.encode(Shutdown()))
+
+    def _dispatch(self, message: object) -> None:
+        if isinstance(message, Deltas):
+            routes = self._routes
+            for delta in message.items:
+                route = routes.get(delta.id)
+                if route is not None:  # else: cancelled; late deltas are dropped
+                    route[0]._feed(delta, route[1])
+        elif isinstance(message, Error):
+            if not message.id:
+                self.fail(ModelUnavailable(f"model '{self.model}' failed: {message.message}"))
+            elif message.id in self._calls:
+                self._calls[message.id].set_exception(_api_error(message))
+            else:
+                route = self._routes.pop(message.id, None)
+                if route is not None:
+                    route[0]._fail(_api_error(message))
+        elif isinstance(message, Ready):
+            if not self._ready.done():
+                self._ready.set_result(message)
+        elif isinstance(message, (TokenizeResult, Pong)):
+            future = self._calls.get(message.id)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    async def _read(self) -> None:
+        sock, decode = self._sock, self._codec.decode
+        while True:
+            frame = await sock.recv(copy=False)
+            try:
+                message = decode(frame.buffer)
+            except Exception as err:  # a bad frame is a worker bug; log it, keep the link
+                log.error("undecodable message from worker %s: %s", self.model, err)
+                continue
+            self._dispatch(message)
+
+    def fail(self, error: APIError) -> None:
+        """End every open stream and call with ``error`` (the worker is gone)."""
+        if self._failure is not None:
+            return
+        self._failure = error
+        if not self._ready.done():
+            self._ready.set_exception(error)
+            self._ready.exception()  # mark retrieved: nobody may be waiting yet
+        for stream, _ in list(self._routes.values()):
+            stream._fail(error)
+        self._routes.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def close(self, reason: str = "worker stopped") -> None:
+        self.fail(WorkerLost(f"model '{self.model}': {reason}"))
+        self._reader.cancel()
+        self._sock.close(0)

@@ -1,0 +1,122 @@
+"""``ModelRegistry``: the models a preset declares, their runtime state, and name resolution.
+
+Resolution order: exact id, exact alias, case-insensitive id or alias, unique
+case-insensitive substring of an id or alias, then the server's ``default_model``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from router.errors import ModelNotFound
+from shared.config import ModelSpec, Preset
+
+if TYPE_CHECKING:
+    from router.link import WorkerLink
+
+STATES = ("unloaded", "loading", "ready", "sleeping", "stopping", "failed")
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    """One declared model and what the router knows of its worker right now."""
+
+    spec: ModelSpec
+    state: str = "unloaded"
+    link: WorkerLink | None = None
+    pid: int | None = None
+    leases: int = 0
+    last_used: float = 0.0
+    loaded_at: float | None = None
+    load_seconds: float | None = None
+    max_model_len: int | None = None
+    error: str | None = None
+    exit_code: int | None = None
+    placement: dict[str, str] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+
+class ModelRegistry:
+    def __init__(self, preset: Preset) -> None:
+        self.entries: dict[str, ModelEntry] = {
+            name: ModelEntry(spec=spec) for name, spec in preset.models.items()}
+        self._aliases = {alias: spec.id for spec in preset.models.values()
+                         for alias in spec.aliases}
+        self._folded: dict[str, str] = {}
+        for spec in preset.models.values():
+            for name in (spec.id, *spec.aliases):
+                self._folded[name.lower()] = spec.id
+        self.default_model = preset.server.default_model
+
+    def __iter__(self) -> Iterator[ModelEntry]:
+        return iter(self.entries.values())
+
+    def resolve(self, name: str | None) -> ModelEntry:
+        """Find the model a request names; raise ``ModelNotFound`` (404) if none fits."""
+        if name:
+            found = self._match(name)
+            if found is not None:
+                return self.entries[found]
+        if self.default_model:
+            default = self._match(self.default_model)
+            if default is not None:
+                return self.entries[default]
+        if not name:
+            raise ModelNotFound("no model named and no default_model configured",
+                                param="model")
+        raise ModelNotFound(f"The model '{name}' does not exist. Available: "
+                            f"{', '.join(sorted(self.entries))}", param="model")
+
+    def _match(self, name: str) -> str | None:
+        if name in self.entries:
+            return name
+        if name in self._aliases:
+            return self._aliases[name]
+        folded = name.lower()
+        if folded in self._folded:
+            return self._folded[folded]
+        hits = {owner for key, owner in self._folded.items() if folded in key}
+        if len(hits) == 1:
+            return hits.pop()
+        if len(hits) > 1 and not self.default_model:
+            raise ModelNotFound(f"The model name '{name}' is ambiguous: it matches "
+                                f"{', '.join(sorted(hits))}", param="model",
+                                code="model_ambiguous")
+        return None
+
+
+
+class Lease:
+    """Holds a model in use from resolution to the response's last byte.
+
+    A leased model is never reaped or evicted. ``release`` is idempotent, so a streaming
+    response can release in its generator's ``finally`` whatever path it ends by.
+    """
+
+    __slots__ = ("entry", "_held")
+
+    def __init__(self, entry: ModelEntry) -> None:
+        self.entry = entry
+        self._held = True
+        entry.leases += 1
+        entry.last_used = time.monotonic()
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.entry.leases -= 1
+            self.entry.last_used = time.monotonic()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

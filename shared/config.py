@@ -1,0 +1,225 @@
+"""Presets: the server settings and the models it may serve, from YAML or INI.
+
+YAML::
+
+    server:   {port: 8080, default_model: smollm2}
+    defaults: {device: cpu}          # applied to every model ("*" is accepted too)
+    models:
+      smollm2: {model: "builtin:smollm2", aliases: [smol]}
+
+INI (like llama-server's presets): a ``[server]`` section, a ``[*]`` section of model
+defaults, and one section per model; lists are comma-separated.
+
+Every problem is reported once, at load, as a ``ConfigError`` naming the file, the model
+and the key.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+
+class ConfigError(ValueError):
+    """A preset file is unreadable or invalid; the message names file, model and key."""
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 8080
+    default_model: str | None = None
+    ttl: float = 0.0
+    """Default idle time-to-live of a model in seconds; 0 keeps models loaded."""
+    max_loaded_models: int = 0
+    """0 means no limit."""
+    load_timeout: float = 900.0
+    """Seconds a request waits for its model to load before a 503."""
+    runtime_dir: str | None = None
+    """Where ZeroMQ sockets and worker logs live; default: a fresh 0700 temp dir."""
+    cache_dir: str | None = None
+    """Where the embedded model is materialised; default: ~/.cache/modelyard."""
+    log_level: str = "info"
+    max_body_bytes: int = 32 * 1024 * 1024
+    """Larger request bodies get a 413."""
+
+
+class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How to run one model. ``id`` is the preset's section or key name."""
+
+    id: str = ""
+    model: str
+    """A local HF folder, a hub id (only if it is already in the local cache), or
+    ``builtin:smollm2`` for the embedded model."""
+    aliases: list[str] = []
+    engine: Literal["vllm", "synthetic"] = "vllm"
+    device: Literal["cpu", "cuda"] = "cpu"
+    cpu_cores: str | None = None
+    """CPU placement, e.g. ``"0"`` or ``"0-3"`` (``VLLM_CPU_OMP_THREADS_BIND``)."""
+    kv_cache_gib: int = 1
+    """CPU KV cache size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``, an integer in vLLM)."""
+    gpus: list[int] = []
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool | None = None
+    """Default: true on CPU (torch.compile there takes minutes), false on GPU."""
+    dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    ttl: float | None = None
+    """Idle seconds before the model is stopped; default: the server's ``ttl``."""
+    load_on_startup: bool = False
+    chat_template: str | None = None
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    owned_by: str = "modelyard"
+    engine_args: dict[str, Any] = {}
+    """Extra ``AsyncEngineArgs`` keyword arguments, passed through unchanged."""
+    env: dict[str, str] = {}
+
+
+class Preset(msgspec.Struct, kw_only=True):
+    server: ServerConfig
+    models: dict[str, ModelSpec]
+    source: str = ""
+
+
+_LIST_KEYS = ("aliases", "gpus")  # comma-separated in INI; msgspec converts the items
+_AT_RE = re.compile(r"\s*- at `\$((?:\.\w+|\[\d+\])*)`")
+
+
+def _explain(err: msgspec.ValidationError) -> tuple[str, str | None]:
+    """Split msgspec's message into (reason, key)."""
+    text = str(err)
+    m = _AT_RE.search(text)
+    reason = _AT_RE.sub("", text)
+    unknown = re.search(r"unknown field `([^`]+)`", text)
+    if unknown:
+        return "unknown key", unknown.group(1)
+    key = m.group(1).lstrip(".") if m else None
+    return reason, key or None
+
+
+def _convert(data: Any, kind: type, where: str) -> Any:
+    try:
+        return msgspec.convert(data, kind, strict=False)
+    except msgspec.ValidationError as err:
+        reason, key = _explain(err)
+        raise ConfigError(f"{where}: key '{key}': {reason}" if key else f"{where}: {reason}") from None
+
+
+def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
+    """Validate a preset given as plain data (already parsed from YAML or INI)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    unknown = set(raw) - {"server", "defaults", "*", "models"}
+    if unknown:
+        raise ConfigError(f"{source}: unknown top-level key '{sorted(unknown)[0]}' "
+                          "(expected server, defaults, models)")
+    server = _convert(raw.get("server") or {}, ServerConfig, f"{source}: [server]")
+    defaults = raw.get("defaults") or raw.get("*") or {}
+    if not isinstance(defaults, dict):
+        raise ConfigError(f"{source}: 'defaults' must be a mapping")
+    models_raw = raw.get("models") or {}
+    if not isinstance(models_raw, dict) or not models_raw:
+        raise ConfigError(f"{source}: 'models' must name at least one model")
+    models: dict[str, ModelSpec] = {}
+    for name, body in models_raw.items():
+        name = str(name)
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: model '{name}': must be a mapping of keys")
+        merged = {**defaults, **body, "id": name}
+        models[name] = _convert(merged, ModelSpec, f"{source}: model '{name}'")
+    _check_names(models, server, source)
+    return Preset(server=server, models=models, source=source)
+
+
+def _check_names(models: dict[str, ModelSpec], server: ServerConfig, source: str) -> None:
+    owner: dict[str, str] = {}
+    for spec in models.values():
+        for name in (spec.id, *spec.aliases):
+            key = name.lower()
+            if key in owner and owner[key] != spec.id:
+                raise ConfigError(f"{source}: model '{spec.id}': key 'aliases': name '{name}' "
+                                  f"is already used by model '{owner[key]}'")
+            owner[key] = spec.id
+        if spec.device == "cpu" and spec.kv_cache_gib <= 0:
+            raise ConfigError(f"{source}: model '{spec.id}': key 'kv_cache_gib': must be > 0")
+        if spec.tensor_parallel_size < 1:
+            raise ConfigError(f"{source}: model '{spec.id}': key 'tensor_parallel_size': must be >= 1")
+    if server.default_model and server.default_model.lower() not in owner:
+        raise ConfigError(f"{source}: [server]: key 'default_model': no model or alias "
+                          f"named '{server.default_model}'")
+
+
+def _ini_section(section: configparser.SectionProxy) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in section.items():
+        if key in _LIST_KEYS:
+            out[key] = [v.strip() for v in value.split(",") if v.strip()]
+        elif key.startswith("env."):
+            out.setdefault("env", {})[key[4:].upper()] = value
+        elif key.startswith("engine_args."):
+            out.setdefault("engine_args", {})[key[12:]] = _ini_scalar(value)
+        else:
+            out[key] = value
+    return out
+
+
+def _ini_scalar(value: str) -> Any:
+    """Engine args have no schema here, so guess the scalar type of an INI value."""
+    try:
+        return msgspec.json.decode(value)
+    except msgspec.DecodeError:
+        return value
+
+
+def parse_ini(text: str, source: str) -> dict[str, Any]:
+    parser = configparser.ConfigParser(interpolation=None, default_section="\0none")
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive
+    try:
+        parser.read_string(text, source=source)
+    except configparser.Error as err:
+        raise ConfigError(f"{source}: {err}") from None
+    raw: dict[str, Any] = {"models": {}}
+    for name in parser.sections():
+        body = _ini_section(parser[name])
+        if name == "server":
+            raw["server"] = body
+        elif name == "*":
+            raw["defaults"] = body
+        else:
+            raw["models"][name] = body
+    return raw
+
+
+def parse_yaml(text: str, source: str) -> dict[str, Any]:
+    try:
+        data = msgspec.yaml.decode(text)
+    except msgspec.DecodeError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    if data is None:
+        raise ConfigError(f"{source}: empty file")
+    return data  # type: ignore[no-any-return]
+
+
+def load_preset(path: str | os.PathLike[str]) -> Preset:
+    """Load a ``.yaml``/``.yml`` or ``.ini`` preset file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{p}: cannot read: {err.strerror}") from None
+    if p.suffix.lower() in (".ini", ".cfg", ".conf"):
+        raw = parse_ini(text, str(p))
+    elif p.suffix.lower() in (".yaml", ".yml", ".json"):
+        raw = parse_yaml(text, str(p))
+    else:
+        raise ConfigError(f"{p}: unknown preset format (use .yaml or .ini)")
+    return build_preset(raw, str(p))

@@ -1,0 +1,82 @@
+"""``python -m worker``: one model's worker process, started by the router.
+
+Arguments: ``--endpoint`` (the router's ZeroMQ address), ``--spec`` (the model's preset
+as JSON), ``--cache-dir``. vLLM spawns an EngineCore child, so everything runs under the
+``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+
+from shared.config import ModelSpec
+from worker.server import WorkerServer
+
+log = logging.getLogger("modelyard.worker")
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us when the router dies (a belt to the watcher's braces)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except OSError:  # not glibc Linux: the parent watcher in WorkerServer still works
+        pass
+
+
+async def _main(args: argparse.Namespace) -> int:
+    spec = msgspec.json.decode(args.spec, type=ModelSpec)
+    parent = os.getppid()
+    server = WorkerServer(args.endpoint, spec.id)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.stop)
+    try:
+        if spec.engine == "synthetic":
+            from worker.synthetic import SyntheticEngine, SyntheticError
+
+            engine, error = SyntheticEngine(spec), SyntheticError
+        else:
+            from worker.engine import RequestError, VllmEngine
+            from worker.materialize import resolve_model_path
+
+            # Loading weights blocks; nothing else runs in this process until it is done.
+            path = resolve_model_path(spec.model, args.cache_dir)
+            engine, error = VllmEngine.start(spec, path), RequestError  # type: ignore[assignment]
+    except Exception as err:  # any start failure is reported to the router, then we exit
+        log.exception("model %s failed to start", spec.id)
+        server.fail(f"{type(err).__name__}: {err}")
+        await asyncio.sleep(0.2)  # let the frame leave before the socket closes
+        server.close()
+        return 1
+    try:
+        await server.serve(engine, error, parent)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m worker")
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _die_with_parent()
+    sys.exit(asyncio.run(_main(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The worker's ZeroMQ loop: receive router messages, run them on the engine, send replies.
+
+Deltas of all requests are gathered into one ``Deltas`` message per event-loop turn: the
+engine's output handler wakes every request's generator in the same turn, so one engine
+step becomes one message instead of one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from shared.protocol import (
+    Cancel,
+    Delta,
+    Deltas,
+    Error,
+    Generate,
+    Ping,
+    Pong,
+    Ready,
+    Shutdown,
+    Tokenize,
+    TokenizeResult,
+    worker_codec,
+)
+
+log = logging.getLogger("modelyard.worker")
+
+
+class Engine(Protocol):
+    """What the server needs of an engine (``VllmEngine`` or the synthetic one)."""
+
+    max_model_len: int
+
+    def generate(self, gen: Generate) -> Any: ...  # AsyncIterator[list[Delta]]
+    def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]: ...
+    async def abort(self, request_id: str) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+class WorkerServer:
+    """Serves one engine to one router over a DEALER socket."""
+
+    def __init__(self, endpoint: str, model: str) -> None:
+        self._engine: Engine
+        self._request_error: type[Exception] = Exception
+        self._model = model
+        self._codec = worker_codec()
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on output
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(endpoint)
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._outbox: list[Delta] = []
+        self._flush_scheduled = False
+        self._stopping = asyncio.Event()
+
+    def _send(self, message: Any) -> None:
+        self._sock.send(self._codec.encode(message))
+
+    def _emit(self, deltas: list[Delta]) -> None:
+        self._outbox.extend(deltas)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._outbox:
+            items, self._outbox = self._outbox, []
+            self._send(Deltas(items=items))
+
+    async def _run_generate(self, gen: Generate) -> None:
+        try:
+            async for deltas in self._engine.generate(gen):
+                self._emit(deltas)
+        except asyncio.CancelledError:
+            # Cancel from the router: closing the generator aborts the request in vLLM.
+            raise
+        except self._request_error as err:
+            e: Any = err
+            self._flush()  # keep order: deltas already produced go first
+            self._send(Error(id=gen.id, message=e.message, status=e.status,
+                             type="invalid_request_error", param=e.param, code=e.code))
+        except Exception as err:  # an engine failure ends this request, not the worker
+            log.exception("request %s failed", gen.id)
+            self._flush()
+            self._send(Error(id=gen.id, message=f"engine error: {err}", status=500))
+        finally:
+            self._tasks.pop(gen.id, None)
+
+    def _tokenize(self, req: Tokenize) -> None:
+        try:
+            ids, strs = self._engine.tokenize(req)
+        except self._request_error as err:
+            e: Any = err
+            self._send(Error(id=req.id, message=e.message, status=e.status,
+                             type="invalid_request_error", param=e.param, code=e.code))
+            return
+        self._send(TokenizeResult(id=req.id, token_ids=ids,
+                                  max_model_len=self._engine.max_model_len, token_strs=strs))
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, Generate):
+            if message.id in self._tasks:
+                self._send(Error(id=message.id, message="duplicate request id", status=400))
+                return
+            self._tasks[message.id] = asyncio.create_task(self._run_generate(message))
+        elif isinstance(message, Cancel):
+            task = self._tasks.pop(message.id, None)
+            if task is not None:
+                task.cancel()
+        elif isinstance(message, Tokenize):
+            self._tokenize(message)
+        elif isinstance(message, Ping):
+            self._send(Pong(id=message.id, in_flight=len(self._tasks)))
+        elif isinstance(message, Shutdown):
+            self._stopping.set()
+
+    async def _receive(self) -> None:
+        while True:
+            frame = await self._sock.recv(copy=False)
+            try:
+                message = self._codec.decode(frame.buffer)
+            except Exception as err:  # a frame we cannot read is a router bug; keep serving
+                log.error("undecodable message from router: %s", err)
+                continue
+            self._handle(message)
+
+    async def _watch_parent(self, parent: int) -> None:
+        """Exit when the router is gone (it was killed and could not tell us)."""
+        while os.getppid() == parent:
+            await asyncio.sleep(0.5)
+        log.warning("router (pid %d) is gone; shutting down", parent)
+        self._stopping.set()
+
+    def fail(self, message: str) -> None:
+        """Tell the router that the engine could not start."""
+        self._send(Error(id="", message=message, status=503, type="model_unavailable"))
+
+    async def serve(self, engine: Engine, request_error: type[Exception],
+                    parent_pid: int) -> None:
+        """Announce ``Ready`` and serve until ``Shutdown``, a signal, or the router's death.
+
+        ``request_error`` is the engine's exception for a refused request; it must carry
+        ``message``, ``status``, ``param`` and ``code``.
+        """
+        self._engine = engine
+        self._request_error = request_error
+        self._send(Ready(model=self._model, max_model_len=self._engine.max_model_len,
+                         pid=os.getpid()))
+        receiver = asyncio.create_task(self._receive())
+        watcher = asyncio.create_task(self._watch_parent(parent_pid))
+        await self._stopping.wait()
+        receiver.cancel()
+        watcher.cancel()
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+    def stop(self) -> None:
+        self._stopping.set()

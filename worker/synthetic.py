@@ -1,0 +1,69 @@
+"""``SyntheticEngine``: a fixed-rate token emitter with no model behind it.
+
+For router benchmarks and fault-injection tests ONLY (``engine: synthetic`` in a preset);
+it never serves a user. It emits the word ``tok`` once per token, ``max_tokens`` times
+(16 if unset), at ``engine_args.tokens_per_second`` per request (0: as fast as it can),
+``engine_args.tokens_per_step`` tokens per delta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from shared.config import ModelSpec
+from shared.protocol import Delta, Generate, Tokenize
+
+
+class SyntheticError(Exception):
+    def __init__(self, message: str, *, param: str | None = None,
+                 code: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code, self.status = message, param, code, status
+
+
+class SyntheticEngine:
+    """Synthetic: no model, for router benchmarks and fault injection only."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.max_model_len = spec.max_model_len or 4096
+        rate = float(spec.engine_args.get("tokens_per_second", 0))
+        self._interval = 1.0 / rate if rate > 0 else 0.0
+        self._per_step = int(spec.engine_args.get("tokens_per_step", 1))
+
+    def _prompt_len(self, req: Generate | Tokenize) -> int:
+        if req.messages is not None:
+            if not req.messages:
+                raise SyntheticError("'messages' must contain at least one message",
+                                     param="messages")
+            return sum(len((m.content or "").split()) + 4 for m in req.messages)
+        if isinstance(req, Generate) and req.prompt_token_ids is not None:
+            return len(req.prompt_token_ids)
+        return len((req.prompt or "").split()) + 1
+
+    def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]:
+        n = self._prompt_len(req)
+        return list(range(n)), (["tok"] * n if req.return_token_strs else None)
+
+    async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
+        prompt_len = self._prompt_len(gen)
+        if prompt_len >= self.max_model_len:
+            raise SyntheticError("prompt longer than the context", param="messages",
+                                 code="context_length_exceeded")
+        total = min(gen.sampling.max_tokens or 16, self.max_model_len - prompt_len)
+        sent = 0
+        while sent < total:
+            step = min(self._per_step, total - sent)
+            sent += step
+            done = sent == total
+            yield [Delta(id=gen.id, index=i, text="tok " * step, tokens=step,
+                         finish_reason="length" if done else None,
+                         prompt_tokens=prompt_len if done else 0)
+                   for i in range(gen.sampling.n)]
+            await asyncio.sleep(self._interval * step)
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
