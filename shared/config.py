@@ -212,14 +212,15 @@ def parse_yaml(text: str, source: str) -> dict[str, Any]:
 def load_preset(path: str | os.PathLike[str]) -> Preset:
     """Load a ``.yaml``/``.yml`` or ``.ini`` preset file."""
     p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix in (".ini", ".cfg", ".conf"):
+        parse = parse_ini
+    elif suffix in (".yaml", ".yml", ".json"):
+        parse = parse_yaml
+    else:
+        raise ConfigError(f"{p}: unknown preset format (use .yaml or .ini)")
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"{p}: cannot read: {err.strerror}") from None
-    if p.suffix.lower() in (".ini", ".cfg", ".conf"):
-        raw = parse_ini(text, str(p))
-    elif p.suffix.lower() in (".yaml", ".yml", ".json"):
-        raw = parse_yaml(text, str(p))
-    else:
-        raise ConfigError(f"{p}: unknown preset format (use .yaml or .ini)")
-    return build_preset(raw, str(p))
+    return build_preset(parse(text, str(p)), str(p))

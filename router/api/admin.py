@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -15,7 +16,7 @@ from starlette.routing import Route
 
 from router.api.openai_schema import RequestMessage, flatten_message
 from router.api.wire import JSONResponse, read_body
-from router.errors import BadRequest, ModelNotFound
+from router.errors import APIError, BadRequest, ModelNotFound
 from router.registry import ModelEntry
 from router.supervisor import Supervisor
 from shared.protocol import Tokenize
@@ -78,7 +79,14 @@ class AdminAPI:
         entry = self.registry.entries.get(name)
         if entry is None:  # exact ids only; aliases are for requests
             raise ModelNotFound(f"The model '{name}' does not exist", param="model")
-        return JSONResponse(self.model_object(entry))
+        body = self.model_object(entry)
+        if entry.state == "ready" and entry.link is not None:
+            try:  # the engine's own count: shows that cancelled requests really ended
+                pong = await asyncio.wait_for(entry.link.ping(), 2)
+                body["worker_in_flight"] = pong.in_flight
+            except (APIError, TimeoutError):
+                pass  # worker busy or gone; the state field tells the rest
+        return JSONResponse(body)
 
     async def load(self, request: Request) -> Response:
         body = await read_body(request, ModelAction, self.max_body_bytes)

@@ -1,0 +1,58 @@
+"""Validate responses against OpenAI's official schemas (``../shared/conformance``).
+
+The schema file comes from openai/openai-openapi (MIT); ``tests/data`` keeps a copy so a
+clone without ``../shared`` still tests, and the shared one wins when it is present.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+_HERE = Path(__file__).resolve().parent
+_CANDIDATES = [_HERE.parents[1] / "shared" / "conformance" / "openai-schemas.json",
+               _HERE / "data" / "openai-schemas.json"]
+
+
+@lru_cache(maxsize=1)
+def _document() -> dict[str, Any]:
+    for path in _CANDIDATES:
+        if path.is_file():
+            doc: dict[str, Any] = json.loads(path.read_text())
+            break
+    else:
+        raise FileNotFoundError("openai-schemas.json not found")
+    # Streamed completions chunks carry "finish_reason": null until the last one, as the
+    # live API sends them; the document's patch allows that for chat chunks only.
+    doc = copy.deepcopy(doc)
+    schemas = doc["components"]["schemas"]
+    chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
+    fr = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
+    fr["type"] = ["string", "null"]
+    fr["enum"] = [*fr["enum"], None]
+    schemas["CompletionStreamChunk"] = chunk
+    return doc
+
+
+@lru_cache(maxsize=None)
+def _validator(name: str) -> Draft202012Validator:
+    resource = Resource.from_contents(_document(), default_specification=DRAFT202012)
+    registry = Registry().with_resource("urn:openai", resource)
+    return Draft202012Validator({"$ref": f"urn:openai#/components/schemas/{name}"},
+                                registry=registry)
+
+
+def validate(name: str, payload: Any) -> None:
+    """Raise AssertionError listing every violation of ``#/components/schemas/<name>``."""
+    errors = sorted(_validator(name).iter_errors(payload), key=lambda e: list(e.path))
+    if errors:
+        lines = [f"  at {'/'.join(map(str, e.path)) or '<root>'}: {e.message}" for e in errors]
+        raise AssertionError(f"{name} violates OpenAI's schema:\n" + "\n".join(lines)
+                             + f"\npayload: {json.dumps(payload)[:2000]}")

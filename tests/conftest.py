@@ -1,0 +1,142 @@
+"""Fixtures: a real router process with real vLLM workers on the embedded model.
+
+One router is shared by the whole session (a CPU worker takes about a minute to start).
+Nothing here talks to any address but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RouterProcess:
+    """``modelyard serve`` on a free port, with its log kept for failure reports."""
+
+    def __init__(self, preset_text: str, workdir: Path, name: str) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.preset = workdir / f"{name}.yaml"
+        self.preset.write_text(preset_text.replace("{port}", str(self.port)))
+        self.log_path = workdir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "router", "serve", "--config", str(self.preset)],
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_healthy(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.proc.poll() is None, self.tail()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet
+            time.sleep(0.2)
+        raise TimeoutError(f"router did not answer /health\n{self.tail()}")
+
+    def wait_model(self, model: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = httpx.get(f"{self.url}/v1/models/{model}", timeout=5).json().get("state")
+            if state == "ready":
+                return
+            assert state != "failed", self.tail()
+            time.sleep(0.5)
+        raise TimeoutError(f"model {model} not ready\n{self.tail()}")
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+MAIN_PRESET = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  default_model: smollm2
+  load_timeout: 600
+models:
+  smollm2:
+    model: "builtin:smollm2"
+    aliases: [smol, Tiny-Chat]
+    cpu_cores: "0"
+    max_model_len: 2048
+    load_on_startup: true
+  smollm2-b:
+    model: "builtin:smollm2"
+    aliases: [second-worker]
+    cpu_cores: "1"
+    max_model_len: 1024
+"""
+
+
+@pytest.fixture(scope="session")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    """The shared router: ``smollm2`` loads at start-up, ``smollm2-b`` on first use."""
+    r = RouterProcess(MAIN_PRESET, tmp_path_factory.mktemp("router"), "main")
+    r.start()
+    try:
+        r.wait_healthy()
+        r.wait_model("smollm2", timeout=600)
+        yield r
+    finally:
+        r.stop()
+
+
+@pytest.fixture(scope="session")
+def base_url(router: RouterProcess) -> str:
+    return router.url + "/v1"
+
+
+@pytest.fixture
+def client(base_url: str):  # type: ignore[no-untyped-def]
+    from openai import OpenAI
+
+    with OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def aclient(base_url: str):  # type: ignore[no-untyped-def]
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)

@@ -1,0 +1,77 @@
+"""Preset loading: YAML and INI agree, every shipped config loads, errors name the spot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared.config import ConfigError, build_preset, load_preset, parse_ini, parse_yaml
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.*")), ids=lambda p: p.name)
+def test_every_shipped_preset_loads(path: Path) -> None:
+    preset = load_preset(path)
+    assert preset.models
+    for spec in preset.models.values():
+        assert spec.id and spec.model
+
+
+def test_lab_yaml_and_ini_describe_the_same_lab() -> None:
+    yaml, ini = load_preset(CONFIGS / "lab.yaml"), load_preset(CONFIGS / "lab.ini")
+    assert msgspec.to_builtins(yaml.models) == msgspec.to_builtins(ini.models)
+    assert msgspec.to_builtins(yaml.server) == msgspec.to_builtins(ini.server)
+    qwen = yaml.models["qwen3-32b"]
+    assert qwen.gpus == [1, 2] and qwen.tensor_parallel_size == 2 and qwen.ttl == 1800
+    assert qwen.device == "cuda" and qwen.gpu_memory_utilization == 0.9  # from defaults
+    assert yaml.models["mistral-7b"].gpu_memory_utilization == 0.45      # overrides them
+    assert yaml.server.default_model == "llama-3.1-8b"
+
+
+def test_default_preset_is_the_embedded_cpu_model() -> None:
+    preset = load_preset(CONFIGS / "default.yaml")
+    spec = preset.models["smollm2"]
+    assert spec.model == "builtin:smollm2" and spec.device == "cpu" and spec.enforce_eager
+    assert preset.server.host == "127.0.0.1" and preset.server.port == 8080
+
+
+def test_ini_env_engine_args_and_star_defaults() -> None:
+    raw = parse_ini("[*]\nttl = 30\n[m]\nmodel = /x\nenv.hf_home = /h\n"
+                    "engine_args.max_num_batched_tokens = 4096\naliases = a, b\n", "t.ini")
+    spec = build_preset(raw, "t.ini").models["m"]
+    assert spec.ttl == 30 and spec.env == {"HF_HOME": "/h"} and spec.aliases == ["a", "b"]
+    assert spec.engine_args == {"max_num_batched_tokens": 4096}
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("models:\n  m: {model: /x, ttl: soon}\n", "t.yaml: model 'm': key 'ttl'"),
+    ("models:\n  m: {model: /x, colour: red}\n", "t.yaml: model 'm': key 'colour': unknown key"),
+    ("models:\n  m: {ttl: 5}\n", "t.yaml: model 'm'"),
+    ("server: {port: eighty}\nmodels:\n  m: {model: /x}\n", "[server]: key 'port'"),
+    ("models: {}\n", "at least one model"),
+    ("server: {default_model: zz}\nmodels:\n  m: {model: /x}\n", "key 'default_model'"),
+    ("models:\n  m: {model: /x, aliases: [n]}\n  n: {model: /y}\n", "already used"),
+    ("models:\n  m: {model: /x, device: tpu}\n", "key 'device'"),
+    ("modls:\n  m: {model: /x}\n", "unknown top-level key 'modls'"),
+])
+def test_errors_name_file_model_and_key(text: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build_preset(parse_yaml(text, "t.yaml"), "t.yaml")
+    assert fragment in str(info.value)
+
+
+def test_ini_errors_name_the_section(tmp_path: Path) -> None:
+    path = tmp_path / "bad.ini"
+    path.write_text("[m]\nmodel = /x\nkv_cache_gib = lots\n")
+    with pytest.raises(ConfigError, match=r"bad.ini: model 'm': key 'kv_cache_gib'"):
+        load_preset(path)
+
+
+def test_unknown_extension_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown preset format"):
+        load_preset(tmp_path / "x.toml")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_preset(tmp_path / "missing.yaml")

@@ -1,0 +1,62 @@
+"""Name resolution order and leases, without any process."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.errors import ModelNotFound
+from router.registry import Lease, ModelRegistry
+from shared.config import build_preset
+
+
+def registry(default: str | None = None) -> ModelRegistry:
+    server = {"default_model": default} if default else {}
+    return ModelRegistry(build_preset({"server": server, "models": {
+        "llama-3.1-8b": {"model": "/a", "aliases": ["llama", "Chat"]},
+        "llama-3.1-70b": {"model": "/b", "aliases": ["big"]},
+        "qwen3-32b": {"model": "/c", "aliases": ["qwen"]},
+        "qwen3-32b-awq": {"model": "/d"},
+    }}))
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("llama-3.1-8b", "llama-3.1-8b"),   # exact id
+    ("qwen3-32b", "qwen3-32b"),         # exact id, although also a substring of another
+    ("qwen", "qwen3-32b"),              # exact alias
+    ("LLAMA-3.1-70B", "llama-3.1-70b"), # case-insensitive id
+    ("chat", "llama-3.1-8b"),           # case-insensitive alias
+    ("70b", "llama-3.1-70b"),           # unique substring
+    ("-awq", "qwen3-32b-awq"),
+])
+def test_resolution_order(name: str, expected: str) -> None:
+    assert registry().resolve(name).id == expected
+
+
+def test_default_model_catches_unknown_and_ambiguous_names() -> None:
+    r = registry(default="big")
+    assert r.resolve("gpt-4o").id == "llama-3.1-70b"
+    assert r.resolve("llama-3.1").id == "llama-3.1-70b"   # ambiguous substring → default
+    assert r.resolve(None).id == "llama-3.1-70b"
+
+
+def test_without_default_unknown_and_ambiguous_are_404() -> None:
+    r = registry()
+    with pytest.raises(ModelNotFound) as info:
+        r.resolve("gpt-4o")
+    assert info.value.status == 404 and info.value.code == "model_not_found"
+    with pytest.raises(ModelNotFound) as info:
+        r.resolve("llama-3.1")
+    assert info.value.code == "model_ambiguous" and "llama-3.1-70b" in info.value.message
+    with pytest.raises(ModelNotFound):
+        r.resolve("")
+
+
+def test_lease_counts_and_release_is_idempotent() -> None:
+    entry = registry().resolve("qwen")
+    with Lease(entry) as lease:
+        assert entry.leases == 1
+        Lease(entry).release()
+        assert entry.leases == 1
+    assert entry.leases == 0
+    lease.release()
+    assert entry.leases == 0 and entry.last_used > 0
