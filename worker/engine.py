@@ -39,13 +39,36 @@ class RequestError(Exception):
         self.status = status
 
 
-def engine_args_for(spec: ModelSpec, model_path: str) -> dict[str, Any]:
-    """The ``AsyncEngineArgs`` keywords a preset asks for (pure; unit-tested)."""
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass  # not Linux: assume no native bf16
+    return set()
+
+
+def auto_dtype(spec: ModelSpec, flags: set[str]) -> str:
+    """``dtype: auto`` on a CPU without native bf16 means float32.
+
+    Measured here (AVX2, no AVX-512): SmolLM2 prefill ran at 45 tokens/s in bf16 and
+    220 tokens/s in float32; decode was 14.7 vs 12.6 tokens/s. Time to first token wins.
+    """
+    if spec.dtype != "auto" or spec.device != "cpu":
+        return spec.dtype
+    return "auto" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
+def engine_args_for(spec: ModelSpec, model_path: str,
+                    flags: set[str] | None = None) -> dict[str, Any]:
+    """The ``AsyncEngineArgs`` keywords a preset asks for (pure given ``flags``)."""
     eager = spec.enforce_eager if spec.enforce_eager is not None else spec.device == "cpu"
     args: dict[str, Any] = {
         "model": model_path,
         "served_model_name": [spec.id],
-        "dtype": spec.dtype,
+        "dtype": auto_dtype(spec, cpu_flags() if flags is None else flags),
         "enforce_eager": eager,
         "enable_prefix_caching": spec.enable_prefix_caching,
         "tensor_parallel_size": spec.tensor_parallel_size,
