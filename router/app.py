@@ -38,9 +38,7 @@ def build_app(preset: Preset) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log.info("modelyard: %d model(s) from %s; runtime dir %s", len(registry.entries),
                  preset.source, runtime_dir)
-        for entry in registry:
-            if entry.spec.load_on_startup:
-                supervisor.start_loading(entry)
+        supervisor.start()
         try:
             yield
         finally:

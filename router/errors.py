@@ -4,6 +4,7 @@
     ├── BadRequest           400  invalid_request_error (body, field or value is wrong)
     ├── ModelNotFound        404  invalid_request_error, code model_not_found
     ├── PayloadTooLarge      413  invalid_request_error
+    ├── TooManyRequests      429  a model's wait queue is full (Retry-After)
     ├── ModelUnavailable     503  the model could not be started / loaded in time
     └── WorkerLost           502  the worker died while serving the request
 
@@ -49,6 +50,12 @@ class PayloadTooLarge(APIError):
     status = 413
     type = "invalid_request_error"
     default_code = "payload_too_large"
+
+
+class TooManyRequests(APIError):
+    status = 429
+    type = "rate_limit_error"
+    default_code = "queue_full"
 
 
 class ModelUnavailable(APIError):

@@ -25,7 +25,9 @@ from shared.protocol import (
     Pong,
     Ready,
     Shutdown,
+    Sleep,
     Tokenize,
+    Wake,
     TokenizeResult,
     router_codec,
 )
@@ -161,7 +163,7 @@ class WorkerLink:
     def _forget(self, gen_id: str) -> None:
         self._routes.pop(gen_id, None)
 
-    async def _call(self, message: Tokenize | Ping) -> object:
+    async def _call(self, message: Tokenize | Ping | Sleep | Wake) -> object:
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._calls[message.id] = future
         try:
@@ -179,6 +181,17 @@ class WorkerLink:
         result = await self._call(Ping(id=f"ping-{next(_ids)}"))
         assert isinstance(result, Pong)
         return result
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._call(Sleep(id=f"sleep-{next(_ids)}", level=level))
+
+    async def wake(self) -> None:
+        await self._call(Wake(id=f"wake-{next(_ids)}"))
+
+    @property
+    def busy(self) -> bool:
+        """Generations or calls in flight on this worker."""
+        return bool(self._routes or self._calls)
 
     def shutdown(self) -> None:
         """Ask the worker to exit cleanly (it aborts what it still runs)."""

@@ -1,14 +1,87 @@
-"""Where a worker runs: its CPU cores or GPUs, expressed as the environment it starts with.
+"""Where a worker runs and whether it fits: CPU core sets, GPUs, memory budgets.
 
 Pure bookkeeping (no processes): ``Placer.place`` picks cores for a CPU model and returns
-the variables vLLM reads; ``release`` frees them when the worker stops.
+the variables vLLM reads; ``release`` frees them when the worker stops. ``footprint`` and
+``fits`` decide whether one more model may load; GPU memory comes from NVML when the
+``nvidia-ml-py`` package and a driver are present (``read_gpus``), else from nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from shared.config import ModelSpec
+from shared.config import ModelSpec, ServerConfig
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    index: int
+    total_bytes: int
+    free_bytes: int
+
+
+def read_gpus() -> dict[int, GpuMemory]:
+    """Every GPU's memory as NVML reports it; empty without NVML or a driver."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError: no driver / no GPU here, so there is nothing to place on
+        return {}
+    try:
+        out = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
+            out[i] = GpuMemory(i, int(mem.total), int(mem.free))
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def devices(spec: ModelSpec) -> list[str]:
+    """The device keys a model occupies: ``cpu`` or ``cuda:N`` for each of its GPUs."""
+    if spec.device == "cpu":
+        return ["cpu"]
+    return [f"cuda:{g}" for g in (spec.gpus or [0])]
+
+
+def footprint(spec: ModelSpec, gpus: dict[int, GpuMemory]) -> dict[str, float]:
+    """GiB the model holds on each of its devices (what the memory budget counts)."""
+    keys = devices(spec)
+    if spec.memory_gib is not None:
+        return {k: spec.memory_gib / len(keys) for k in keys}
+    if spec.device == "cpu":
+        return {"cpu": spec.kv_cache_gib + 1.0}  # KV cache plus a small model's weights
+    out = {}
+    for k in keys:
+        gpu = gpus.get(int(k.split(":")[1]))
+        fraction = spec.gpu_memory_utilization or 0.9
+        out[k] = fraction * gpu.total_bytes / GIB if gpu else 0.0
+    return out
+
+
+def fits(spec: ModelSpec, loaded: Iterable[ModelSpec], server: ServerConfig,
+         gpus: dict[int, GpuMemory]) -> bool:
+    """May ``spec`` start while ``loaded`` run? (``max_loaded_models`` and budgets.)"""
+    loaded = [m for m in loaded if m.id != spec.id]
+    if server.max_loaded_models and len(loaded) >= server.max_loaded_models:
+        return False
+    need = footprint(spec, gpus)
+    for key, gib in need.items():
+        budget = server.memory_budget_gib.get(key)
+        if budget is None:
+            continue
+        used = sum(footprint(m, gpus).get(key, 0.0) for m in loaded)
+        if used + gib > budget + 1e-9:
+            return False
+    return True
 
 
 def parse_cores(text: str) -> set[int]:
@@ -45,16 +118,25 @@ class Placer:
     running worker holds; when none is free, the least-shared single core.
     """
 
-    def __init__(self, cores: set[int] | None = None) -> None:
+    def __init__(self, cores: set[int] | None = None,
+                 gpus: dict[int, GpuMemory] | None = None) -> None:
         self.cores = cores if cores is not None else set(os.sched_getaffinity(0))
+        self.gpus = gpus if gpus is not None else read_gpus()
         self._held: dict[str, set[int]] = {}
+        self._gpu_locks: dict[int, asyncio.Lock] = {}
+
+    def start_locks(self, spec: ModelSpec) -> list[asyncio.Lock]:
+        """Locks to hold while ``spec`` starts: vLLM measures free GPU memory at start, so
+        workers that share a GPU must start one at a time (sorted: no lock-order cycles)."""
+        if spec.device != "cuda":
+            return []
+        return [self._gpu_locks.setdefault(g, asyncio.Lock()) for g in sorted(spec.gpus or [0])]
 
     def place(self, spec: ModelSpec) -> dict[str, str]:
         """The environment variables that put ``spec``'s worker where it belongs."""
         env = {k: str(v) for k, v in spec.env.items()}
         if spec.device == "cuda":
-            if spec.gpus:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in (spec.gpus or [0]))
             return env
         if spec.cpu_cores:
             chosen = parse_cores(spec.cpu_cores)
@@ -66,6 +148,19 @@ class Placer:
         env["VLLM_CPU_OMP_THREADS_BIND"] = format_cores(chosen)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
         return env
+
+    def gpu_memory_utilization(self, spec: ModelSpec) -> float | None:
+        """The fraction vLLM should take on each GPU: as configured, or ``memory_gib``
+        over the smallest GPU's total when NVML knows it."""
+        if spec.device != "cuda" or spec.gpu_memory_utilization is not None:
+            return spec.gpu_memory_utilization
+        if spec.memory_gib is None:
+            return None
+        totals = [self.gpus[g].total_bytes for g in (spec.gpus or [0]) if g in self.gpus]
+        if not totals:
+            return None
+        per_gpu = spec.memory_gib / len(spec.gpus or [0])
+        return round(min(0.95, per_gpu * GIB / min(totals)), 4)
 
     def release(self, model_id: str) -> None:
         self._held.pop(model_id, None)

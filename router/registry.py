@@ -36,6 +36,12 @@ class ModelEntry:
     max_model_len: int | None = None
     error: str | None = None
     exit_code: int | None = None
+    queued: int = 0
+    """Requests waiting for this model to load, wake or find room."""
+    failures: int = 0
+    """Consecutive failed starts or crashes; drives the restart backoff."""
+    failed_at: float = 0.0
+    ready_since: float = 0.0
     placement: dict[str, str] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 

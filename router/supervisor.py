@@ -1,10 +1,14 @@
-"""``Supervisor``: starts, watches and stops worker processes; never touches HTTP.
+"""``Supervisor``: starts, watches, reaps, evicts and stops worker processes; never HTTP.
 
-A request ``acquire``s a model: the name is resolved, a lease taken, and the worker
-started if it is not running (the request waits, bounded by ``load_timeout``). One load
-task per model does the starting, so concurrent requests share it and a waiter that
-times out does not kill a load others still wait for. A worker's exit fails its open
-streams at once and marks the model ``failed``; the next request starts it again.
+A request ``acquire``s a model: the name is resolved and a ``Lease`` taken before any
+``await``, so the reaper and the evictor (which skip leased models) can never stop a model
+between a request's resolution and its last byte. If the model is not running, one load
+task per model starts it and every waiting request shares it; a waiter that times out
+does not cancel a load others still wait for.
+
+Lifecycle: ``unloaded → loading → ready ⇄ sleeping → stopping → unloaded``, and
+``failed`` (exit code and log tail kept) after a crash or a failed start. A request to a
+``failed`` model starts it again, after an exponential backoff while failures repeat.
 """
 
 from __future__ import annotations
@@ -23,14 +27,17 @@ import msgspec
 import psutil
 import zmq.asyncio
 
-from router.errors import ModelUnavailable, WorkerLost
+from router.errors import APIError, ModelUnavailable, TooManyRequests, WorkerLost
 from router.link import WorkerLink
-from router.placement import Placer
+from router.placement import Placer, fits
 from router.registry import Lease, ModelEntry, ModelRegistry
 from shared.config import ServerConfig
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
+POLL = 0.05  # seconds between looks at state that has no event of its own
+BACKOFF_MAX = 30.0
+STABLE_AFTER = 30.0  # a worker up this long resets the failure count
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -42,6 +49,11 @@ def _tail(path: Path, lines: int = 20) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
+
+
+def backoff_seconds(failures: int) -> float:
+    """0 before the first failure, then 0.5 s, 1 s, 2 s, … up to 30 s."""
+    return 0.0 if failures <= 0 else min(BACKOFF_MAX, 0.5 * 2 ** (failures - 1))
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
@@ -64,12 +76,12 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
 class _Worker:
     """What the supervisor keeps per running worker process."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, link: WorkerLink, log_path: Path,
-                 descendants: list[int]) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, link: WorkerLink,
+                 log_path: Path) -> None:
         self.proc = proc
         self.link = link
         self.log_path = log_path
-        self.descendants = descendants
+        self.descendants: list[int] = []
         self.watcher: asyncio.Task[None] | None = None
 
 
@@ -83,18 +95,59 @@ class Supervisor:
         self._ctx = zmq.asyncio.Context()
         self._workers: dict[str, _Worker] = {}
         self._loads: dict[str, asyncio.Task[WorkerLink]] = {}
+        self._wakes: dict[str, asyncio.Task[None]] = {}
+        self._reaper: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _spawn_task(self, coro: object) -> None:
+        task = asyncio.create_task(coro)  # type: ignore[arg-type]
+        self._background.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
+
+    def start(self) -> None:
+        """Begin idle reaping and start the ``load_on_startup`` models."""
+        self._reaper = asyncio.create_task(self._reap_idle(), name="reaper")
+        for entry in self.registry:
+            if entry.spec.load_on_startup:
+                self.start_loading(entry)
+
+    def ttl(self, entry: ModelEntry) -> float:
+        return entry.spec.ttl if entry.spec.ttl is not None else self.server.ttl
 
     # -- requests ----------------------------------------------------------------------
     async def acquire(self, name: str | None) -> tuple[Lease, WorkerLink]:
         """Resolve ``name``, lease the model and make sure its worker is ready."""
         entry = self.registry.resolve(name)
-        lease = Lease(entry)
+        lease = Lease(entry)  # before any await: from here on nothing reaps this model
+        if entry.state == "ready" and entry.link is not None:
+            return lease, entry.link
         try:
-            link = await self.ensure_ready(entry)
+            return lease, await self.ensure_ready(entry)
         except BaseException:
             lease.release()
             raise
-        return lease, link
+
+    async def ensure_ready(self, entry: ModelEntry) -> WorkerLink:
+        """Wait (bounded) until ``entry`` serves: load it, wake it, or find it room."""
+        if entry.state == "ready" and entry.link is not None:
+            return entry.link
+        if entry.queued >= self.server.max_queue_depth:
+            raise TooManyRequests(f"{entry.queued} requests already wait for model "
+                                  f"'{entry.id}'; retry later")
+        entry.queued += 1
+        try:
+            if entry.state == "sleeping":
+                await asyncio.wait_for(asyncio.shield(self._wake(entry)),
+                                       self.server.load_timeout)
+                if entry.state == "ready" and entry.link is not None:
+                    return entry.link
+            task = self.start_loading(entry)
+            return await asyncio.wait_for(asyncio.shield(task), self.server.load_timeout)
+        except TimeoutError:
+            raise ModelUnavailable(f"model '{entry.id}' did not become ready within "
+                                   f"{self.server.load_timeout:g} s") from None
+        finally:
+            entry.queued -= 1
 
     def start_loading(self, entry: ModelEntry) -> asyncio.Task[WorkerLink]:
         """The model's one load task, started now if none is running."""
@@ -112,20 +165,14 @@ class Supervisor:
         if not task.cancelled():
             task.exception()  # retrieved here: a load nobody awaits still ends quietly
 
-    async def ensure_ready(self, entry: ModelEntry) -> WorkerLink:
-        if entry.state == "ready" and entry.link is not None:
-            return entry.link
-        task = self.start_loading(entry)
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), self.server.load_timeout)
-        except TimeoutError:
-            raise ModelUnavailable(f"model '{entry.id}' did not become ready within "
-                                   f"{self.server.load_timeout:g} s") from None
-
     # -- starting ----------------------------------------------------------------------
     def _command(self, entry: ModelEntry, endpoint: str) -> list[str]:
+        spec = entry.spec
+        fraction = self.placer.gpu_memory_utilization(spec)
+        if fraction != spec.gpu_memory_utilization:
+            spec = msgspec.structs.replace(spec, gpu_memory_utilization=fraction)
         cmd = [sys.executable, "-m", "worker", "--endpoint", endpoint,
-               "--spec", msgspec.json.encode(entry.spec).decode(),
+               "--spec", msgspec.json.encode(spec).decode(),
                "--log-level", self.server.log_level]
         if self.server.cache_dir:
             cmd += ["--cache-dir", self.server.cache_dir]
@@ -141,12 +188,49 @@ class Supervisor:
         env.update(placement)
         return env
 
+    async def _make_room(self, entry: ModelEntry) -> None:
+        """Evict least-recently-used idle models until ``entry`` fits; wait if none is idle."""
+        while True:
+            loaded = [e for e in self.registry if e is not entry
+                      and e.state in ("loading", "ready", "sleeping", "stopping")]
+            if fits(entry.spec, [e.spec for e in loaded], self.server, self.placer.gpus):
+                return
+            idle = [e for e in loaded if e.state in ("ready", "sleeping") and e.leases == 0
+                    and not (e.link is not None and e.link.busy)]
+            if idle:
+                victim = min(idle, key=lambda e: e.last_used)
+                log.info("model %s: evicting idle model %s to make room", entry.id, victim.id)
+                await self.stop(victim)
+            else:
+                await asyncio.sleep(POLL)  # room appears when a lease ends or a model stops
+
     async def _load(self, entry: ModelEntry) -> WorkerLink:
         while entry.state == "stopping":  # a request during a stop waits, then restarts
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(POLL)
         if entry.state == "ready" and entry.link is not None:
             return entry.link
+        delay = backoff_seconds(entry.failures) - (time.monotonic() - entry.failed_at)
+        if delay > 0:
+            log.info("model %s: restart backoff %.1f s after %d failure(s)", entry.id,
+                     delay, entry.failures)
+            await asyncio.sleep(delay)
         entry.state, entry.error, entry.exit_code = "loading", None, None
+        try:
+            await self._make_room(entry)
+            locks = self.placer.start_locks(entry.spec)
+            for lock in locks:
+                await lock.acquire()
+            try:
+                return await self._spawn(entry)
+            finally:
+                for lock in locks:
+                    lock.release()
+        except asyncio.CancelledError:
+            if entry.state == "loading":
+                entry.state = "unloaded"
+            raise
+
+    async def _spawn(self, entry: ModelEntry) -> WorkerLink:
         started = time.monotonic()
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", entry.id)
         endpoint = f"ipc://{self.runtime_dir}/{safe}-{next(_generation)}.sock"
@@ -160,7 +244,7 @@ class Supervisor:
                 start_new_session=True)
         log.info("model %s: worker pid %d starting (%s)", entry.id, proc.pid,
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
-        worker = _Worker(proc, link, log_path, [])
+        worker = _Worker(proc, link, log_path)
         self._workers[entry.id] = worker
         entry.pid = proc.pid
         exited = asyncio.create_task(proc.wait())
@@ -174,43 +258,47 @@ class Supervisor:
             raise
         if ready.done() and not ready.cancelled() and ready.exception() is None:
             exited.cancel()
-            info = ready.result()
-            entry.state = "ready"
-            entry.link = link
-            entry.max_model_len = info.max_model_len
+            entry.state, entry.link = "ready", link
+            entry.max_model_len = ready.result().max_model_len
             entry.loaded_at = time.time()
-            entry.load_seconds = round(time.monotonic() - started, 3)
-            entry.last_used = time.monotonic()
+            entry.ready_since = entry.last_used = time.monotonic()
+            entry.load_seconds = round(entry.ready_since - started, 3)
             try:
-                worker.descendants = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+                worker.descendants = [p.pid for p in
+                                      psutil.Process(proc.pid).children(recursive=True)]
             except psutil.Error:
                 worker.descendants = []
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
             log.info("model %s: ready in %.1f s (pid %d)", entry.id, entry.load_seconds, proc.pid)
             return link
         ready.cancel()
-        reason = (str(ready.exception()) if ready.done() and not ready.cancelled()
-                  and ready.exception() else f"worker exited with code {proc.returncode}")
+        failure = (ready.exception() if ready.done() and not ready.cancelled() else None)
+        reason = str(failure) if failure else f"worker exited with code {proc.returncode}"
         await self._reap(entry, worker, reason)
         tail = await asyncio.to_thread(_tail, log_path)
-        entry.state, entry.error = "failed", f"{reason}\n{tail}".strip()
-        entry.exit_code = proc.returncode
+        self._failed(entry, reason, tail, proc.returncode)
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
 
-    async def _watch(self, entry: ModelEntry, worker: _Worker) -> None:
-        code = await worker.proc.wait()
-        if self._workers.get(entry.id) is not worker:
-            return
-        if entry.state == "stopping":
-            return  # stop() owns the rest
-        tail = await asyncio.to_thread(_tail, worker.log_path)
-        reason = f"worker exited unexpectedly with code {code}"
-        log.error("model %s: %s", entry.id, reason)
-        worker.link.fail(WorkerLost(f"model '{entry.id}': {reason}"))
-        await self._reap(entry, worker, reason)
+    def _failed(self, entry: ModelEntry, reason: str, tail: str, code: int | None) -> None:
+        now = time.monotonic()
+        if entry.ready_since and now - entry.ready_since > STABLE_AFTER:
+            entry.failures = 0  # it ran fine for a while: this is a new failure streak
+        entry.failures += 1
+        entry.failed_at = now
+        entry.ready_since = 0.0
         entry.state, entry.exit_code = "failed", code
         entry.error = f"{reason}\n{tail}".strip()
+
+    async def _watch(self, entry: ModelEntry, worker: _Worker) -> None:
+        code = await worker.proc.wait()
+        if self._workers.get(entry.id) is not worker or entry.state == "stopping":
+            return  # stop() owns the rest
+        reason = f"worker exited unexpectedly with code {code}"
+        log.error("model %s: %s", entry.id, reason)
+        worker.link.fail(WorkerLost(f"model '{entry.id}': {reason}"))  # streams end now
+        await self._reap(entry, worker, reason)
+        self._failed(entry, reason, await asyncio.to_thread(_tail, worker.log_path), code)
 
     async def _reap(self, entry: ModelEntry, worker: _Worker, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""
@@ -231,19 +319,93 @@ class Supervisor:
             entry.link = None
         entry.pid = None
 
+    # -- idling ------------------------------------------------------------------------
+    def _idle_expired(self, entry: ModelEntry, now: float) -> bool:
+        ttl = self.ttl(entry)
+        return (entry.state == "ready" and ttl > 0 and entry.leases == 0
+                and entry.link is not None and not entry.link.busy
+                and now - entry.last_used >= ttl)
+
+    async def _reap_idle(self) -> None:
+        """Stop (or put to sleep) models idle past their ttl; checked every POLL seconds."""
+        while True:
+            await asyncio.sleep(POLL)
+            now = time.monotonic()
+            for entry in self.registry:
+                # The check and stop()'s first state change run with no await between
+                # them, so a request cannot take a lease in between.
+                if self._idle_expired(entry, now):
+                    log.info("model %s: idle for %.1f s; %s", entry.id,
+                             now - entry.last_used, entry.spec.idle_action)
+                    if entry.spec.idle_action == "sleep" and entry.spec.device == "cuda":
+                        entry.state = "sleeping"
+                        self._spawn_task(self._sleep(entry))
+                    else:
+                        entry.state = "stopping"  # now, not when the task first runs
+                        self._spawn_task(self.stop(entry, already_stopping=True))
+
+    async def _sleep(self, entry: ModelEntry) -> None:
+        link = entry.link
+        if link is None:
+            return
+        try:
+            await link.sleep(1)
+        except APIError as err:
+            log.warning("model %s: sleep failed (%s); stopping instead", entry.id, err.message)
+            await self.stop(entry)
+
+    def _wake(self, entry: ModelEntry) -> asyncio.Task[None]:
+        task = self._wakes.get(entry.id)
+        if task is None:
+            task = asyncio.create_task(self._do_wake(entry))
+            self._wakes[entry.id] = task
+            task.add_done_callback(lambda t: self._wakes.pop(entry.id, None))
+        return task
+
+    async def _do_wake(self, entry: ModelEntry) -> None:
+        link = entry.link
+        if entry.state != "sleeping" or link is None:
+            return
+        try:
+            await link.wake()
+            entry.state, entry.last_used = "ready", time.monotonic()
+        except APIError as err:
+            log.warning("model %s: wake failed (%s); restarting", entry.id, err.message)
+            await self.stop(entry)
+
     # -- stopping ----------------------------------------------------------------------
-    async def stop(self, entry: ModelEntry, grace: float = 10.0) -> None:
-        """Stop a model's worker: ask it to exit, then TERM, then KILL its process tree."""
+    async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 10.0,
+                   already_stopping: bool = False) -> None:
+        """Stop a model's worker. In-flight requests finish first (up to
+        ``drain_timeout``) unless ``force``, which ends them with a 503 at once. Requests
+        that arrive meanwhile wait and start the model again."""
+        load = self._loads.get(entry.id)
+        if load is not None and entry.state == "loading":
+            load.cancel()
         worker = self._workers.get(entry.id)
         if worker is None:
             if entry.state != "failed":
                 entry.state = "unloaded"
             return
+        if entry.state == "stopping" and not already_stopping:
+            while entry.id in self._workers and self._workers[entry.id] is worker:
+                await asyncio.sleep(POLL)  # another stop is under way; wait for it
+            return
         entry.state = "stopping"
+        if force:
+            worker.link.fail(ModelUnavailable(f"model '{entry.id}' was unloaded"))
+        else:
+            deadline = time.monotonic() + self.server.drain_timeout
+            while worker.link.busy and time.monotonic() < deadline:
+                await asyncio.sleep(POLL)
+            if worker.link.busy:
+                worker.link.fail(ModelUnavailable(
+                    f"model '{entry.id}' was unloaded after a {self.server.drain_timeout:g} s "
+                    "drain"))
         try:
             worker.link.shutdown()
             await asyncio.wait_for(worker.proc.wait(), grace)
-        except (TimeoutError, WorkerLost, ModelUnavailable):
+        except (TimeoutError, APIError):
             kill_tree(worker.proc.pid, signal.SIGTERM)
             try:
                 await asyncio.wait_for(worker.proc.wait(), 5)
@@ -254,6 +416,8 @@ class Supervisor:
         log.info("model %s: stopped", entry.id)
 
     async def stop_all(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         for task in list(self._loads.values()):
             task.cancel()
         await asyncio.gather(*(self.stop(e) for e in self.registry

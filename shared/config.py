@@ -36,7 +36,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ttl: float = 0.0
     """Default idle time-to-live of a model in seconds; 0 keeps models loaded."""
     max_loaded_models: int = 0
-    """0 means no limit."""
+    """0 means no limit. A model that needs room evicts the least recently used idle one."""
+    memory_budget_gib: dict[str, float] = {}
+    """Per-device budget, keys ``cpu`` or ``cuda:N``; models' ``memory_gib`` must fit."""
+    max_queue_depth: int = 64
+    """Requests that may wait for one model to load or free up; more get a 429."""
+    drain_timeout: float = 30.0
+    """Seconds an unload (or router shutdown) waits for in-flight requests."""
     load_timeout: float = 900.0
     """Seconds a request waits for its model to load before a 503."""
     runtime_dir: str | None = None
@@ -73,7 +79,12 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: str = "auto"
     enable_prefix_caching: bool = True
     ttl: float | None = None
-    """Idle seconds before the model is stopped; default: the server's ``ttl``."""
+    """Idle seconds before the model is stopped; default: the server's ``ttl``; 0 = never."""
+    idle_action: Literal["stop", "sleep"] = "stop"
+    """``sleep`` keeps a GPU model in vLLM sleep mode (level 1) when idle; CPU: stop."""
+    memory_gib: float | None = None
+    """Footprint counted against ``memory_budget_gib``; default: CPU ``kv_cache_gib`` + 1,
+    GPU ``gpu_memory_utilization`` × the device's memory (NVML)."""
     load_on_startup: bool = False
     chat_template: str | None = None
     tool_parser: str | None = None

@@ -1,6 +1,7 @@
 """Messages between the router and a worker, encoded as msgpack with msgspec.
 
-Router → worker: ``Generate``, ``Cancel``, ``Tokenize``, ``Ping``, ``Shutdown``.
+Router → worker: ``Generate``, ``Cancel``, ``Tokenize``, ``Ping``, ``Shutdown``, ``Sleep``,
+``Wake``.
 Worker → router: ``Ready``, ``Deltas``, ``TokenizeResult``, ``Error``, ``Pong``.
 
 Every struct is ``array_like`` (no field names on the wire) with ``omit_defaults`` and
@@ -96,7 +97,20 @@ class Shutdown(msgspec.Struct, tag="shutdown", **_MSG):  # type: ignore[call-arg
     pass
 
 
-ToWorker = Union[Generate, Cancel, Tokenize, Ping, Shutdown]
+class Sleep(msgspec.Struct, tag="sleep", **_MSG):  # type: ignore[call-arg]
+    """Put the engine in vLLM sleep mode (GPU only); answered with ``Pong``."""
+
+    id: str
+    level: int = 1
+
+
+class Wake(msgspec.Struct, tag="wake", **_MSG):  # type: ignore[call-arg]
+    """Leave sleep mode; answered with ``Pong`` once the engine serves again."""
+
+    id: str
+
+
+ToWorker = Union[Generate, Cancel, Tokenize, Ping, Shutdown, Sleep, Wake]
 
 
 class TopLogprob(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 import msgspec
 
@@ -21,6 +22,7 @@ from shared.config import ModelSpec
 from worker.server import WorkerServer
 
 log = logging.getLogger("modelyard.worker")
+SHUTDOWN_GRACE = 15.0  # seconds engine.shutdown() may take before the group is killed
 
 
 def _die_with_parent() -> None:
@@ -33,13 +35,23 @@ def _die_with_parent() -> None:
         pass
 
 
+def _end_group(*_: object) -> None:
+    """Kill this worker and its EngineCore children at once.
+
+    Used while the engine loads (a blocking call, so the event loop cannot run a graceful
+    handler) and as a watchdog if a graceful shutdown hangs. Only when the router made us
+    a process-group leader: a worker started by hand must not kill its shell's group.
+    """
+    if os.getpgid(0) == os.getpid():
+        os.killpg(0, signal.SIGKILL)
+    os._exit(1)
+
+
 async def _main(args: argparse.Namespace) -> int:
     spec = msgspec.json.decode(args.spec, type=ModelSpec)
     parent = os.getppid()
     server = WorkerServer(args.endpoint, spec.id)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.stop)
+    signal.signal(signal.SIGTERM, _end_group)
     try:
         if spec.engine == "synthetic":
             from worker.synthetic import SyntheticEngine, SyntheticError
@@ -58,9 +70,15 @@ async def _main(args: argparse.Namespace) -> int:
         await asyncio.sleep(0.2)  # let the frame leave before the socket closes
         server.close()
         return 1
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.stop)
     try:
         await server.serve(engine, error, parent)
     finally:
+        watchdog = threading.Timer(SHUTDOWN_GRACE, _end_group)
+        watchdog.daemon = True
+        watchdog.start()
         engine.shutdown()
     return 0
 

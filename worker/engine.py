@@ -79,6 +79,8 @@ def engine_args_for(spec: ModelSpec, model_path: str,
     if spec.max_num_seqs:
         args["max_num_seqs"] = spec.max_num_seqs
     if spec.device == "cuda":
+        if spec.idle_action == "sleep":
+            args["enable_sleep_mode"] = True
         if spec.gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = spec.gpu_memory_utilization
         if spec.kv_cache_memory_bytes is not None:
@@ -219,6 +221,12 @@ class VllmEngine:
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
+
+    async def sleep(self, level: int) -> None:
+        await self._llm.sleep(level=level)
+
+    async def wake(self) -> None:
+        await self._llm.wake_up()
 
     async def check_health(self) -> None:
         await self._llm.check_health()

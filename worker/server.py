@@ -25,7 +25,9 @@ from shared.protocol import (
     Pong,
     Ready,
     Shutdown,
+    Sleep,
     Tokenize,
+    Wake,
     TokenizeResult,
     worker_codec,
 )
@@ -41,6 +43,8 @@ class Engine(Protocol):
     def generate(self, gen: Generate) -> Any: ...  # AsyncIterator[list[Delta]]
     def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]: ...
     async def abort(self, request_id: str) -> None: ...
+    async def sleep(self, level: int) -> None: ...
+    async def wake(self) -> None: ...
     def shutdown(self) -> None: ...
 
 
@@ -122,8 +126,21 @@ class WorkerServer:
             self._tokenize(message)
         elif isinstance(message, Ping):
             self._send(Pong(id=message.id, in_flight=len(self._tasks)))
+        elif isinstance(message, (Sleep, Wake)):
+            asyncio.create_task(self._sleep_or_wake(message))
         elif isinstance(message, Shutdown):
             self._stopping.set()
+
+    async def _sleep_or_wake(self, message: Sleep | Wake) -> None:
+        try:
+            if isinstance(message, Sleep):
+                await self._engine.sleep(message.level)
+            else:
+                await self._engine.wake()
+        except Exception as err:  # e.g. sleep mode on a CPU: the router falls back to stop
+            self._send(Error(id=message.id, message=f"{type(err).__name__}: {err}", status=500))
+            return
+        self._send(Pong(id=message.id, in_flight=len(self._tasks)))
 
     async def _receive(self) -> None:
         while True:

@@ -65,5 +65,11 @@ class SyntheticEngine:
     async def abort(self, request_id: str) -> None:
         return None
 
+    async def sleep(self, level: int) -> None:
+        return None
+
+    async def wake(self) -> None:
+        return None
+
     def shutdown(self) -> None:
         return None

@@ -60,7 +60,8 @@ class AdminAPI:
         extra: dict[str, Any] = {
             "state": entry.state, "aliases": entry.spec.aliases,
             "engine": entry.spec.engine, "device": entry.spec.device,
-            "pid": entry.pid, "in_flight": entry.leases,
+            "pid": entry.pid, "in_flight": entry.leases, "queued": entry.queued,
+            "ttl": self.supervisor.ttl(entry), "failures": entry.failures,
             "max_model_len": entry.max_model_len, "load_seconds": entry.load_seconds,
             "idle_seconds": round(now - entry.last_used, 3) if entry.last_used else None,
             "placement": entry.placement or None, "exit_code": entry.exit_code,
@@ -94,13 +95,14 @@ class AdminAPI:
         if not body.wait and entry.state != "ready":
             self.supervisor.start_loading(entry)
             return JSONResponse(self.model_object(entry), status_code=202)
-        await self.supervisor.ensure_ready(entry)
+        lease, _ = await self.supervisor.acquire(entry.id)
+        lease.release()
         return JSONResponse(self.model_object(entry))
 
     async def unload(self, request: Request) -> Response:
         body = await read_body(request, ModelAction, self.max_body_bytes)
         entry = self.registry.resolve(body.model)
-        await self.supervisor.stop(entry)
+        await self.supervisor.stop(entry, force=body.force)
         return JSONResponse(self.model_object(entry))
 
     async def tokenize(self, request: Request) -> Response:
