@@ -126,6 +126,8 @@ class WorkerLink:
         self._ready: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
         self._reader = asyncio.create_task(self._read(), name=f"link-{model}")
         self._failure: APIError | None = None
+        self.completed = 0
+        """Generations this worker finished: proof it was healthy (resets crash backoff)."""
 
     @property
     def in_flight(self) -> int:
@@ -161,7 +163,9 @@ class WorkerLink:
             self._sock.send(self._codec.encode(Cancel(id=gen_id)))
 
     def _forget(self, gen_id: str) -> None:
-        self._routes.pop(gen_id, None)
+        """A generate finished every choice."""
+        if self._routes.pop(gen_id, None) is not None:
+            self.completed += 1
 
     async def _call(self, message: Tokenize | Ping | Sleep | Wake) -> object:
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()

@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shared.config import ModelSpec, ServerConfig
+from shared.config import ModelSpec, ServerConfig, format_cores, parse_cores
 
 GIB = 1024 ** 3
 
@@ -82,33 +82,6 @@ def fits(spec: ModelSpec, loaded: Iterable[ModelSpec], server: ServerConfig,
         if used + gib > budget + 1e-9:
             return False
     return True
-
-
-def parse_cores(text: str) -> set[int]:
-    """``"0-3,6"`` → ``{0, 1, 2, 3, 6}``."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        cores.update(range(int(lo), int(hi or lo) + 1))
-    return cores
-
-
-def format_cores(cores: set[int]) -> str:
-    """``{0, 1, 2, 6}`` → ``"0-2,6"`` (the form ``VLLM_CPU_OMP_THREADS_BIND`` takes)."""
-    runs: list[str] = []
-    ordered = sorted(cores)
-    start = prev = ordered[0]
-    for c in ordered[1:] + [None]:  # type: ignore[list-item]
-        if c is not None and c == prev + 1:
-            prev = c
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if c is not None:
-            start = prev = c
-    return ",".join(runs)
 
 
 class Placer:

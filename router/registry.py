@@ -41,7 +41,6 @@ class ModelEntry:
     failures: int = 0
     """Consecutive failed starts or crashes; drives the restart backoff."""
     failed_at: float = 0.0
-    ready_since: float = 0.0
     placement: dict[str, str] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 

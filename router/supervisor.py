@@ -37,7 +37,6 @@ log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
 POLL = 0.05  # seconds between looks at state that has no event of its own
 BACKOFF_MAX = 30.0
-STABLE_AFTER = 30.0  # a worker up this long resets the failure count
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -189,7 +188,10 @@ class Supervisor:
         return env
 
     async def _make_room(self, entry: ModelEntry) -> None:
-        """Evict least-recently-used idle models until ``entry`` fits; wait if none is idle."""
+        """Evict least-recently-used idle models until ``entry`` fits; wait if none is idle.
+
+        The waiting model keeps its state (``unloaded``/``failed``; its ``queued`` count
+        shows the wait) and becomes ``loading`` only once it has room."""
         while True:
             loaded = [e for e in self.registry if e is not entry
                       and e.state in ("loading", "ready", "sleeping", "stopping")]
@@ -214,9 +216,10 @@ class Supervisor:
             log.info("model %s: restart backoff %.1f s after %d failure(s)", entry.id,
                      delay, entry.failures)
             await asyncio.sleep(delay)
-        entry.state, entry.error, entry.exit_code = "loading", None, None
         try:
             await self._make_room(entry)
+            # No await between finding room and claiming it: two loads cannot both fit.
+            entry.state, entry.error, entry.exit_code = "loading", None, None
             locks = self.placer.start_locks(entry.spec)
             for lock in locks:
                 await lock.acquire()
@@ -261,8 +264,8 @@ class Supervisor:
             entry.state, entry.link = "ready", link
             entry.max_model_len = ready.result().max_model_len
             entry.loaded_at = time.time()
-            entry.ready_since = entry.last_used = time.monotonic()
-            entry.load_seconds = round(entry.ready_since - started, 3)
+            entry.last_used = time.monotonic()
+            entry.load_seconds = round(entry.last_used - started, 3)
             try:
                 worker.descendants = [p.pid for p in
                                       psutil.Process(proc.pid).children(recursive=True)]
@@ -280,13 +283,14 @@ class Supervisor:
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
 
-    def _failed(self, entry: ModelEntry, reason: str, tail: str, code: int | None) -> None:
-        now = time.monotonic()
-        if entry.ready_since and now - entry.ready_since > STABLE_AFTER:
-            entry.failures = 0  # it ran fine for a while: this is a new failure streak
+    def _failed(self, entry: ModelEntry, reason: str, tail: str, code: int | None,
+                served: bool = False) -> None:
+        """Record a failed start or a crash. A worker that completed a request was
+        healthy, so its crash starts a new streak instead of lengthening the backoff."""
+        if served:
+            entry.failures = 0
         entry.failures += 1
-        entry.failed_at = now
-        entry.ready_since = 0.0
+        entry.failed_at = time.monotonic()
         entry.state, entry.exit_code = "failed", code
         entry.error = f"{reason}\n{tail}".strip()
 
@@ -298,7 +302,8 @@ class Supervisor:
         log.error("model %s: %s", entry.id, reason)
         worker.link.fail(WorkerLost(f"model '{entry.id}': {reason}"))  # streams end now
         await self._reap(entry, worker, reason)
-        self._failed(entry, reason, await asyncio.to_thread(_tail, worker.log_path), code)
+        self._failed(entry, reason, await asyncio.to_thread(_tail, worker.log_path), code,
+                     served=worker.link.completed > 0)
 
     async def _reap(self, entry: ModelEntry, worker: _Worker, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""

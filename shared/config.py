@@ -25,6 +25,33 @@ from typing import Any, Literal
 import msgspec
 
 
+def parse_cores(text: str) -> set[int]:
+    """``"0-3,6"`` → ``{0, 1, 2, 3, 6}``."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
+
+
+def format_cores(cores: set[int]) -> str:
+    """``{0, 1, 2, 6}`` → ``"0-2,6"`` (the form ``VLLM_CPU_OMP_THREADS_BIND`` takes)."""
+    runs: list[str] = []
+    ordered = sorted(cores)
+    start = prev = ordered[0]
+    for c in ordered[1:] + [None]:  # type: ignore[list-item]
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(runs)
+
+
 class ConfigError(ValueError):
     """A preset file is unreadable or invalid; the message names file, model and key."""
 

@@ -70,6 +70,7 @@ server: {host: 127.0.0.1, port: {port}}
 models:
   alpha-chat: {model: "builtin:smollm2"}
   alpha-code: {model: "builtin:smollm2", aliases: [coder]}
+  broken: {model: /nonexistent/model/folder}
 """
 
 
@@ -95,4 +96,19 @@ def test_unknown_or_ambiguous_model_is_404_without_default(bare_router: RouterPr
     validate("ErrorResponse", r.json())
     assert r.json()["error"]["code"] == code and r.json()["error"]["param"] == "model"
     states = httpx.get(f"{bare_router.url}/health").json()["models"]
-    assert set(states.values()) == {"unloaded"}
+    assert states["alpha-chat"] == states["alpha-code"] == "unloaded"
+
+
+def test_a_model_that_cannot_start_fails_with_its_reason(bare_router: RouterProcess) -> None:
+    r = httpx.post(f"{bare_router.url}/v1/chat/completions", timeout=300,
+                   json={"model": "broken", "messages": HI})
+    assert r.status_code == 503, r.text
+    validate("ErrorResponse", r.json())
+    assert r.json()["error"]["code"] == "model_unavailable"
+    m = httpx.get(f"{bare_router.url}/v1/models/broken").json()
+    assert m["state"] == "failed" and m["exit_code"] != 0 and m["failures"] == 1
+    assert "/nonexistent/model/folder" in m["error"]       # the worker log's tail is kept
+    again = httpx.post(f"{bare_router.url}/v1/chat/completions", timeout=300,
+                       json={"model": "broken", "messages": HI})
+    assert again.status_code == 503                          # retried (after backoff), fails again
+    assert httpx.get(f"{bare_router.url}/v1/models/broken").json()["failures"] == 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement import Placer, format_cores, parse_cores
-from shared.config import ModelSpec
+from router.placement import Placer
+from shared.config import ModelSpec, format_cores, parse_cores
 
 
 @pytest.mark.parametrize("text,cores", [("0", {0}), ("0-3", {0, 1, 2, 3}),

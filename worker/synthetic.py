@@ -3,15 +3,20 @@
 For router benchmarks and fault-injection tests ONLY (``engine: synthetic`` in a preset);
 it never serves a user. It emits the word ``tok`` once per token, ``max_tokens`` times
 (16 if unset), at ``engine_args.tokens_per_second`` per request (0: as fast as it can),
-``engine_args.tokens_per_step`` tokens per delta.
+``engine_args.tokens_per_step`` tokens per delta. With ``engine_args.timestamps`` each
+token is the ``time.monotonic_ns()`` of its creation instead, so a client can measure the
+relay's added latency (the clock is shared by all processes of the machine). A
+``cpu_cores`` placement pins the process (a vLLM worker leaves that to vLLM).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 from collections.abc import AsyncIterator
 
-from shared.config import ModelSpec
+from shared.config import ModelSpec, parse_cores
 from shared.protocol import Delta, Generate, Tokenize
 
 
@@ -30,6 +35,9 @@ class SyntheticEngine:
         rate = float(spec.engine_args.get("tokens_per_second", 0))
         self._interval = 1.0 / rate if rate > 0 else 0.0
         self._per_step = int(spec.engine_args.get("tokens_per_step", 1))
+        self._timestamps = bool(spec.engine_args.get("timestamps", False))
+        if spec.cpu_cores:
+            os.sched_setaffinity(0, parse_cores(spec.cpu_cores))
 
     def _prompt_len(self, req: Generate | Tokenize) -> int:
         if req.messages is not None:
@@ -56,7 +64,8 @@ class SyntheticEngine:
             step = min(self._per_step, total - sent)
             sent += step
             done = sent == total
-            yield [Delta(id=gen.id, index=i, text="tok " * step, tokens=step,
+            text = f"{time.monotonic_ns()} " if self._timestamps else "tok " * step
+            yield [Delta(id=gen.id, index=i, text=text, tokens=step,
                          finish_reason="length" if done else None,
                          prompt_tokens=prompt_len if done else 0)
                    for i in range(gen.sampling.n)]

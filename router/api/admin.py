@@ -127,4 +127,5 @@ class AdminAPI:
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok",
-                             "models": {e.id: e.state for e in self.registry}})
+                             "models": {e.id: e.state for e in self.registry},
+                             "tasks": len(asyncio.all_tasks())})

@@ -1,0 +1,145 @@
+"""Router relay capacity: the router pinned to core 0 with the ``synthetic`` engine (no
+model) on core 1; wrk (also on core 1) drives streamed chat requests and tiny
+non-streaming ones at 1, 16 and 64 connections. The same wrk runs against a bare
+starlette+uvicorn app on core 0 give the framework's own limit in the same run. Added
+latency (worker send → client receive) comes from timestamped synthetic tokens. py-spy
+samples the router under streaming load to show where its time goes.
+
+Targets: >= 50 000 chunks/s, >= 5 000 requests/s, added latency p50 <= 0.2 ms.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import PY, Server, free_port, modelyard, pct, report
+
+TOKENS = 200
+SECONDS = 8
+CONCURRENCY = (1, 16, 64)
+ROUTER_CPU, LOAD_CPU = 0, 1
+
+PRESET = f"""
+server: {{host: 127.0.0.1, port: {{port}}, max_queue_depth: 100000}}
+models:
+  synth: {{model: none, engine: synthetic, cpu_cores: "{LOAD_CPU}", load_on_startup: true,
+          max_model_len: 100000}}
+  synth-ts: {{model: none, engine: synthetic, cpu_cores: "{LOAD_CPU}", load_on_startup: true,
+             max_model_len: 100000, engine_args: {{timestamps: true, tokens_per_second: 100}}}}
+"""
+CHAT = {"model": "synth", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def wrk(url: str, body: dict[str, Any], connections: int) -> dict[str, float]:
+    script = Path(tempfile.mkdtemp()) / "post.lua"
+    script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                      f"wrk.body = {json.dumps(json.dumps(body))}\n")
+    out = subprocess.run(["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}",
+                          f"-d{SECONDS}s", "-s", str(script), url],
+                         capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    errors = re.search(r"Socket errors:.*", out)
+    return {"requests_per_s": rps, "non_2xx": int(bad.group(1)) if bad else 0,
+            "socket_errors": errors.group(0) if errors else ""}  # type: ignore[dict-item]
+
+
+async def added_latency(url: str, concurrency: int, per_client: int = 3) -> list[float]:
+    """Milliseconds from the synthetic worker stamping a token to this client reading it."""
+    samples: list[float] = []
+    body = {"model": "synth-ts", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 100, "stream": True}
+    async with httpx.AsyncClient(timeout=60) as client:
+        async def lane() -> None:
+            for _ in range(per_client):
+                async with client.stream("POST", url, json=body) as r:
+                    async for line in r.aiter_lines():
+                        now = time.monotonic_ns()
+                        if line.startswith("data: {") and '"content":"' in line:
+                            stamp = line.split('"content":"', 1)[1].split(" ", 1)[0]
+                            if stamp.isdigit():
+                                samples.append((now - int(stamp)) / 1e6)
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return samples
+
+
+def profile(pid: int, url: str) -> list[dict[str, Any]]:
+    """py-spy self-time shares of the router's top functions under streaming load."""
+    if shutil.which("py-spy") is None and not Path(PY).with_name("py-spy").exists():
+        return [{"function": "py-spy not installed", "share": 0}]
+    spy = shutil.which("py-spy") or str(Path(PY).with_name("py-spy"))
+    out = Path(tempfile.mkdtemp()) / "router.txt"
+    proc = subprocess.Popen([spy, "record", "-p", str(pid), "-d", str(SECONDS - 2), "-r", "200",
+                             "-f", "raw", "-o", str(out), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wrk(url, {**CHAT, "max_tokens": TOKENS, "stream": True}, 16)
+    proc.wait(30)
+    counts: collections.Counter[str] = collections.Counter()
+    for line in out.read_text().splitlines() if out.exists() else []:
+        stack, _, n = line.rpartition(" ")
+        counts[stack.split(";")[-1]] += int(n)
+    total = sum(counts.values()) or 1
+    return [{"function": fn, "share": round(n / total, 3)} for fn, n in counts.most_common(12)]
+
+
+def main() -> None:
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is not installed (make bench installs it with apt-get)")
+    os.sched_setaffinity(0, {LOAD_CPU})
+    result: dict[str, Any] = {"tokens_per_stream": TOKENS, "seconds_per_point": SECONDS,
+                              "router_cpu": ROUTER_CPU, "load_cpu": LOAD_CPU}
+    rows = [("what", "conns", "router", "bare", "share")]
+    bare_port = free_port()
+    with Server([PY, "-m", "bench.bare_app", str(bare_port)], bare_port, cpus={ROUTER_CPU},
+                name="bare") as bare, modelyard(PRESET, cpus={ROUTER_CPU}) as yard:
+        bare.wait_port()
+        yard.wait("/health", lambda h: set(h["models"].values()) == {"ready"}, timeout=120)
+        chat_url = yard.url + "/v1/chat/completions"
+        wrk(chat_url, {**CHAT, "max_tokens": 4}, 4)  # warm-up
+        for conns in CONCURRENCY:
+            y = wrk(chat_url, {**CHAT, "max_tokens": TOKENS, "stream": True}, conns)
+            b = wrk(f"{bare.url}/sse?n={TOKENS}", {"x": 1}, conns)
+            point = {"router_chunks_per_s": round(y["requests_per_s"] * TOKENS),
+                     "bare_chunks_per_s": round(b["requests_per_s"] * TOKENS),
+                     "router_errors": y["non_2xx"]}
+            point["share_of_bare"] = round(point["router_chunks_per_s"] /
+                                           max(1, point["bare_chunks_per_s"]), 3)
+            result[f"stream_{conns}"] = point
+            rows.append(("chunks/s", str(conns), str(point["router_chunks_per_s"]),
+                         str(point["bare_chunks_per_s"]), f"{point['share_of_bare']:.0%}"))
+        for conns in CONCURRENCY:
+            y = wrk(chat_url, {**CHAT, "max_tokens": 1}, conns)
+            b = wrk(f"{bare.url}/json", {"x": 1}, conns)
+            point = {"router_requests_per_s": round(y["requests_per_s"]),
+                     "bare_requests_per_s": round(b["requests_per_s"]),
+                     "router_errors": y["non_2xx"]}
+            point["share_of_bare"] = round(point["router_requests_per_s"] /
+                                           max(1, point["bare_requests_per_s"]), 3)
+            result[f"requests_{conns}"] = point
+            rows.append(("req/s", str(conns), str(point["router_requests_per_s"]),
+                         str(point["bare_requests_per_s"]), f"{point['share_of_bare']:.0%}"))
+        for conns in (1, 16):
+            lat = asyncio.run(added_latency(chat_url, conns))
+            result[f"added_latency_{conns}"] = {"p50_ms": round(pct(lat, 50), 3),
+                                                "p99_ms": round(pct(lat, 99), 3),
+                                                "samples": len(lat)}
+            rows.append(("latency ms", str(conns), f"p50 {pct(lat, 50):.3f}",
+                         f"p99 {pct(lat, 99):.3f}", ""))
+        result["router_profile"] = profile(yard.proc.pid, chat_url)
+    report("relay", result, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Model lifecycle with real vLLM workers: load/unload, eviction, idle reaping, crashes.
+
+One router with ``max_loaded_models: 1`` serves this module. Each worker start costs
+about 40 s here, so the tests are ordered to reuse what is loaded.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.conftest import RouterProcess
+
+pytestmark = pytest.mark.integration
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+
+LIFE_PRESET = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  max_loaded_models: 1
+  load_timeout: 600
+  max_queue_depth: 500
+models:
+  blinky: {model: "builtin:smollm2", ttl: 1, max_model_len: 512}
+  swap-a: {model: "builtin:smollm2", max_model_len: 512}
+  swap-b: {model: "builtin:smollm2", max_model_len: 512}
+"""
+
+
+@pytest.fixture(scope="module")
+def life(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    r = RouterProcess(LIFE_PRESET, tmp_path_factory.mktemp("life"), "life")
+    r.start()
+    try:
+        r.wait_healthy()
+        yield r
+    finally:
+        r.stop()
+
+
+def models(r: RouterProcess) -> dict[str, dict]:  # type: ignore[type-arg]
+    return {m["id"]: m for m in httpx.get(f"{r.url}/v1/models", timeout=10).json()["data"]}
+
+
+def chat(r: RouterProcess, model: str, **kw) -> httpx.Response:  # type: ignore[no-untyped-def]
+    body = {"model": model, "messages": STORY, "max_tokens": 4, **kw}
+    return httpx.post(f"{r.url}/v1/chat/completions", json=body, timeout=600)
+
+
+def test_load_and_unload_are_idempotent_and_visible(life: RouterProcess) -> None:
+    first = httpx.post(f"{life.url}/v1/models/load", json={"model": "swap-a"}, timeout=600)
+    again = httpx.post(f"{life.url}/v1/models/load", json={"model": "swap-a"}, timeout=600)
+    assert first.status_code == again.status_code == 200, life.tail()
+    assert first.json()["state"] == again.json()["state"] == "ready"
+    assert first.json()["pid"] == again.json()["pid"] == models(life)["swap-a"]["pid"]
+    assert models(life)["swap-a"]["load_seconds"] > 0
+    for _ in range(2):
+        out = httpx.post(f"{life.url}/v1/models/unload", json={"model": "swap-a"}, timeout=120)
+        assert out.status_code == 200 and out.json()["state"] == "unloaded"
+    assert models(life)["swap-a"]["state"] == "unloaded" and "pid" not in models(life)["swap-a"]
+    assert httpx.post(f"{life.url}/v1/models/load", json={"model": "nope"}).status_code == 404
+
+
+def test_alternating_models_under_max_loaded_1_never_cuts_a_stream(life: RouterProcess) -> None:
+    loaded_counts: list[int] = []
+    stop_sampling = threading.Event()
+
+    def sample() -> None:
+        while not stop_sampling.is_set():
+            states = [m["state"] for m in models(life).values()]
+            loaded_counts.append(sum(s in ("ready", "loading", "stopping") for s in states))
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with httpx.stream("POST", f"{life.url}/v1/chat/completions", timeout=600, json={
+                "model": "swap-a", "messages": STORY, "max_tokens": 120, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                other = pool.submit(chat, life, "swap-b")  # needs swap-a's slot
+                events = [json.loads(line[6:]) for line in lines
+                          if line.startswith("data: {")]
+                assert events[-1]["usage"]["completion_tokens"] == 120  # stream not cut
+                assert other.result().status_code == 200, life.tail()
+        assert chat(life, "swap-a").status_code == 200   # and back again
+        assert chat(life, "swap-b").status_code == 200
+    finally:
+        stop_sampling.set()
+        sampler.join()
+    assert max(loaded_counts) == 1, loaded_counts
+
+
+def test_reaped_after_ttl_but_not_while_a_stream_is_open(life: RouterProcess) -> None:
+    with httpx.stream("POST", f"{life.url}/v1/chat/completions", timeout=600, json={
+            "model": "blinky", "messages": STORY, "max_tokens": 60, "stream": True,
+            "ignore_eos": True}) as r:
+        started = None
+        for line in r.iter_lines():
+            if started is None and line.startswith("data: "):
+                started = time.monotonic()
+            if started and time.monotonic() - started > 2.5:  # well past the 1 s ttl
+                assert models(life)["blinky"]["state"] == "ready"
+        assert started and time.monotonic() - started > 2.5
+    ended = time.monotonic()
+    while models(life)["blinky"]["state"] == "ready" and time.monotonic() - ended < 5:
+        time.sleep(0.05)
+    reaped_after = time.monotonic() - ended
+    assert reaped_after < 1.5, reaped_after  # ttl 1 s, checked every 50 ms
+    while models(life)["blinky"]["state"] == "stopping" and time.monotonic() - ended < 30:
+        time.sleep(0.1)  # vLLM's graceful shutdown takes a few seconds
+    assert models(life)["blinky"]["state"] == "unloaded"
+
+
+def test_200_requests_racing_a_1_second_ttl_all_succeed(life: RouterProcess) -> None:
+    rng = random.Random(1234)
+    statuses: list[int] = []
+    pids: set[int] = set()
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        for _ in range(10):
+            # Arrive near the moment the model's 1 s of idleness runs out: before it
+            # mostly, sometimes just after, so requests meet the reaper mid-decision.
+            time.sleep(1.0 + rng.uniform(-0.25, 0.08))
+            batch = [pool.submit(chat, life, "blinky", max_tokens=1) for _ in range(20)]
+            statuses += [f.result().status_code for f in batch]
+            pid = models(life)["blinky"].get("pid")
+            if pid:
+                pids.add(pid)
+    assert statuses == [200] * 200, life.tail()
+    assert len(pids) >= 1
+
+
+def test_kill_9_mid_stream_ends_every_client_and_the_next_request_restarts(
+        life: RouterProcess) -> None:
+    assert chat(life, "swap-a").status_code == 200
+    pid = models(life)["swap-a"]["pid"]
+    client = openai.OpenAI(base_url=f"{life.url}/v1", api_key="x", max_retries=0, timeout=600)
+    stream = client.chat.completions.create(model="swap-a", messages=STORY, max_tokens=400,
+                                            stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        blocking = pool.submit(chat, life, "swap-a", max_tokens=400, ignore_eos=True)
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        psutil.Process(pid).kill()
+        with pytest.raises(openai.APIError) as info:
+            for _ in stream:
+                pass
+        stream_ended = time.monotonic() - killed_at
+        reply = blocking.result()
+        other_ended = time.monotonic() - killed_at
+    assert stream_ended < 2.0 and other_ended < 2.0
+    assert "exited unexpectedly" in str(info.value)
+    assert reply.status_code == 502 and reply.json()["error"]["code"] == "worker_lost"
+    state = models(life)["swap-a"]
+    assert state["state"] == "failed" and state["exit_code"] == -9 and state["failures"] == 1
+    assert chat(life, "swap-a").status_code == 200, life.tail()
+    assert models(life)["swap-a"]["pid"] != pid
+
+
+ORPHAN_PRESET = """
+server: {host: 127.0.0.1, port: {port}}
+models:
+  solo: {model: "builtin:smollm2", load_on_startup: true, max_model_len: 512}
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_no_worker_or_engine_process_outlives_the_router(tmp_path_factory: pytest.TempPathFactory,
+                                                         how: str) -> None:
+    r = RouterProcess(ORPHAN_PRESET, tmp_path_factory.mktemp("orphans"), "orphans")
+    r.start()
+    try:
+        r.wait_healthy()
+        r.wait_model("solo", timeout=600)
+        assert r.proc is not None
+        tree = psutil.Process(r.proc.pid).children(recursive=True)
+        assert len(tree) >= 2  # the worker and vLLM's EngineCore at least
+        if how == "SIGTERM":
+            r.proc.terminate()
+        else:
+            r.proc.kill()
+        r.proc.wait(60)
+        gone, alive = psutil.wait_procs(tree, timeout=15)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        r.stop()

@@ -1,0 +1,82 @@
+"""Lifecycle decisions that need no process: capacity, budgets, backoff, GPU placement,
+and the exact environment a worker starts with."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from router.placement import GIB, GpuMemory, Placer, fits, footprint
+from router.registry import ModelRegistry
+from router.supervisor import Supervisor, backoff_seconds
+from shared.config import ModelSpec, ServerConfig, build_preset
+
+H100 = {i: GpuMemory(i, 80 * GIB, 79 * GIB) for i in range(4)}
+
+
+def spec(name: str, **kw: object) -> ModelSpec:
+    return ModelSpec(id=name, model=f"/{name}", **kw)  # type: ignore[arg-type]
+
+
+def test_max_loaded_models() -> None:
+    server = ServerConfig(max_loaded_models=2)
+    a, b, c = spec("a"), spec("b"), spec("c")
+    assert fits(c, [a], server, {})
+    assert not fits(c, [a, b], server, {})
+    assert fits(a, [a, b], server, {})  # a model never competes with itself
+
+
+def test_memory_budget_per_device_with_nvml_reading() -> None:
+    server = ServerConfig(memory_budget_gib={"cuda:0": 80, "cpu": 6})
+    big = spec("big", device="cuda", gpus=[0], gpu_memory_utilization=0.6)
+    small = spec("small", device="cuda", gpus=[0], memory_gib=30)
+    assert footprint(big, H100) == {"cuda:0": pytest.approx(48.0)}
+    assert fits(small, [big], server, H100)             # 48 + 30 <= 80
+    assert not fits(spec("s2", device="cuda", gpus=[0], memory_gib=40), [big], server, H100)
+    assert fits(spec("elsewhere", device="cuda", gpus=[1], memory_gib=79), [big], server, H100)
+    cpu = [spec("c1", kv_cache_gib=2), spec("c2", kv_cache_gib=1)]  # 3 + 2 GiB
+    assert not fits(spec("c3"), cpu, server, {})                   # + 2 > 6
+    assert fits(spec("c3"), cpu[:1], server, {})
+
+
+def test_gpu_memory_fraction_from_nvml_and_start_locks() -> None:
+    placer = Placer(cores={0}, gpus=H100)
+    assert placer.gpu_memory_utilization(spec("m", device="cuda", gpus=[2], memory_gib=20)) \
+        == pytest.approx(0.25)
+    assert placer.gpu_memory_utilization(spec("m", device="cuda", gpu_memory_utilization=0.7)) == 0.7
+    assert placer.gpu_memory_utilization(spec("m", device="cuda")) is None  # vLLM's default
+    assert Placer(cores={0}, gpus={}).gpu_memory_utilization(
+        spec("m", device="cuda", memory_gib=20)) is None                  # no NVML: no guess
+
+    async def locks() -> None:
+        a = placer.start_locks(spec("a", device="cuda", gpus=[1, 0]))
+        b = placer.start_locks(spec("b", device="cuda", gpus=[0]))
+        assert a[0] is b[0] and len(a) == 2  # shared GPU 0: one start at a time
+        assert placer.start_locks(spec("c")) == []
+    asyncio.run(locks())
+
+
+def test_backoff_grows_and_caps() -> None:
+    assert [backoff_seconds(n) for n in range(8)] == [0, 0.5, 1, 2, 4, 8, 16, 30]
+
+
+def test_worker_env_for_cpu_and_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    preset = build_preset({"models": {
+        "cpu-a": {"model": "/a", "cpu_cores": "1", "kv_cache_gib": 2},
+        "gpu-b": {"model": "/b", "device": "cuda", "gpus": [2, 3], "tensor_parallel_size": 2,
+                  "env": {"NCCL_DEBUG": "WARN"}},
+    }})
+    sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path,
+                     Placer(cores={0, 1}, gpus=H100))
+    cpu_env = sup.worker_env(sup.registry.entries["cpu-a"])
+    assert cpu_env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert cpu_env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert cpu_env["HF_HUB_OFFLINE"] == "1"
+    gpu_env = sup.worker_env(sup.registry.entries["gpu-b"])
+    assert gpu_env["CUDA_VISIBLE_DEVICES"] == "2,3" and gpu_env["NCCL_DEBUG"] == "WARN"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in gpu_env
+    cmd = sup._command(sup.registry.entries["gpu-b"], "ipc:///x")
+    assert cmd[1:3] == ["-m", "worker"] and "ipc:///x" in cmd
