@@ -29,7 +29,9 @@ unit: install
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
 bench: install
-	HF_HUB_OFFLINE=1 $(PY) -m bench
+	$(PIP) py-spy
+	command -v wrk >/dev/null || (apt-get update -qq && apt-get install -y -qq wrk)
+	HF_HUB_OFFLINE=1 $(PY) -m bench $(BENCH)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

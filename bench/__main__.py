@@ -1,0 +1,31 @@
+"""``python -m bench [NAME ...]``: run the benchmarks (all five by default), each in its
+own process, writing ``bench/results/NAME.json``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+ALL = ["overhead", "relay", "coldstart", "scaling", "faults"]
+
+
+def main() -> int:
+    names = sys.argv[1:] or ALL
+    unknown = set(names) - set(ALL)
+    if unknown:
+        print(f"unknown benchmark(s): {', '.join(sorted(unknown))}; choose from {ALL}")
+        return 2
+    failed = []
+    for name in names:
+        started = time.monotonic()
+        print(f"== bench {name}", flush=True)
+        code = subprocess.call([sys.executable, "-m", f"bench.{name}"])
+        print(f"== bench {name}: exit {code} after {time.monotonic() - started:.0f} s", flush=True)
+        if code:
+            failed.append(name)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
