@@ -6,6 +6,7 @@ Nothing here talks to any address but 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -88,6 +89,18 @@ class RouterProcess:
         self.log.close()
 
 
+@contextlib.contextmanager
+def running_router(preset: str, workdir: Path, name: str) -> Iterator[RouterProcess]:
+    """A started, healthy router that is stopped when the block ends."""
+    r = RouterProcess(preset, workdir, name)
+    r.start()
+    try:
+        r.wait_healthy()
+        yield r
+    finally:
+        r.stop()
+
+
 MAIN_PRESET = """
 server:
   host: 127.0.0.1
@@ -112,14 +125,9 @@ models:
 @pytest.fixture(scope="session")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     """The shared router: ``smollm2`` loads at start-up, ``smollm2-b`` on first use."""
-    r = RouterProcess(MAIN_PRESET, tmp_path_factory.mktemp("router"), "main")
-    r.start()
-    try:
-        r.wait_healthy()
+    with running_router(MAIN_PRESET, tmp_path_factory.mktemp("router"), "main") as r:
         r.wait_model("smollm2", timeout=600)
         yield r
-    finally:
-        r.stop()
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.conformance import validate
-from tests.conftest import RouterProcess
+from tests.conftest import RouterProcess, running_router
 
 pytestmark = pytest.mark.integration
 HI = [{"role": "user", "content": "Say hi."}]
@@ -77,13 +77,8 @@ models:
 @pytest.fixture(scope="module")
 def bare_router(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     """A router without default_model; no worker is ever started in it."""
-    r = RouterProcess(BARE_PRESET, tmp_path_factory.mktemp("bare"), "bare")
-    r.start()
-    try:
-        r.wait_healthy()
+    with running_router(BARE_PRESET, tmp_path_factory.mktemp("bare"), "bare") as r:
         yield r
-    finally:
-        r.stop()
 
 
 @pytest.mark.parametrize("name,code", [("gpt-4o", "model_not_found"),
