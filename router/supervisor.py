@@ -25,7 +25,7 @@ from pathlib import Path
 
 import msgspec
 import psutil
-import zmq.asyncio
+import zmq
 
 from router.errors import APIError, ModelUnavailable, TooManyRequests, WorkerLost
 from router.link import WorkerLink
@@ -91,7 +91,7 @@ class Supervisor:
         self.server = server
         self.runtime_dir = runtime_dir
         self.placer = placer or Placer()
-        self._ctx = zmq.asyncio.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._workers: dict[str, _Worker] = {}
         self._loads: dict[str, asyncio.Task[WorkerLink]] = {}
         self._wakes: dict[str, asyncio.Task[None]] = {}

@@ -13,7 +13,6 @@ import os
 from typing import Any, Protocol
 
 import zmq
-import zmq.asyncio
 
 from shared.protocol import (
     Cancel,
@@ -56,8 +55,10 @@ class WorkerServer:
         self._request_error: type[Exception] = Exception
         self._model = model
         self._codec = worker_codec()
-        self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
+        # A plain socket read through loop.add_reader, as the router's WorkerLink does:
+        # no Future per frame. Sends never block (unlimited high-water mark).
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on output
         self._sock.setsockopt(zmq.RCVHWM, 0)
@@ -68,7 +69,10 @@ class WorkerServer:
         self._stopping = asyncio.Event()
 
     def _send(self, message: Any) -> None:
-        self._sock.send(self._codec.encode(message))
+        self._sock.send(self._codec.encode(message), zmq.NOBLOCK)
+        # ZeroMQ's descriptor is edge-triggered and a send may consume the edge.
+        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            asyncio.get_running_loop().call_soon(self._drain)
 
     def _emit(self, deltas: list[Delta]) -> None:
         self._outbox.extend(deltas)
@@ -142,9 +146,12 @@ class WorkerServer:
             return
         self._send(Pong(id=message.id, in_flight=len(self._tasks)))
 
-    async def _receive(self) -> None:
+    def _drain(self) -> None:
         while True:
-            frame = await self._sock.recv(copy=False)
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
             try:
                 message = self._codec.decode(frame.buffer)
             except Exception as err:  # a frame we cannot read is a router bug; keep serving
@@ -174,10 +181,13 @@ class WorkerServer:
         self._request_error = request_error
         self._send(Ready(model=self._model, max_model_len=self._engine.max_model_len,
                          pid=os.getpid()))
-        receiver = asyncio.create_task(self._receive())
+        loop = asyncio.get_running_loop()
+        fd = self._sock.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._drain)
+        loop.call_soon(self._drain)  # frames may have queued while the engine loaded
         watcher = asyncio.create_task(self._watch_parent(parent_pid))
         await self._stopping.wait()
-        receiver.cancel()
+        loop.remove_reader(fd)
         watcher.cancel()
         for task in list(self._tasks.values()):
             task.cancel()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 import msgspec
@@ -15,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.api.openai_schema import RequestMessage, flatten_message
-from router.api.wire import JSONResponse, read_body
+from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import APIError, BadRequest, ModelNotFound
 from router.registry import ModelEntry
 from router.supervisor import Supervisor
@@ -114,7 +113,7 @@ class AdminAPI:
         lease, link = await self.supervisor.acquire(body.model)
         with lease:
             result = await link.tokenize(Tokenize(
-                id=f"tok-{uuid.uuid4().hex}", prompt=body.prompt, messages=messages,
+                id=f"tok-{request_id()}", prompt=body.prompt, messages=messages,
                 add_special_tokens=body.add_special_tokens,
                 add_generation_prompt=body.add_generation_prompt,
                 return_token_strs=body.return_token_strs))

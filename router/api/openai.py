@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +31,7 @@ from router.api.wire import (
     JSONResponse,
     encode_json,
     read_body,
+    request_id,
     sse,
     unless_disconnected,
 )
@@ -85,12 +85,13 @@ class Choices:
         self.texts: list[list[str]] = [[] for _ in range(n_choices)]
         self.finish: list[str | None] = [None] * n_choices
         self.usage = Usage()
-        # Every chunk starts the same way: encode that part once per request.
-        head = encode_json({"id": rid, "object": self.object_chunk, "created": self.created,
-                            "model": model})
-        self._head = b"data: " + head[:-1] + b',"choices":['
+        self._head = b""
 
     def frame(self, choices: list[bytes], tail: bytes = b"") -> bytes:
+        if not self._head:  # every chunk starts the same way: encode that part once
+            head = encode_json({"id": self.rid, "object": self.object_chunk,
+                                "created": self.created, "model": self.model})
+            self._head = b"data: " + head[:-1] + b',"choices":['
         return self._head + b",".join(choices) + b"]" + tail + b"}\n\n"
 
     def add(self, d: Delta) -> Any:
@@ -248,7 +249,7 @@ class OpenAIAPI:
     async def chat(self, request: Request) -> Response:
         req = await read_body(request, ChatCompletionRequest, self.max_body_bytes)
         sampling, messages = chat_sampling(req)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = f"chatcmpl-{request_id()}"
         gens = [Generate(id=rid, sampling=sampling, messages=messages,
                          add_generation_prompt=req.add_generation_prompt,
                          continue_final_message=req.continue_final_message)]
@@ -260,7 +261,7 @@ class OpenAIAPI:
         req = await read_body(request, CompletionRequest, self.max_body_bytes)
         sampling = completion_sampling(req)
         prompts = completion_prompts(req)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = f"cmpl-{request_id()}"
         gens = []
         for i, prompt in enumerate(prompts):
             gid = rid if len(prompts) == 1 else f"{rid}-{i}"
@@ -291,7 +292,7 @@ class OpenAIAPI:
             try:
                 # Wait for the first output so that a refused request is a JSON 4xx, not
                 # an SSE stream that starts 200 and then carries an error.
-                first = await unless_disconnected(request, stream.__anext__())
+                first = await stream.__anext__()
             except StopAsyncIteration:
                 first = []
         except BaseException:
@@ -303,7 +304,10 @@ class OpenAIAPI:
             body = self._sse(stream, choices, first, include_usage, lease, started)
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            await unless_disconnected(request, self._drain(stream, choices, first))
+            for d in first:
+                choices.add(d)
+            if not stream.finished:  # long answer: stop generating if the client leaves
+                await unless_disconnected(request, self._drain(stream, choices))
         except ClientGone:
             return Response(status_code=499)
         finally:
@@ -313,9 +317,7 @@ class OpenAIAPI:
         return JSONResponse(choices.response())
 
     @staticmethod
-    async def _drain(stream: RequestStream, choices: Choices, first: list[Delta]) -> None:
-        for d in first:
-            choices.add(d)
+    async def _drain(stream: RequestStream, choices: Choices) -> None:
         async for batch in stream:
             for d in batch:
                 choices.add(d)

@@ -5,8 +5,10 @@ OpenAI-shaped error responses, and client-disconnect detection.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
+import secrets
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -22,6 +24,15 @@ T = TypeVar("T")
 _json = msgspec.json.Encoder()
 _AT = re.compile(r" - at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+_ID_PREFIX = secrets.token_hex(6)
+_ID_COUNTER = itertools.count(1)
+
+
+def request_id() -> str:
+    """Unique within a router run (a random prefix and a counter); cheaper than uuid4."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):010x}"
 
 
 class ClientGone(Exception):
@@ -72,14 +83,17 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    body = b"".join(chunks)
+    if declared and declared.isdigit():
+        body = await request.body()  # bounded by the declared length checked above
+    else:  # chunked upload: count as it arrives
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+        body = b"".join(chunks)
     if not body.strip():
         raise BadRequest("request body is empty; expected a JSON object", code="invalid_json")
     try:
