@@ -139,10 +139,6 @@ class WorkerLink:
         self.completed = 0
         """Generations this worker finished: proof it was healthy (resets crash backoff)."""
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._routes)
-
     async def wait_ready(self) -> Ready:
         return await asyncio.shield(self._ready)
 

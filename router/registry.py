@@ -18,9 +18,6 @@ from shared.config import ModelSpec, Preset
 if TYPE_CHECKING:
     from router.link import WorkerLink
 
-STATES = ("unloaded", "loading", "ready", "sleeping", "stopping", "failed")
-
-
 @dataclass(eq=False)
 class ModelEntry:
     """One declared model and what the router knows of its worker right now."""

@@ -228,9 +228,6 @@ class VllmEngine:
     async def wake(self) -> None:
         await self._llm.wake_up()
 
-    async def check_health(self) -> None:
-        await self._llm.check_health()
-
     def shutdown(self) -> None:
         self._llm.shutdown()
 

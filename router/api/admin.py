@@ -62,6 +62,7 @@ class AdminAPI:
             "pid": entry.pid, "in_flight": entry.leases, "queued": entry.queued,
             "ttl": self.supervisor.ttl(entry), "failures": entry.failures,
             "max_model_len": entry.max_model_len, "load_seconds": entry.load_seconds,
+            "loaded_at": int(entry.loaded_at) if entry.loaded_at else None,
             "idle_seconds": round(now - entry.last_used, 3) if entry.last_used else None,
             "placement": entry.placement or None, "exit_code": entry.exit_code,
             "error": entry.error,

@@ -51,10 +51,6 @@ def sse(payload: Any) -> bytes:
     return b"data: " + _json.encode(payload) + b"\n\n"
 
 
-def sse_raw(data: bytes) -> bytes:
-    return b"data: " + data + b"\n\n"
-
-
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
