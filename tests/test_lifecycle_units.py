@@ -80,3 +80,33 @@ def test_worker_env_for_cpu_and_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert "VLLM_CPU_KVCACHE_SPACE" not in gpu_env
     cmd = sup._command(sup.registry.entries["gpu-b"], "ipc:///x")
     assert cmd[1:3] == ["-m", "worker"] and "ipc:///x" in cmd
+
+
+def test_wait_queue_is_bounded_and_load_timeout_is_503(tmp_path: Path) -> None:
+    from router.errors import ModelUnavailable, TooManyRequests
+
+    preset = build_preset({"server": {"max_queue_depth": 2, "load_timeout": 0.3},
+                           "models": {"slow": {"model": "/s"}}})
+    sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path, Placer(cores={0}, gpus={}))
+
+    async def never_ready(entry: object) -> object:
+        await asyncio.sleep(3600)  # a load that does not finish in time
+        raise AssertionError("unreachable")
+
+    sup._load = never_ready  # type: ignore[assignment,method-assign]
+
+    async def scenario() -> list[str]:
+        waiting = [asyncio.create_task(sup.acquire("slow")) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        entry = sup.registry.entries["slow"]
+        assert entry.queued == 2 and entry.leases == 2
+        with pytest.raises(TooManyRequests) as info:
+            await sup.acquire("slow")
+        assert info.value.status == 429
+        outcomes = await asyncio.gather(*waiting, return_exceptions=True)
+        assert entry.queued == 0 and entry.leases == 0  # waiters gave their leases back
+        for task in sup._loads.values():
+            task.cancel()
+        return [type(o).__name__ for o in outcomes]
+
+    assert asyncio.run(scenario()) == [ModelUnavailable.__name__] * 2
