@@ -46,9 +46,10 @@ def models(r: RouterProcess) -> dict[str, dict]:  # type: ignore[type-arg]
     return {m["id"]: m for m in httpx.get(f"{r.url}/v1/models", timeout=10).json()["data"]}
 
 
-def chat(r: RouterProcess, model: str, **kw) -> httpx.Response:  # type: ignore[no-untyped-def]
+def chat(r: RouterProcess, model: str, client: httpx.Client | None = None,
+         **kw) -> httpx.Response:  # type: ignore[no-untyped-def]
     body = {"model": model, "messages": STORY, "max_tokens": 4, **kw}
-    return httpx.post(f"{r.url}/v1/chat/completions", json=body, timeout=600)
+    return (client or httpx).post(f"{r.url}/v1/chat/completions", json=body, timeout=600)
 
 
 def test_load_and_unload_are_idempotent_and_visible(life: RouterProcess) -> None:
@@ -122,14 +123,17 @@ def test_200_requests_racing_a_1_second_ttl_all_succeed(life: RouterProcess) -> 
     rng = random.Random(1234)
     statuses: list[int] = []
     pids: set[int] = set()
-    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+    limits = httpx.Limits(max_connections=20, max_keepalive_connections=20)
+    with concurrent.futures.ThreadPoolExecutor(20) as pool, \
+            httpx.Client(limits=limits, timeout=600) as client:
         for _ in range(10):
-            # Arrive near the moment the model's 1 s of idleness runs out (the client's
-            # own overhead adds a few tens of ms): mostly just before it, sometimes just
-            # after, so requests meet the reaper mid-decision. Each late round pays a
-            # restart (~40 s here), hence not more of them.
-            time.sleep(rng.uniform(0.75, 0.98))
-            batch = [pool.submit(chat, life, "blinky", max_tokens=1) for _ in range(20)]
+            # Arrive near the moment the model's 1 s of idleness runs out: mostly just
+            # before it, sometimes just after, so requests meet the reaper mid-decision.
+            # Each late round pays a restart (~45 s here), hence not more of them. (One
+            # pooled client: a client per request delayed arrivals by ~0.3 s.)
+            time.sleep(rng.uniform(0.8, 1.02))
+            batch = [pool.submit(chat, life, "blinky", client, max_tokens=1)
+                     for _ in range(20)]
             statuses += [f.result().status_code for f in batch]
             pid = models(life)["blinky"].get("pid")
             if pid:
