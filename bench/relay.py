@@ -108,28 +108,21 @@ def main() -> None:
         yard.wait("/health", lambda h: set(h["models"].values()) == {"ready"}, timeout=120)
         chat_url = yard.url + "/v1/chat/completions"
         wrk(chat_url, {**CHAT, "max_tokens": 4}, 4)  # warm-up
-        for conns in CONCURRENCY:
-            y = wrk(chat_url, {**CHAT, "max_tokens": TOKENS, "stream": True}, conns)
-            b = wrk(f"{bare.url}/sse?n={TOKENS}", {"x": 1}, conns)
-            point = {"router_chunks_per_s": round(y["requests_per_s"] * TOKENS),
-                     "bare_chunks_per_s": round(b["requests_per_s"] * TOKENS),
-                     "router_errors": y["non_2xx"]}
-            point["share_of_bare"] = round(point["router_chunks_per_s"] /
-                                           max(1, point["bare_chunks_per_s"]), 3)
-            result[f"stream_{conns}"] = point
-            rows.append(("chunks/s", str(conns), str(point["router_chunks_per_s"]),
-                         str(point["bare_chunks_per_s"]), f"{point['share_of_bare']:.0%}"))
-        for conns in CONCURRENCY:
-            y = wrk(chat_url, {**CHAT, "max_tokens": 1}, conns)
-            b = wrk(f"{bare.url}/json", {"x": 1}, conns)
-            point = {"router_requests_per_s": round(y["requests_per_s"]),
-                     "bare_requests_per_s": round(b["requests_per_s"]),
-                     "router_errors": y["non_2xx"]}
-            point["share_of_bare"] = round(point["router_requests_per_s"] /
-                                           max(1, point["bare_requests_per_s"]), 3)
-            result[f"requests_{conns}"] = point
-            rows.append(("req/s", str(conns), str(point["router_requests_per_s"]),
-                         str(point["bare_requests_per_s"]), f"{point['share_of_bare']:.0%}"))
+        # (label, key, router body, bare path, units per request)
+        cases = [("chunks/s", "stream", {**CHAT, "max_tokens": TOKENS, "stream": True},
+                  f"/sse?n={TOKENS}", TOKENS),
+                 ("req/s", "requests", {**CHAT, "max_tokens": 1}, "/json", 1)]
+        for label, key, body, bare_path, per_request in cases:
+            for conns in CONCURRENCY:
+                y = wrk(chat_url, body, conns)
+                b = wrk(bare.url + bare_path, {"x": 1}, conns)
+                router_rate = round(y["requests_per_s"] * per_request)
+                bare_rate = round(b["requests_per_s"] * per_request)
+                share = round(router_rate / max(1, bare_rate), 3)
+                result[f"{key}_{conns}"] = {"router_per_s": router_rate,
+                                            "bare_per_s": bare_rate, "share_of_bare": share,
+                                            "router_errors": y["non_2xx"]}
+                rows.append((label, str(conns), str(router_rate), str(bare_rate), f"{share:.0%}"))
         for conns in (1, 16):
             lat = asyncio.run(added_latency(chat_url, conns))
             result[f"added_latency_{conns}"] = {"p50_ms": round(pct(lat, 50), 3),
