@@ -59,8 +59,9 @@ class RequestStream:
         self._error: APIError | None = None
 
     @property
-    def finished(self) -> bool:
-        return not self._open
+    def exhausted(self) -> bool:
+        """Nothing left to read: every generate finished, no delta and no error pending."""
+        return not self._open and not self._items and self._error is None
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():

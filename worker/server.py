@@ -66,12 +66,14 @@ class WorkerServer:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._outbox: list[Delta] = []
         self._flush_scheduled = False
+        self._drain_scheduled = False
         self._stopping = asyncio.Event()
 
     def _send(self, message: Any) -> None:
         self._sock.send(self._codec.encode(message), zmq.NOBLOCK)
         # ZeroMQ's descriptor is edge-triggered and a send may consume the edge.
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self._drain_scheduled and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
 
     def _emit(self, deltas: list[Delta]) -> None:
@@ -147,6 +149,7 @@ class WorkerServer:
         self._send(Pong(id=message.id, in_flight=len(self._tasks)))
 
     def _drain(self) -> None:
+        self._drain_scheduled = False
         while True:
             try:
                 frame = self._sock.recv(zmq.NOBLOCK, copy=False)

@@ -83,6 +83,8 @@ class Choices:
         self.model = model
         self.created = int(time.time())
         self.texts: list[list[str]] = [[] for _ in range(n_choices)]
+        self.aggregate = True
+        """Keep text and logprobs for one JSON body; a stream needs only usage and finish."""
         self.finish: list[str | None] = [None] * n_choices
         self.usage = Usage()
         self._head = b""
@@ -127,10 +129,11 @@ class ChatChoices(Choices):
 
     def add(self, d: Delta) -> list[dict[str, Any]] | None:
         self.usage.add(d)
-        self.texts[d.index].append(d.text)
         items = self._logprob_items(d.logprobs) if self.want_logprobs and d.logprobs else None
-        if items:
-            self.logprobs[d.index].extend(items)
+        if self.aggregate:
+            self.texts[d.index].append(d.text)
+            if items:
+                self.logprobs[d.index].extend(items)
         if d.finish_reason is not None:
             self.finish[d.index] = d.finish_reason
         return items
@@ -193,7 +196,8 @@ class CompletionChoices(Choices):
             self.started[i] = True
             if self.echo is not None:
                 text = self.echo[i // self.n] + text
-        self.texts[i].append(text)
+        if self.aggregate:
+            self.texts[i].append(text)
         lp = None
         if self.want_logprobs and d.logprobs:
             lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -203,9 +207,10 @@ class CompletionChoices(Choices):
                 lp["top_logprobs"].append({a.token: a.logprob for a in t.top})
                 lp["text_offset"].append(self.chars[i])
                 self.chars[i] += len(t.token)
-            for key, store in (("tokens", self.tokens), ("token_logprobs", self.token_logprobs),
-                               ("top_logprobs", self.top), ("text_offset", self.offsets)):
-                store[i].extend(lp[key])
+            if self.aggregate:
+                for key, store in (("tokens", self.tokens), ("token_logprobs", self.token_logprobs),
+                                   ("top_logprobs", self.top), ("text_offset", self.offsets)):
+                    store[i].extend(lp[key])
         if d.finish_reason is not None:
             self.finish[i] = d.finish_reason
         self._last_text = text
@@ -289,6 +294,7 @@ class OpenAIAPI:
         try:
             stream = link.submit(gens)
             choices: Choices = make(lease.entry.id)
+            choices.aggregate = not streaming
             try:
                 # Wait for the first output so that a refused request is a JSON 4xx, not
                 # an SSE stream that starts 200 and then carries an error.
@@ -306,7 +312,7 @@ class OpenAIAPI:
         try:
             for d in first:
                 choices.add(d)
-            if not stream.finished:  # long answer: stop generating if the client leaves
+            if not stream.exhausted:  # long answer: stop generating if the client leaves
                 await unless_disconnected(request, self._drain(stream, choices))
         except ClientGone:
             return Response(status_code=499)
