@@ -347,7 +347,7 @@ class Supervisor:
                         self._spawn_task(self._sleep(entry))
                     else:
                         entry.state = "stopping"  # now, not when the task first runs
-                        self._spawn_task(self.stop(entry, already_stopping=True))
+                        self._spawn_task(self._finish_stop(entry, self._workers[entry.id]))
 
     async def _sleep(self, entry: ModelEntry) -> None:
         link = entry.link
@@ -379,8 +379,7 @@ class Supervisor:
             await self.stop(entry)
 
     # -- stopping ----------------------------------------------------------------------
-    async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 10.0,
-                   already_stopping: bool = False) -> None:
+    async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 10.0) -> None:
         """Stop a model's worker. In-flight requests finish first (up to
         ``drain_timeout``) unless ``force``, which ends them with a 503 at once. Requests
         that arrive meanwhile wait and start the model again."""
@@ -392,11 +391,16 @@ class Supervisor:
             if entry.state != "failed":
                 entry.state = "unloaded"
             return
-        if entry.state == "stopping" and not already_stopping:
+        if entry.state == "stopping":
             while entry.id in self._workers and self._workers[entry.id] is worker:
                 await asyncio.sleep(POLL)  # another stop is under way; wait for it
             return
         entry.state = "stopping"
+        await self._finish_stop(entry, worker, force, grace)
+
+    async def _finish_stop(self, entry: ModelEntry, worker: _Worker, force: bool = False,
+                           grace: float = 10.0) -> None:
+        """The rest of a stop, once ``entry`` is marked ``stopping``."""
         if force:
             worker.link.fail(ModelUnavailable(f"model '{entry.id}' was unloaded"))
         else:
