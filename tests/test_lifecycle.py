@@ -99,16 +99,25 @@ def test_alternating_models_under_max_loaded_1_never_cuts_a_stream(life: RouterP
 
 
 def test_reaped_after_ttl_but_not_while_a_stream_is_open(life: RouterProcess) -> None:
+    # ~7 s of tokens. The state is read at most every 0.5 s: a read per line made the
+    # client fall behind the stream, so it read "stopping" for lines the server had
+    # sent (and released its lease after) more than the ttl earlier.
+    checks: list[tuple[float, str]] = []
     with httpx.stream("POST", f"{life.url}/v1/chat/completions", timeout=600, json={
-            "model": "blinky", "messages": STORY, "max_tokens": 60, "stream": True,
+            "model": "blinky", "messages": STORY, "max_tokens": 100, "stream": True,
             "ignore_eos": True}) as r:
         started = None
         for line in r.iter_lines():
-            if started is None and line.startswith("data: "):
-                started = time.monotonic()
-            if started and time.monotonic() - started > 2.5:  # well past the 1 s ttl
-                assert models(life)["blinky"]["state"] == "ready"
-        assert started and time.monotonic() - started > 2.5
+            if not line.startswith("data: {"):
+                continue
+            now = time.monotonic()
+            if started is None:
+                started = now
+            elif now - started > 2.5 and (not checks or now - checks[-1][0] > 0.5):
+                checks.append((now, models(life)["blinky"]["state"]))  # ttl is 1 s
+        last_token = time.monotonic()
+    assert checks and last_token - checks[0][0] > 1, (started, checks, last_token)
+    assert [state for _, state in checks] == ["ready"] * len(checks)
     ended = time.monotonic()
     while models(life)["blinky"]["state"] == "ready" and time.monotonic() - ended < 5:
         time.sleep(0.05)
