@@ -99,12 +99,12 @@ def test_alternating_models_under_max_loaded_1_never_cuts_a_stream(life: RouterP
 
 
 def test_reaped_after_ttl_but_not_while_a_stream_is_open(life: RouterProcess) -> None:
-    # ~7 s of tokens. The state is read at most every 0.5 s: a read per line made the
+    # ~11 s of tokens here. The state is read at most every 0.5 s: a read per line made the
     # client fall behind the stream, so it read "stopping" for lines the server had
     # sent (and released its lease after) more than the ttl earlier.
     checks: list[tuple[float, str]] = []
     with httpx.stream("POST", f"{life.url}/v1/chat/completions", timeout=600, json={
-            "model": "blinky", "messages": STORY, "max_tokens": 100, "stream": True,
+            "model": "blinky", "messages": STORY, "max_tokens": 160, "stream": True,
             "ignore_eos": True}) as r:
         started = None
         for line in r.iter_lines():
