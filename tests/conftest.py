@@ -38,6 +38,9 @@ class RouterProcess:
         self.preset.write_text(preset_text.replace("{port}", str(self.port)))
         self.log_path = workdir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        # For frequent polls: a fresh ``httpx.get`` builds an SSL context each time,
+        # ~60 ms here and several times that on a CPU busy with vLLM.
+        self.client = httpx.Client(timeout=10)
 
     @property
     def url(self) -> str:
@@ -55,7 +58,7 @@ class RouterProcess:
         while time.monotonic() < deadline:
             assert self.proc is not None and self.proc.poll() is None, self.tail()
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if self.client.get(self.url + "/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass  # not listening yet
@@ -65,7 +68,7 @@ class RouterProcess:
     def wait_model(self, model: str, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            state = httpx.get(f"{self.url}/v1/models/{model}", timeout=5).json().get("state")
+            state = self.client.get(f"{self.url}/v1/models/{model}").json().get("state")
             if state == "ready":
                 return
             assert state != "failed", self.tail()
@@ -87,6 +90,7 @@ class RouterProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+        self.client.close()
 
 
 @contextlib.contextmanager

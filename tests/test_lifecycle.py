@@ -43,7 +43,7 @@ def life(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-d
 
 
 def models(r: RouterProcess) -> dict[str, dict]:  # type: ignore[type-arg]
-    return {m["id"]: m for m in httpx.get(f"{r.url}/v1/models", timeout=10).json()["data"]}
+    return {m["id"]: m for m in r.client.get(f"{r.url}/v1/models").json()["data"]}
 
 
 def chat(r: RouterProcess, model: str, client: httpx.Client | None = None,
