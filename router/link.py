@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from router.errors import APIError, ModelUnavailable, WorkerLost
+from router.errors import APIError, BadRequest, ModelUnavailable, WorkerLost
 from shared.protocol import (
     Cancel,
     Delta,
@@ -162,12 +162,20 @@ class WorkerLink:
             self._routes[gen.id] = (stream, offset)
             stream._open[gen.id] = gen.sampling.n
             offset += gen.sampling.n
+        sent = 0
         try:
             for gen in gens:
                 self._send(gen)
-        except APIError:
-            for gen in gens:
-                self._routes.pop(gen.id, None)
+                sent += 1
+        except (APIError, OverflowError) as err:
+            for i, gen in enumerate(gens):
+                if i < sent:
+                    self.cancel(gen.id)  # already running in the worker: stop it
+                else:
+                    self._routes.pop(gen.id, None)
+            if isinstance(err, OverflowError):  # an integer the schema did not bound
+                raise BadRequest("an integer in the request does not fit in 64 bits",
+                                 code="invalid_value") from None
             raise
         return stream
 

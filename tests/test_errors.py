@@ -35,6 +35,13 @@ def post(base_url: str, path: str, **kw) -> httpx.Response:  # type: ignore[no-u
     ({"model": "smollm2", "messages": HI, "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     ({"model": "smollm2", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0]"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400,
+     None),                                                                    # invalid UTF-8
+    ({"model": "smollm2", "messages": HI, "seed": 2**63}, 400, "seed"),       # beyond int64
+    ({"model": "smollm2", "messages": HI, "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    # Refused by vLLM's own checks in the worker, not by the router:
+    ({"model": "smollm2", "messages": HI, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ({"model": "smollm2", "messages": HI, "stop_token_ids": [99999999]}, 400, "stop_token_ids"),
 ])
 def test_bad_chat_bodies_get_400_naming_the_field(base_url: str, body, status: int,  # type: ignore[no-untyped-def]
                                                   param: str | None) -> None:
@@ -50,7 +57,8 @@ def test_bad_completion_bodies(base_url: str) -> None:
     for body, param in [({"model": "smollm2", "prompt": ""}, "prompt"),
                         ({"model": "smollm2", "prompt": [1.5]}, "prompt"),
                         ({"model": "smollm2", "prompt": "x", "logprobs": 50}, "logprobs"),
-                        ({"model": "smollm2", "prompt": [99999999]}, "prompt")]:
+                        ({"model": "smollm2", "prompt": [99999999]}, "prompt"),
+                        ({"model": "smollm2", "prompt": [2**70]}, None)]:  # no int64 fits
         r = post(base_url, "/completions", json=body)
         assert r.status_code == 400, r.text
         validate("ErrorResponse", r.json())

@@ -188,8 +188,8 @@ class VllmEngine:
         params = self.sampling_params(gen.sampling, len(ids))
         want_logprobs = gen.sampling.logprobs
         top_n = gen.sampling.top_logprobs
-        async for out in self._llm.generate(tokens_input(ids), params, gen.id,
-                                            priority=gen.priority):
+        async for out in self._refusals(self._llm.generate(tokens_input(ids), params, gen.id,
+                                                           priority=gen.priority)):
             deltas = []
             for choice in out.outputs:
                 d = Delta(id=gen.id, index=choice.index, text=choice.text,
@@ -203,6 +203,21 @@ class VllmEngine:
                     d.cached_tokens = out.num_cached_tokens or 0
                 deltas.append(d)
             yield deltas
+
+    @staticmethod
+    async def _refusals(outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """vLLM's own request checks (token ids in the vocabulary, min_tokens against
+        max_tokens, ...) and its admission limits, as refusals the client can act on."""
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
+
+        try:
+            async for out in outputs:
+                yield out
+        except VLLMClientError as err:
+            raise RequestError(str(err), param=getattr(err, "parameter", None)) from None
+        except GracefulHTTPError as err:
+            raise RequestError(err.message, status=int(err.http_status),
+                               code="engine_busy") from None
 
     def _token_str(self, token_id: int, lp: Any) -> str:
         if lp.decoded_token is not None:

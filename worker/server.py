@@ -99,7 +99,8 @@ class WorkerServer:
             e: Any = err
             self._flush()  # keep order: deltas already produced go first
             self._send(Error(id=gen.id, message=e.message, status=e.status,
-                             type="invalid_request_error", param=e.param, code=e.code))
+                             type="invalid_request_error" if e.status < 500
+                             else "model_unavailable", param=e.param, code=e.code))
         except Exception as err:  # an engine failure ends this request, not the worker
             log.exception("request %s failed", gen.id)
             self._flush()

@@ -6,12 +6,16 @@ OpenAI documents. Unknown fields are ignored, as OpenAI and vLLM do.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from router.errors import BadRequest
 from shared.protocol import ChatMessage, SamplingSpec
+
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+"""Every integer a client sends must fit the wire protocol (and OpenAI's own int64)."""
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -41,30 +45,30 @@ class _Sampling(msgspec.Struct, kw_only=True):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int64 = 0
+    stop_token_ids: list[Int64] | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[RequestMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -75,11 +79,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]
     """A string, a list of token ids, or a list of either (msgspec allows one array type)."""
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
@@ -108,8 +112,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out: dict[int, float] = {}
     for key, value in bias.items():
-        _check(key.lstrip("-").isdigit(), f"'logit_bias' keys must be token ids, got '{key}'",
-               "logit_bias")
+        _check(key.isdigit() and len(key) <= 18, f"'logit_bias' keys must be token ids, "
+               f"got '{key}'", "logit_bias")
         _range(value, -100, 100, "logit_bias")
         out[int(key)] = value
     return out
@@ -129,6 +133,9 @@ def _common(req: _Sampling, max_tokens: int | None) -> SamplingSpec:
     _check(max_tokens is None or max_tokens >= 1,
            f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
     _check(req.min_tokens >= 0, "'min_tokens' must be >= 0", "min_tokens")
+    _check(max_tokens is None or req.min_tokens <= max_tokens,
+           f"'min_tokens' ({req.min_tokens}) must not exceed 'max_tokens' ({max_tokens})",
+           "min_tokens")
     return SamplingSpec(
         max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
         top_k=req.top_k, min_p=req.min_p, presence_penalty=req.presence_penalty,

@@ -99,7 +99,7 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
         raise BadRequest(_AT.sub("", text) + (f" (at '{_param_of(text)}')" if _param_of(text)
                                                else ""),
                          param=_param_of(text), code="invalid_type") from None
-    except msgspec.DecodeError as err:
+    except (msgspec.DecodeError, UnicodeDecodeError) as err:  # invalid UTF-8 is the latter
         raise BadRequest(f"request body is not valid JSON: {err}", code="invalid_json") from None
 
 
