@@ -39,6 +39,7 @@ def post(base_url: str, path: str, **kw) -> httpx.Response:  # type: ignore[no-u
      None),                                                                    # invalid UTF-8
     ({"model": "smollm2", "messages": HI, "seed": 2**63}, 400, "seed"),       # beyond int64
     ({"model": "smollm2", "messages": HI, "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
+    ({"model": "smollm2", "messages": HI, "tool_choice": "required"}, 400, "tool_choice"),
     # Refused by vLLM's own checks in the worker, not by the router:
     ({"model": "smollm2", "messages": HI, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"model": "smollm2", "messages": HI, "stop_token_ids": [99999999]}, 400, "stop_token_ids"),

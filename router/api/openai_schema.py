@@ -171,6 +171,9 @@ def chat_sampling(req: ChatCompletionRequest) -> tuple[SamplingSpec, list[ChatMe
     if req.tools:
         raise BadRequest("tool calling is not supported yet", param="tools",
                          code="unsupported_parameter")
+    if req.tool_choice not in (None, "none", "auto"):  # as OpenAI: a choice needs tools
+        raise BadRequest("'tool_choice' requires 'tools'", param="tool_choice",
+                         code="invalid_value")
     if req.response_format is not None and req.response_format.type != "text":
         raise BadRequest(f"response_format '{req.response_format.type}' is not supported yet",
                          param="response_format", code="unsupported_parameter")
