@@ -182,37 +182,31 @@ class VllmEngine:
     # -- generation ------------------------------------------------------------------
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
         """Yield the new output of each engine step as deltas (one per advanced choice)."""
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.inputs.engine import tokens_input
 
         ids = self.prompt_ids(gen)
         params = self.sampling_params(gen.sampling, len(ids))
         want_logprobs = gen.sampling.logprobs
         top_n = gen.sampling.top_logprobs
-        async for out in self._refusals(self._llm.generate(tokens_input(ids), params, gen.id,
-                                                           priority=gen.priority)):
-            deltas = []
-            for choice in out.outputs:
-                d = Delta(id=gen.id, index=choice.index, text=choice.text,
-                          tokens=len(choice.token_ids))
-                if want_logprobs and choice.logprobs:
-                    d.logprobs = self._logprobs(choice.token_ids, choice.logprobs, top_n)
-                if choice.finish_reason is not None:
-                    d.finish_reason = "length" if choice.finish_reason == "length" else "stop"
-                    d.stop_reason = choice.stop_reason
-                    d.prompt_tokens = len(ids)
-                    d.cached_tokens = out.num_cached_tokens or 0
-                deltas.append(d)
-            yield deltas
-
-    @staticmethod
-    async def _refusals(outputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """vLLM's own request checks (token ids in the vocabulary, min_tokens against
-        max_tokens, ...) and its admission limits, as refusals the client can act on."""
-        from vllm.exceptions import GracefulHTTPError, VLLMClientError
-
+        outputs = self._llm.generate(tokens_input(ids), params, gen.id, priority=gen.priority)
         try:
             async for out in outputs:
-                yield out
+                deltas = []
+                for choice in out.outputs:
+                    d = Delta(id=gen.id, index=choice.index, text=choice.text,
+                              tokens=len(choice.token_ids))
+                    if want_logprobs and choice.logprobs:
+                        d.logprobs = self._logprobs(choice.token_ids, choice.logprobs, top_n)
+                    if choice.finish_reason is not None:
+                        d.finish_reason = "length" if choice.finish_reason == "length" else "stop"
+                        d.stop_reason = choice.stop_reason
+                        d.prompt_tokens = len(ids)
+                        d.cached_tokens = out.num_cached_tokens or 0
+                    deltas.append(d)
+                yield deltas
+        # vLLM's own request checks (token ids in the vocabulary, min_tokens, ...) and its
+        # admission limits are refusals the client can act on, not engine failures.
         except VLLMClientError as err:
             raise RequestError(str(err), param=getattr(err, "parameter", None)) from None
         except GracefulHTTPError as err:
