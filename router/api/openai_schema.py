@@ -112,7 +112,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out: dict[int, float] = {}
     for key, value in bias.items():
-        _check(key.isdigit() and len(key) <= 18, f"'logit_bias' keys must be token ids, "
+        _check(key.isdigit() and int(key) < 2**63, f"'logit_bias' keys must be token ids, "
                f"got '{key}'", "logit_bias")
         _range(value, -100, 100, "logit_bias")
         out[int(key)] = value
