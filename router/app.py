@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException
 
 from router.api.admin import AdminAPI
 from router.api.openai import OpenAIAPI
+from router.api.relay import Relay
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
 from router.errors import APIError
 from router.registry import ModelRegistry
@@ -31,7 +32,7 @@ def build_app(preset: Preset) -> Starlette:
     runtime_dir = Path(server.runtime_dir or tempfile.mkdtemp(prefix="modelyard-"))
     runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     supervisor = Supervisor(registry, server, runtime_dir)
-    openai = OpenAIAPI(supervisor, server, server.max_body_bytes)
+    openai = OpenAIAPI(Relay(supervisor), server.max_body_bytes)
     admin = AdminAPI(supervisor, server.max_body_bytes)
 
     @contextlib.asynccontextmanager

@@ -18,6 +18,10 @@ from shared.protocol import (
     Cancel,
     Delta,
     Deltas,
+    Detokenize,
+    DetokenizeResult,
+    Embed,
+    Embeddings,
     Error,
     Generate,
     Ping,
@@ -188,7 +192,7 @@ class WorkerLink:
         if self._routes.pop(gen_id, None) is not None:
             self.completed += 1
 
-    async def _call(self, message: Tokenize | Ping | Sleep | Wake) -> object:
+    async def _call(self, message: Tokenize | Detokenize | Embed | Ping | Sleep | Wake) -> object:
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._calls[message.id] = future
         try:
@@ -200,6 +204,16 @@ class WorkerLink:
     async def tokenize(self, req: Tokenize) -> TokenizeResult:
         result = await self._call(req)
         assert isinstance(result, TokenizeResult)
+        return result
+
+    async def detokenize(self, req: Detokenize) -> str:
+        result = await self._call(req)
+        assert isinstance(result, DetokenizeResult)
+        return result.text
+
+    async def embed(self, req: Embed) -> Embeddings:
+        result = await self._call(req)
+        assert isinstance(result, Embeddings)
         return result
 
     async def ping(self) -> Pong:
@@ -242,7 +256,7 @@ class WorkerLink:
         elif isinstance(message, Ready):
             if not self._ready.done():
                 self._ready.set_result(message)
-        elif isinstance(message, (TokenizeResult, Pong)):
+        elif isinstance(message, (TokenizeResult, DetokenizeResult, Embeddings, Pong)):
             future = self._calls.get(message.id)
             if future is not None and not future.done():
                 future.set_result(message)

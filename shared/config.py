@@ -113,9 +113,14 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Footprint counted against ``memory_budget_gib``; default: CPU ``kv_cache_gib`` + 1,
     GPU ``gpu_memory_utilization`` × the device's memory (NVML)."""
     load_on_startup: bool = False
+    task: Literal["generate", "embed"] = "generate"
+    """``embed`` runs the model with vLLM's pooling runner for ``/v1/embeddings``."""
     chat_template: str | None = None
+    """Jinja text, or the path of a ``.jinja`` file (relative to the preset's folder)."""
     tool_parser: str | None = None
+    """vLLM's tool parser name (``hermes``, ``llama3_json`` ...) for ``tool_choice: auto``."""
     reasoning_parser: str | None = None
+    """vLLM's reasoning parser name (``deepseek_r1``, ``qwen3``, ``olmo3`` ...)."""
     owned_by: str = "modelyard"
     engine_args: dict[str, Any] = {}
     """Extra ``AsyncEngineArgs`` keyword arguments, passed through unchanged."""
@@ -174,8 +179,24 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
             raise ConfigError(f"{source}: model '{name}': must be a mapping of keys")
         merged = {**defaults, **body, "id": name}
         models[name] = _convert(merged, ModelSpec, f"{source}: model '{name}'")
+        _read_template(models[name], source)
     _check_names(models, server, source)
     return Preset(server=server, models=models, source=source)
+
+
+def _read_template(spec: ModelSpec, source: str) -> None:
+    """A ``chat_template`` that is not Jinja text names a file: read it now."""
+    value = spec.chat_template
+    if value is None or "{{" in value or "{%" in value:
+        return
+    base = Path(source).parent if source and not source.startswith("<") else Path.cwd()
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else base / path
+    try:
+        spec.chat_template = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"{source}: model '{spec.id}': key 'chat_template': cannot read "
+                          f"{path}: {err.strerror}") from None
 
 
 def _check_names(models: dict[str, ModelSpec], server: ServerConfig, source: str) -> None:

@@ -1,8 +1,12 @@
 """Messages between the router and a worker, encoded as msgpack with msgspec.
 
-Router → worker: ``Generate``, ``Cancel``, ``Tokenize``, ``Ping``, ``Shutdown``, ``Sleep``,
-``Wake``.
-Worker → router: ``Ready``, ``Deltas``, ``TokenizeResult``, ``Error``, ``Pong``.
+Router → worker: ``Generate``, ``Cancel``, ``Tokenize``, ``Detokenize``, ``Embed``, ``Ping``,
+``Shutdown``, ``Sleep``, ``Wake``.
+Worker → router: ``Ready``, ``Deltas``, ``TokenizeResult``, ``DetokenizeResult``,
+``Embeddings``, ``Error``, ``Pong``.
+
+Nothing here is shaped like any public protocol: the router's protocol modules (OpenAI,
+and the next ones) translate to and from these.
 
 Every struct is ``array_like`` (no field names on the wire) with ``omit_defaults`` and
 ``gc=False``, as vLLM's own engine client does: the per-token path stays small and cheap.
@@ -12,7 +16,7 @@ step, instead of one message per token.
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -46,17 +50,57 @@ class SamplingSpec(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
     logit_bias: dict[int, float] | None = None
 
 
-class ChatMessage(msgspec.Struct, omit_defaults=True, gc=False):
-    """One chat turn, already flattened to text by the protocol module that received it.
+class ToolCall(msgspec.Struct, omit_defaults=True, gc=False):
+    """A call the assistant made earlier in the conversation (history, not output)."""
 
-    Encoded as a map so that ``msgspec.to_builtins`` gives exactly the dict a chat
-    template expects.
+    id: str
+    name: str
+    arguments: str = "{}"
+    """JSON text, as the model wrote it."""
+
+
+class MediaPart(msgspec.Struct, omit_defaults=True, gc=False):
+    """A non-text part of a message; ``index`` is its place in the client's content array."""
+
+    type: str
+    """``image_url``, ``input_audio``, ``video_url`` ..."""
+    index: int
+    url: str | None = None
+    data: str | None = None
+    format: str | None = None
+
+
+class ChatMessage(msgspec.Struct, omit_defaults=True, gc=False):
+    """One chat turn; text parts are already joined by the protocol module.
+
+    Encoded as a map: it is nested data, not a per-token message.
     """
 
     role: str
     content: str | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    """For ``role: tool``: the call this message answers."""
+    tool_calls: list[ToolCall] | None = None
+    media: list[MediaPart] | None = None
+
+
+class Tool(msgspec.Struct, omit_defaults=True, gc=False):
+    """A function the model may call; ``parameters`` is its JSON schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Constraint(msgspec.Struct, omit_defaults=True, gc=False):
+    """Structured output: exactly one field is set (vLLM's ``StructuredOutputsParams``)."""
+
+    json: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class Generate(msgspec.Struct, tag="generate", **_MSG):  # type: ignore[call-arg]
@@ -70,6 +114,14 @@ class Generate(msgspec.Struct, tag="generate", **_MSG):  # type: ignore[call-arg
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     priority: int = 0
+    tools: list[Tool] | None = None
+    tool_choice: str = "auto"
+    """``auto``, ``none``, ``required``, or ``function`` (then ``tool_name`` is the one)."""
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    constraint: Constraint | None = None
+    template_kwargs: dict[str, Any] | None = None
+    """Extra chat-template variables (``enable_thinking``, ``reasoning_effort`` ...)."""
 
 
 class Cancel(msgspec.Struct, tag="cancel", **_MSG):  # type: ignore[call-arg]
@@ -87,6 +139,21 @@ class Tokenize(msgspec.Struct, tag="tokenize", **_MSG):  # type: ignore[call-arg
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[Tool] | None = None
+    template_kwargs: dict[str, Any] | None = None
+
+
+class Detokenize(msgspec.Struct, tag="detokenize", **_MSG):  # type: ignore[call-arg]
+    id: str
+    token_ids: list[int]
+
+
+class Embed(msgspec.Struct, tag="embed", **_MSG):  # type: ignore[call-arg]
+    """Embed each input (text or token ids) with a pooling model."""
+
+    id: str
+    inputs: list[Union[str, list[int]]]
+    dimensions: int | None = None
 
 
 class Ping(msgspec.Struct, tag="ping", **_MSG):  # type: ignore[call-arg]
@@ -110,7 +177,7 @@ class Wake(msgspec.Struct, tag="wake", **_MSG):  # type: ignore[call-arg]
     id: str
 
 
-ToWorker = Union[Generate, Cancel, Tokenize, Ping, Shutdown, Sleep, Wake]
+ToWorker = Union[Generate, Cancel, Tokenize, Detokenize, Embed, Ping, Shutdown, Sleep, Wake]
 
 
 class TopLogprob(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
@@ -126,11 +193,23 @@ class TokenLogprob(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
     top: list[TopLogprob] = []
 
 
+class ToolCallDelta(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
+    """A piece of a tool call the model is making: the first piece of call ``index``
+    carries ``id`` and ``name``; later ones carry argument text only."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
 class Delta(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
     """New output of one choice of one request since its previous delta.
 
     ``finish_reason`` is set on the choice's last delta, which also carries the prompt's
-    token counts (needed for ``usage``). ``tokens`` counts the new token ids.
+    token counts (needed for ``usage``). ``tokens`` counts the new token ids. ``text`` is
+    answer text only: reasoning and tool calls, parsed by the worker, travel apart.
+    ``finish_reason`` is ``stop``, ``length``, ``tool_calls`` or ``abort``.
     """
 
     id: str
@@ -142,6 +221,8 @@ class Delta(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
     logprobs: list[TokenLogprob] | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    reasoning: str = ""
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class Ready(msgspec.Struct, tag="ready", **_MSG):  # type: ignore[call-arg]
@@ -150,6 +231,8 @@ class Ready(msgspec.Struct, tag="ready", **_MSG):  # type: ignore[call-arg]
     model: str
     max_model_len: int
     pid: int
+    task: str = "generate"
+    """``generate`` or ``embed``: what the loaded engine can do."""
 
 
 class Deltas(msgspec.Struct, tag="deltas", **_MSG):  # type: ignore[call-arg]
@@ -161,6 +244,17 @@ class TokenizeResult(msgspec.Struct, tag="tokens", **_MSG):  # type: ignore[call
     token_ids: list[int]
     max_model_len: int
     token_strs: list[str] | None = None
+
+
+class DetokenizeResult(msgspec.Struct, tag="text", **_MSG):  # type: ignore[call-arg]
+    id: str
+    text: str
+
+
+class Embeddings(msgspec.Struct, tag="embeddings", **_MSG):  # type: ignore[call-arg]
+    id: str
+    vectors: list[list[float]]
+    prompt_tokens: int
 
 
 class Error(msgspec.Struct, tag="error", **_MSG):  # type: ignore[call-arg]
@@ -184,7 +278,7 @@ class Pong(msgspec.Struct, tag="pong", **_MSG):  # type: ignore[call-arg]
     in_flight: int = 0
 
 
-ToRouter = Union[Ready, Deltas, TokenizeResult, Error, Pong]
+ToRouter = Union[Ready, Deltas, TokenizeResult, DetokenizeResult, Embeddings, Error, Pong]
 
 
 class Codec:

@@ -35,7 +35,8 @@ class RouterProcess:
         self.port = free_port()
         self.workdir = workdir
         self.preset = workdir / f"{name}.yaml"
-        self.preset.write_text(preset_text.replace("{port}", str(self.port)))
+        self.preset.write_text(preset_text.replace("{port}", str(self.port))
+                               .replace("{root}", str(ROOT)))
         self.log_path = workdir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         # For frequent polls: a fresh ``httpx.get`` builds an SSL context each time,
@@ -118,17 +119,26 @@ models:
     cpu_cores: "0"
     max_model_len: 2048
     load_on_startup: true
+    chat_template: {root}/configs/templates/chatml-tools.jinja
+    tool_parser: hermes
   smollm2-b:
     model: "builtin:smollm2"
     aliases: [second-worker]
     cpu_cores: "1"
     max_model_len: 1024
+    reasoning_parser: olmo3
+  smollm2-embed:
+    model: "builtin:smollm2"
+    task: embed
+    cpu_cores: "1"
+    max_model_len: 512
 """
 
 
 @pytest.fixture(scope="session")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    """The shared router: ``smollm2`` loads at start-up, ``smollm2-b`` on first use."""
+    """The shared router: ``smollm2`` (tools: hermes) loads at start-up; ``smollm2-b``
+    (reasoning: olmo3) and ``smollm2-embed`` (embeddings) on first use."""
     with running_router(MAIN_PRESET, tmp_path_factory.mktemp("router"), "main") as r:
         r.wait_model("smollm2", timeout=600)
         yield r

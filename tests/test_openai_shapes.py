@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
-from router.api.openai import ChatChoices, CompletionChoices
+from router.api.openai.chat import ChatShaper
+from router.api.openai.completions import CompletionShaper
+from router.api.relay import Usage
 from router.errors import BadRequest, ModelNotFound
-from shared.protocol import Delta, TokenLogprob, TopLogprob
+from shared.protocol import Delta, TokenLogprob, ToolCallDelta, TopLogprob
 from tests.conformance import validate
 
 
@@ -19,14 +21,22 @@ def lp(tok: str) -> list[TokenLogprob]:
 
 
 def test_chat_chunks_and_body() -> None:
-    c = ChatChoices("chatcmpl-1", "m", 2, logprobs=True)
-    out = c.chunks([Delta(id="r", index=0, text="Hel", tokens=1, logprobs=lp("Hel")),
-                    Delta(id="r", index=1, text="Yo", tokens=1, logprobs=lp("Yo"))])
-    out += c.chunks([Delta(id="r", index=0, text="lo", tokens=1, logprobs=lp("lo"),
-                           finish_reason="stop", prompt_tokens=5, cached_tokens=2),
-                     Delta(id="r", index=1, text="", tokens=1, finish_reason="length",
-                           prompt_tokens=5, cached_tokens=2)])
-    out += c.usage_chunk()
+    c = ChatShaper("chatcmpl-1", "m", 2, logprobs=True, include_usage=True)
+    agg = ChatShaper("chatcmpl-1", "m", 2, logprobs=True)
+    usage = Usage()
+    batches = [[Delta(id="r", index=0, text="Hel", tokens=1, logprobs=lp("Hel")),
+                Delta(id="r", index=1, text="Yo", tokens=1, logprobs=lp("Yo"))],
+               [Delta(id="r", index=0, text="lo", tokens=1, logprobs=lp("lo"),
+                      finish_reason="stop", prompt_tokens=5, cached_tokens=2),
+                Delta(id="r", index=1, text="", tokens=1, finish_reason="length",
+                      prompt_tokens=5, cached_tokens=2)]]
+    out = b""
+    for batch in batches:
+        usage.add(batch)
+        out += c.chunks(batch)
+        agg.add(batch)
+    out += c.close(usage)
+    assert out.endswith(b"data: [DONE]\n\n")
     chunks = events(out)
     for chunk in chunks:
         validate("CreateChatCompletionStreamResponse", chunk)
@@ -35,22 +45,29 @@ def test_chat_chunks_and_body() -> None:
     assert roles == [0, 1]
     assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 4,
                                    "total_tokens": 9, "prompt_tokens_details": {"cached_tokens": 2}}
-    body = c.response()
+    body = agg.body(usage)
     validate("CreateChatCompletionResponse", body)
     assert [ch["message"]["content"] for ch in body["choices"]] == ["Hello", "Yo"]
     assert [ch["finish_reason"] for ch in body["choices"]] == ["stop", "length"]
 
 
 def test_completion_chunks_body_echo_and_offsets() -> None:
-    c = CompletionChoices("cmpl-1", "m", 2, logprobs=True, echo=["A: ", "B: "], n=1)
-    out = c.chunks([Delta(id="r-0", index=0, text="x", tokens=1, logprobs=lp("x")),
-                    Delta(id="r-1", index=1, text="yz", tokens=1, logprobs=lp("yz"),
-                          finish_reason="stop", prompt_tokens=3)])
-    out += c.chunks([Delta(id="r-0", index=0, text="w", tokens=1, logprobs=lp("w"),
-                           finish_reason="length", prompt_tokens=4)])
+    c = CompletionShaper("cmpl-1", "m", 2, logprobs=True, echo=["A: ", "B: "], n=1)
+    agg = CompletionShaper("cmpl-1", "m", 2, logprobs=True, echo=["A: ", "B: "], n=1)
+    usage = Usage()
+    batches = [[Delta(id="r-0", index=0, text="x", tokens=1, logprobs=lp("x")),
+                Delta(id="r-1", index=1, text="yz", tokens=1, logprobs=lp("yz"),
+                      finish_reason="stop", prompt_tokens=3)],
+               [Delta(id="r-0", index=0, text="w", tokens=1, logprobs=lp("w"),
+                      finish_reason="length", prompt_tokens=4)]]
+    out = b""
+    for batch in batches:
+        usage.add(batch)
+        out += c.chunks(batch)
+        agg.add(batch)
     for chunk in events(out):
         validate("CompletionStreamChunk", chunk)
-    body = c.response()
+    body = agg.body(usage)
     validate("CreateCompletionResponse", body)
     assert [ch["text"] for ch in body["choices"]] == ["A: xw", "B: yz"]
     assert body["choices"][0]["logprobs"]["text_offset"] == [0, 1]
@@ -60,3 +77,41 @@ def test_completion_chunks_body_echo_and_offsets() -> None:
 def test_error_bodies_conform() -> None:
     validate("ErrorResponse", BadRequest("bad", param="n").body())
     validate("ErrorResponse", ModelNotFound("no").body())
+
+
+def test_chat_tool_calls_and_reasoning_shapes() -> None:
+    """Reasoning, text before a call, and a call's pieces: chunks and the assembled body."""
+    batches = [[Delta(id="r", text="", reasoning="think", tokens=1)],
+               [Delta(id="r", text="Sure.", tokens=1)],
+               [Delta(id="r", tokens=2, tool_calls=[ToolCallDelta(0, "call_1", "get", '{"a"')])],
+               [Delta(id="r", tokens=2, tool_calls=[ToolCallDelta(0, arguments=': 1}')],
+                      finish_reason="tool_calls", prompt_tokens=9)]]
+    stream, agg, usage = ChatShaper("c", "m", 1, False), ChatShaper("c", "m", 1, False), Usage()
+    out = b""
+    for batch in batches:
+        usage.add(batch)
+        out += stream.chunks(batch)
+        agg.add(batch)
+    chunks = events(out)
+    for chunk in chunks:
+        validate("CreateChatCompletionStreamResponse", chunk)
+    deltas = [ch["choices"][0]["delta"] for ch in chunks]
+    assert deltas[1] == {"reasoning_content": "think"}
+    assert deltas[3]["tool_calls"] == [{"index": 0, "id": "call_1", "type": "function",
+                                        "function": {"name": "get", "arguments": '{"a"'}}]
+    assert deltas[4]["tool_calls"] == [{"index": 0, "function": {"arguments": ": 1}"}}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    body = agg.body(usage)
+    validate("CreateChatCompletionResponse", body)
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == "think" and message["content"] == "Sure."
+    assert message["tool_calls"] == [{"id": "call_1", "type": "function",
+                                      "function": {"name": "get", "arguments": '{"a": 1}'}}]
+    legacy = ChatShaper("c", "m", 1, False, legacy_functions=True)
+    for batch in batches:
+        legacy.add(batch)
+    body = legacy.body(usage)
+    validate("CreateChatCompletionResponse", body)
+    assert body["choices"][0]["finish_reason"] == "function_call"
+    assert body["choices"][0]["message"]["function_call"] == {"name": "get",
+                                                             "arguments": '{"a": 1}'}

@@ -7,8 +7,10 @@ server around it knows nothing of vLLM.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -17,12 +19,16 @@ from shared.config import ModelSpec
 from shared.protocol import (
     ChatMessage,
     Delta,
+    Detokenize,
+    Embed,
     Generate,
     SamplingSpec,
     Tokenize,
     TokenLogprob,
+    ToolCallDelta,
     TopLogprob,
 )
+from worker.tools import named_call_schema, required_calls_schema
 
 log = logging.getLogger("modelyard.worker")
 
@@ -78,6 +84,9 @@ def engine_args_for(spec: ModelSpec, model_path: str,
         args["max_model_len"] = spec.max_model_len
     if spec.max_num_seqs:
         args["max_num_seqs"] = spec.max_num_seqs
+    if spec.task == "embed":  # a decoder turned into a pooling model (last-token embeddings)
+        args["runner"] = "pooling"
+        args["convert"] = "embed"
     if spec.device == "cuda":
         if spec.idle_action == "sleep":
             args["enable_sleep_mode"] = True
@@ -90,7 +99,7 @@ def engine_args_for(spec: ModelSpec, model_path: str,
 
 
 class VllmEngine:
-    """One vLLM ``AsyncLLM`` serving one model."""
+    """One vLLM ``AsyncLLM`` serving one model (generation, or embeddings for ``task: embed``)."""
 
     def __init__(self, llm: Any, spec: ModelSpec) -> None:
         from vllm.sampling_params import RequestOutputKind
@@ -98,11 +107,21 @@ class VllmEngine:
         self._llm = llm
         self._spec = spec
         self._delta_kind = RequestOutputKind.DELTA
+        self.task = spec.task
         self.tokenizer = llm.get_tokenizer()
+        self.model_config = llm.model_config
         self.max_model_len: int = llm.model_config.max_model_len
         # Defaults from the model's generation_config.json, as `vllm serve` applies them.
-        self._defaults: dict[str, Any] = llm.model_config.get_diff_sampling_param()
+        self._defaults: dict[str, Any] = (llm.model_config.get_diff_sampling_param()
+                                          if spec.task == "generate" else {})
         self._chat_template = spec.chat_template
+        self._tool_parser = _tool_parser_class(spec.tool_parser)
+        self._reasoning_parser = _reasoning_parser_class(spec.reasoning_parser)
+        # Rendering and tokenizing run here, off the event loop, so a huge prompt does
+        # not stall the model's other streams; one thread, as HF tokenizers are not
+        # meant to be shared across threads.
+        self._render_pool = ThreadPoolExecutor(1, thread_name_prefix="render")
+        self._max_token_chars = 0
 
     @classmethod
     def start(cls, spec: ModelSpec, model_path: str) -> VllmEngine:
@@ -113,29 +132,76 @@ class VllmEngine:
         llm = AsyncLLM.from_engine_args(args)
         return cls(llm, spec)
 
-    # -- prompts ---------------------------------------------------------------------
-    def _render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                     continue_final_message: bool) -> list[int]:
-        if not messages:
+    # -- prompts (these run in the render thread) -----------------------------------
+    def _conversation(self, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+        """Messages as the OpenAI-style dicts vLLM's chat utilities take."""
+        out: list[dict[str, Any]] = []
+        for i, m in enumerate(messages):
+            if m.media:
+                part = m.media[0]
+                if not self.model_config.is_multimodal_model:
+                    raise RequestError(
+                        f"content part type '{part.type}' needs a multimodal model; "
+                        f"'{self._spec.id}' reads text only",
+                        param=f"messages[{i}].content[{part.index}]", code="unsupported_content")
+                raise RequestError("multimodal content parts are not supported by this "
+                                   "server yet", param=f"messages[{i}].content[{part.index}]",
+                                   code="unsupported_content")
+            turn: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+            if m.name is not None:
+                turn["name"] = m.name
+            if m.tool_call_id is not None:
+                turn["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                turn["tool_calls"] = [{"id": c.id, "type": "function",
+                                       "function": {"name": c.name, "arguments": c.arguments}}
+                                      for c in m.tool_calls]
+            out.append(turn)
+        return out
+
+    def _render_chat(self, req: Generate | Tokenize) -> str:
+        from vllm.renderers.chat_utils import parse_chat_messages
+        from vllm.renderers.hf import safe_apply_chat_template
+
+        assert req.messages is not None
+        if not req.messages:
             raise RequestError("'messages' must contain at least one message", param="messages")
-        conversation = [msgspec.to_builtins(m) for m in messages]
-        for turn in conversation:  # templates index message['content'] as a string
-            turn.setdefault("content", "")
+        cont = isinstance(req, Generate) and req.continue_final_message
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, chat_template=self._chat_template,
-                add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message)
+            conversation, _, _ = parse_chat_messages(
+                self._conversation(req.messages), self.model_config, "string")
+            tools = ([{"type": "function", "function": msgspec.to_builtins(t)}
+                      for t in req.tools] if req.tools else None)
+            text: str = safe_apply_chat_template(
+                self.model_config, self.tokenizer, conversation, tools=tools,
+                chat_template=self._chat_template, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt and not cont,
+                continue_final_message=cont, **(req.template_kwargs or {}))
+        except RequestError:
+            raise
         except Exception as err:  # a template's own checks (roles, order) are user errors
             raise RequestError(f"chat template rejected the messages: {err}",
                                param="messages") from None
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
-        return ids
+        return text
+
+    def _check_size(self, text: str) -> None:
+        """Refuse, without tokenizing, a text that cannot fit the context.
+
+        No token stands for more than 4 bytes per character of its vocabulary string, so
+        a text needs at least ``len(text) / longest`` tokens: a 30 MiB prompt is refused
+        in microseconds instead of seconds of tokenizing.
+        """
+        if not self._max_token_chars:
+            self._max_token_chars = max(len(t) for t in self.tokenizer.get_vocab()) * 4
+        if len(text) > self.max_model_len * self._max_token_chars:
+            raise _too_long(self.max_model_len, f"at least {len(text) // self._max_token_chars}")
 
     def prompt_ids(self, gen: Generate | Tokenize, add_special_tokens: bool = True) -> list[int]:
         if gen.messages is not None:
-            cont = isinstance(gen, Generate) and gen.continue_final_message
-            return self._render_chat(gen.messages, gen.add_generation_prompt, cont)
+            text = self._render_chat(gen)
+            self._check_size(text)
+            ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+            return ids
         if isinstance(gen, Generate) and gen.prompt_token_ids is not None:
             vocab = len(self.tokenizer)
             bad = next((t for t in gen.prompt_token_ids if not 0 <= t < vocab), None)
@@ -144,25 +210,35 @@ class VllmEngine:
                                    param="prompt")
             return list(gen.prompt_token_ids)
         if gen.prompt is not None:
-            ids: list[int] = self.tokenizer.encode(gen.prompt, add_special_tokens=add_special_tokens)
+            self._check_size(gen.prompt)
+            ids = self.tokenizer.encode(gen.prompt, add_special_tokens=add_special_tokens)
             return ids
         raise RequestError("a prompt or messages are required", param="prompt")
 
-    def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]:
-        ids = self.prompt_ids(req, req.add_special_tokens)
+    async def _off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
+
+    async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]:
+        ids = await self._off_loop(self.prompt_ids, req, req.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return ids, strs
 
+    async def detokenize(self, req: Detokenize) -> str:
+        vocab = len(self.tokenizer)
+        bad = next((t for t in req.token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is out of vocabulary (size {vocab})",
+                               param="tokens")
+        text: str = await self._off_loop(self.tokenizer.decode, req.token_ids)
+        return text
+
     # -- sampling --------------------------------------------------------------------
-    def sampling_params(self, spec: SamplingSpec, prompt_len: int) -> Any:
+    def sampling_params(self, gen: Generate, prompt_len: int, skip_special: bool) -> Any:
         from vllm import SamplingParams
 
+        spec = gen.sampling
         if prompt_len >= self.max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, your prompt contains {prompt_len} tokens, which leaves no room "
-                "for output. Please reduce the length of the prompt.",
-                param="messages", code="context_length_exceeded")
+            raise _too_long(self.max_model_len, str(prompt_len))
         room = self.max_model_len - prompt_len
         chosen = {k: v for k, v in msgspec.structs.asdict(spec).items()
                   if v is not None and k in _OPTIONAL_SAMPLING}
@@ -173,11 +249,56 @@ class VllmEngine:
             n=spec.n, stop=spec.stop or None, stop_token_ids=spec.stop_token_ids or None,
             ignore_eos=spec.ignore_eos, min_tokens=spec.min_tokens,
             logprobs=spec.top_logprobs if spec.logprobs else None,
-            logit_bias=spec.logit_bias, output_kind=self._delta_kind)
+            logit_bias=spec.logit_bias, output_kind=self._delta_kind,
+            skip_special_tokens=skip_special,
+            structured_outputs=self._structured(gen))
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as err:
             raise RequestError(str(err)) from None
+
+    @staticmethod
+    def _structured(gen: Generate) -> Any:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        if gen.tools and gen.tool_choice == "required":
+            return StructuredOutputsParams(
+                json=required_calls_schema(gen.tools, gen.parallel_tool_calls),
+                disable_any_whitespace=True)
+        if gen.tools and gen.tool_choice == "function":
+            try:
+                schema = named_call_schema(gen.tools, gen.tool_name or "")
+            except KeyError:
+                raise RequestError(f"tool_choice names '{gen.tool_name}', which is not in "
+                                   "'tools'", param="tool_choice") from None
+            return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+        c = gen.constraint
+        if c is None:
+            return None
+        return StructuredOutputsParams(json=c.json, regex=c.regex, choice=c.choice,
+                                       grammar=c.grammar,
+                                       json_object=True if c.json_object else None)
+
+    def _output_parser(self, gen: Generate) -> Callable[[], OutputParser] | None:
+        """A factory of per-choice output parsers, or None when text passes through."""
+        tools = bool(gen.tools) and gen.tool_choice != "none"
+        if gen.messages is None or (not tools and self._reasoning_parser is None):
+            return None
+        tool_parser = None
+        if tools and gen.tool_choice == "auto":
+            if self._tool_parser is None:
+                raise RequestError(
+                    f"model '{self._spec.id}' has no tool_parser in its preset, so it cannot "
+                    "choose tools itself; use tool_choice 'required' or a named function",
+                    param="tool_choice", code="unsupported_parameter")
+            tool_parser = self._tool_parser
+        request = _vllm_request(gen) if tool_parser or self._reasoning_parser else None
+        mode = gen.tool_choice if tools else "none"
+        return lambda: OutputParser(
+            mode, gen.tool_name,
+            tool_parser(self.tokenizer, request.tools) if tool_parser else None,
+            self._reasoning_parser(self.tokenizer) if self._reasoning_parser else None,
+            request)
 
     # -- generation ------------------------------------------------------------------
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
@@ -185,8 +306,14 @@ class VllmEngine:
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
         from vllm.inputs.engine import tokens_input
 
-        ids = self.prompt_ids(gen)
-        params = self.sampling_params(gen.sampling, len(ids))
+        if self.task != "generate":
+            raise RequestError(f"model '{self._spec.id}' is an embedding model",
+                               param="model", code="wrong_model_task")
+        ids = await self._off_loop(self.prompt_ids, gen)
+        make_parser = self._output_parser(gen)
+        # Tool markup may be a special token; the parser must see it to cut it out.
+        params = self.sampling_params(gen, len(ids), skip_special=make_parser is None)
+        parsers: dict[int, OutputParser] = {}
         want_logprobs = gen.sampling.logprobs
         top_n = gen.sampling.top_logprobs
         outputs = self._llm.generate(tokens_input(ids), params, gen.id, priority=gen.priority)
@@ -196,10 +323,23 @@ class VllmEngine:
                 for choice in out.outputs:
                     d = Delta(id=gen.id, index=choice.index, text=choice.text,
                               tokens=len(choice.token_ids))
+                    if make_parser is not None:
+                        parser = parsers.get(choice.index)
+                        if parser is None:
+                            parser = parsers[choice.index] = make_parser()
+                        parser.feed(d, choice.token_ids, choice.finish_reason is not None)
                     if want_logprobs and choice.logprobs:
                         d.logprobs = self._logprobs(choice.token_ids, choice.logprobs, top_n)
+                    if choice.finish_reason == "abort":
+                        # The engine gave up on the request: an error, not a quiet "stop".
+                        yield deltas
+                        raise RequestError("the engine aborted this generation", status=503,
+                                           code="generation_aborted")
                     if choice.finish_reason is not None:
-                        d.finish_reason = "length" if choice.finish_reason == "length" else "stop"
+                        d.finish_reason = _finish_reason(choice.finish_reason)
+                        if d.finish_reason == "stop" and parsers.get(choice.index) and \
+                                parsers[choice.index].called:
+                            d.finish_reason = "tool_calls"
                         d.stop_reason = choice.stop_reason
                         d.prompt_tokens = len(ids)
                         d.cached_tokens = out.num_cached_tokens or 0
@@ -212,6 +352,43 @@ class VllmEngine:
         except GracefulHTTPError as err:
             raise RequestError(err.message, status=int(err.http_status),
                                code="engine_busy") from None
+
+    async def embed(self, req: Embed) -> tuple[list[list[float]], int]:
+        """One vector per input, and the number of prompt tokens embedded."""
+        from vllm import PoolingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs.engine import tokens_input
+
+        if self.task != "embed":
+            raise RequestError(f"model '{self._spec.id}' does not serve embeddings (its "
+                               "preset needs 'task: embed')", param="model",
+                               code="wrong_model_task")
+        prompts = []
+        for i, item in enumerate(req.inputs):
+            ids = (await self._off_loop(self.prompt_ids, Tokenize(id="", prompt=item))
+                   if isinstance(item, str) else
+                   self.prompt_ids(Generate(id="", sampling=_NO_SAMPLING, prompt_token_ids=item)))
+            if len(ids) > self.max_model_len:
+                raise RequestError(f"input {i} has {len(ids)} tokens; this model embeds at "
+                                   f"most {self.max_model_len}", param="input",
+                                   code="context_length_exceeded")
+            prompts.append(ids)
+        params = PoolingParams(task="embed", dimensions=req.dimensions)
+
+        async def one(i: int, ids: list[int]) -> list[float]:
+            result = None
+            async for out in self._llm.encode(tokens_input(ids), params, f"{req.id}-{i}"):
+                result = out
+            assert result is not None
+            vector: list[float] = result.outputs.data.tolist()
+            return vector
+
+        try:
+            vectors = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+        except (VLLMClientError, ValueError) as err:
+            raise RequestError(str(err), param=getattr(err, "parameter", None)
+                               or "dimensions") from None
+        return list(vectors), sum(len(p) for p in prompts)
 
     def _token_str(self, token_id: int, lp: Any) -> str:
         if lp.decoded_token is not None:
@@ -240,6 +417,151 @@ class VllmEngine:
     def shutdown(self) -> None:
         self._llm.shutdown()
 
+
+def _too_long(max_model_len: int, prompt_tokens: str) -> RequestError:
+    return RequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt contains {prompt_tokens} tokens, which leaves no room for output. Please "
+        "reduce the length of the prompt.", param="messages", code="context_length_exceeded")
+
+
+def _finish_reason(vllm_reason: str) -> str:
+    """vLLM says stop, length or abort; the caller turns an abort into an error."""
+    return "length" if vllm_reason == "length" else "stop"
+
+
+def _tool_parser_class(name: str | None) -> Any:
+    if name is None:
+        return None
+    from vllm.tool_parsers import ToolParserManager
+
+    return ToolParserManager.get_tool_parser(name)
+
+
+def _reasoning_parser_class(name: str | None) -> Any:
+    if name is None:
+        return None
+    from vllm.reasoning import ReasoningParserManager
+
+    return ReasoningParserManager.get_reasoning_parser(name)
+
+
+def _vllm_request(gen: Generate) -> Any:
+    """The vLLM request object its parsers read (tools, tool_choice, skip_special_tokens)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    tools = [{"type": "function", "function": msgspec.to_builtins(t)} for t in gen.tools or []]
+    return ChatCompletionRequest(messages=[], tools=tools or None,
+                                 tool_choice="auto" if tools else "none",
+                                 skip_special_tokens=False)
+
+
+class OutputParser:
+    """Splits one choice's streamed output into answer text, reasoning and tool calls.
+
+    Runs vLLM's own parsers (they keep per-request state, hence one instance per choice)
+    on each delta: the reasoning parser first, then, on what it leaves as content, the
+    tool parser (``auto``), vLLM's scanner of a forced JSON array (``required``), or
+    nothing but the arguments themselves (a named function). On the last delta whatever
+    a streaming parser still holds back is flushed, if its non-streaming reading agrees.
+    """
+
+    def __init__(self, mode: str, tool_name: str | None, tool_parser: Any,
+                 reasoning_parser: Any, request: Any) -> None:
+        self.mode = mode
+        self.tool_name = tool_name
+        self.tools = tool_parser
+        self.reasoning = reasoning_parser
+        self.request = request
+        self.text, self.ids = "", []  # type: tuple[str, list[int]]
+        self.content, self.content_ids = "", []  # type: tuple[str, list[int]]
+        self.sent_reasoning = ""
+        self.sent_content = ""
+        self.called = False
+
+    def feed(self, d: Delta, token_ids: Any, last: bool) -> None:
+        """Rewrite ``d`` (its ``text`` is the raw delta) into its parsed parts."""
+        delta_text, delta_ids = d.text, list(token_ids)
+        prev_text, prev_ids = self.text, self.ids
+        self.text, self.ids = prev_text + delta_text, prev_ids + delta_ids
+        content, content_ids = delta_text, delta_ids
+        if self.reasoning is not None:
+            msg = self.reasoning.extract_reasoning_streaming(
+                prev_text, self.text, delta_text, prev_ids, self.ids, delta_ids)
+            d.reasoning = (msg.reasoning or "") if msg else ""
+            content = (msg.content or "") if msg else ""
+            content_ids = delta_ids if content else []
+            self.sent_reasoning += d.reasoning
+            if last:
+                more_reasoning, more_content = self._reasoning_rest(content)
+                d.reasoning += more_reasoning
+                content += more_content
+        calls: list[ToolCallDelta] = []
+        d.text = self._content(content, content_ids, calls)
+        if last and self.mode == "auto" and not self.called:
+            final = self.tools.extract_tool_calls(self.content, self.request)
+            rest = final.content or ""
+            if not final.tools_called and rest.startswith(self.sent_content):
+                d.text += rest[len(self.sent_content):]  # text held back as a possible tag
+                self.sent_content = rest
+        if calls:
+            d.tool_calls = calls
+
+    def _reasoning_rest(self, content: str) -> tuple[str, str]:
+        reasoning, final_content = self.reasoning.extract_reasoning(self.text, self.request)
+        reasoning, final_content = reasoning or "", final_content or ""
+        streamed_content = self.content + content
+        if reasoning.startswith(self.sent_reasoning) and \
+                final_content.startswith(streamed_content):
+            more = reasoning[len(self.sent_reasoning):]
+            self.sent_reasoning = reasoning
+            return more, final_content[len(streamed_content):]
+        return "", ""
+
+    def _content(self, delta: str, ids: list[int], calls: list[ToolCallDelta]) -> str:
+        """Feed answer-side text to the tool parsing; return what is plain text."""
+        prev = self.content
+        self.content += delta
+        self.content_ids = self.content_ids + ids
+        if self.mode == "none" or not delta:
+            self.sent_content += delta
+            return delta
+        if self.mode == "function":
+            calls.append(ToolCallDelta(index=0, arguments=delta) if self.called else
+                         ToolCallDelta(index=0, id=_call_id(), name=self.tool_name,
+                                       arguments=delta))
+            self.called = True
+            return ""
+        if self.mode == "required":
+            from vllm.tool_parsers.streaming import extract_required_tool_call_streaming
+
+            msg, _ = extract_required_tool_call_streaming(
+                previous_text=prev, current_text=self.content, tool_call_idx=None,
+                tool_call_id_type="random")
+        else:
+            msg = self.tools.extract_tool_calls_streaming(
+                prev, self.content, delta, self.content_ids[:len(self.content_ids) - len(ids)],
+                self.content_ids, ids, self.request)
+        if msg is None:
+            return ""
+        for tc in msg.tool_calls:
+            fn = tc.function
+            name = fn.name if fn else None
+            self.called = self.called or name is not None
+            calls.append(ToolCallDelta(index=tc.index, id=tc.id, name=name,
+                                       arguments=(fn.arguments or "") if fn else ""))
+        text = msg.content or ""
+        self.sent_content += text
+        return text
+
+
+def _call_id() -> str:
+    from vllm.renderers.chat_utils import make_tool_call_id
+
+    return str(make_tool_call_id())
+
+
+_NO_SAMPLING = SamplingSpec()
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "seed")

@@ -18,6 +18,10 @@ from shared.protocol import (
     Cancel,
     Delta,
     Deltas,
+    Detokenize,
+    DetokenizeResult,
+    Embed,
+    Embeddings,
     Error,
     Generate,
     Ping,
@@ -38,9 +42,12 @@ class Engine(Protocol):
     """What the server needs of an engine (``VllmEngine`` or the synthetic one)."""
 
     max_model_len: int
+    task: str
 
     def generate(self, gen: Generate) -> Any: ...  # AsyncIterator[list[Delta]]
-    def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]: ...
+    async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]: ...
+    async def detokenize(self, req: Detokenize) -> str: ...
+    async def embed(self, req: Embed) -> tuple[list[list[float]], int]: ...
     async def abort(self, request_id: str) -> None: ...
     async def sleep(self, level: int) -> None: ...
     async def wake(self) -> None: ...
@@ -108,16 +115,29 @@ class WorkerServer:
         finally:
             self._tasks.pop(gen.id, None)
 
-    def _tokenize(self, req: Tokenize) -> None:
+    async def _answer(self, req: Tokenize | Detokenize | Embed) -> None:
+        """Run a one-shot request (no stream) and send its result or its error."""
+        reply: Any
         try:
-            ids, strs = self._engine.tokenize(req)
+            if isinstance(req, Tokenize):
+                ids, strs = await self._engine.tokenize(req)
+                reply = TokenizeResult(id=req.id, token_ids=ids, token_strs=strs,
+                                       max_model_len=self._engine.max_model_len)
+            elif isinstance(req, Detokenize):
+                reply = DetokenizeResult(id=req.id, text=await self._engine.detokenize(req))
+            else:
+                vectors, tokens = await self._engine.embed(req)
+                reply = Embeddings(id=req.id, vectors=vectors, prompt_tokens=tokens)
         except self._request_error as err:
             e: Any = err
-            self._send(Error(id=req.id, message=e.message, status=e.status,
-                             type="invalid_request_error", param=e.param, code=e.code))
-            return
-        self._send(TokenizeResult(id=req.id, token_ids=ids,
-                                  max_model_len=self._engine.max_model_len, token_strs=strs))
+            reply = Error(id=req.id, message=e.message, status=e.status,
+                          type="invalid_request_error", param=e.param, code=e.code)
+        except Exception as err:  # an engine failure ends this request, not the worker
+            log.exception("request %s failed", req.id)
+            reply = Error(id=req.id, message=f"engine error: {err}", status=500)
+        finally:
+            self._tasks.pop(req.id, None)
+        self._send(reply)
 
     def _handle(self, message: object) -> None:
         if isinstance(message, Generate):
@@ -129,8 +149,8 @@ class WorkerServer:
             task = self._tasks.pop(message.id, None)
             if task is not None:
                 task.cancel()
-        elif isinstance(message, Tokenize):
-            self._tokenize(message)
+        elif isinstance(message, (Tokenize, Detokenize, Embed)):
+            self._tasks[message.id] = asyncio.create_task(self._answer(message))
         elif isinstance(message, Ping):
             self._send(Pong(id=message.id, in_flight=len(self._tasks)))
         elif isinstance(message, (Sleep, Wake)):
@@ -184,7 +204,7 @@ class WorkerServer:
         self._engine = engine
         self._request_error = request_error
         self._send(Ready(model=self._model, max_model_len=self._engine.max_model_len,
-                         pid=os.getpid()))
+                         pid=os.getpid(), task=self._engine.task))
         loop = asyncio.get_running_loop()
         fd = self._sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)

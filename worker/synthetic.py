@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator
 
 from shared.config import ModelSpec, parse_cores
-from shared.protocol import Delta, Generate, Tokenize
+from shared.protocol import Delta, Detokenize, Embed, Generate, Tokenize
 
 
 class SyntheticError(Exception):
@@ -29,6 +29,8 @@ class SyntheticError(Exception):
 
 class SyntheticEngine:
     """Synthetic: no model, for router benchmarks and fault injection only."""
+
+    task = "generate"
 
     def __init__(self, spec: ModelSpec) -> None:
         self.max_model_len = spec.max_model_len or 4096
@@ -49,9 +51,15 @@ class SyntheticEngine:
             return len(req.prompt_token_ids)
         return len((req.prompt or "").split()) + 1
 
-    def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]:
+    async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]:
         n = self._prompt_len(req)
         return list(range(n)), (["tok"] * n if req.return_token_strs else None)
+
+    async def detokenize(self, req: Detokenize) -> str:
+        return "tok " * len(req.token_ids)
+
+    async def embed(self, req: Embed) -> tuple[list[list[float]], int]:
+        raise SyntheticError("the synthetic engine has no embeddings", param="model")
 
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
         prompt_len = self._prompt_len(gen)

@@ -1,5 +1,6 @@
 """modelyard's REST extensions and OpenAI's model list: ``/v1/models``, ``/v1/models/{id}``,
-``/v1/models/load``, ``/v1/models/unload``, ``/v1/tokenize``, ``/health``.
+``/v1/models/load``, ``/v1/models/unload``, ``/health``. No generation and no protocol
+module's internals: those live in the protocol packages and the relay.
 """
 
 from __future__ import annotations
@@ -13,27 +14,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.api.openai_schema import RequestMessage, flatten_message
-from router.api.wire import JSONResponse, read_body, request_id
-from router.errors import APIError, BadRequest, ModelNotFound
+from router.api.wire import JSONResponse, read_body
+from router.errors import APIError, ModelNotFound
 from router.registry import ModelEntry
 from router.supervisor import Supervisor
-from shared.protocol import Tokenize
 
 
 class ModelAction(msgspec.Struct, kw_only=True):
     model: str
     wait: bool = True
     force: bool = False
-
-
-class TokenizeRequest(msgspec.Struct, kw_only=True):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[RequestMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
 
 
 class AdminAPI:
@@ -49,7 +39,6 @@ class AdminAPI:
             Route("/v1/models/load", self.load, methods=["POST"]),
             Route("/v1/models/unload", self.unload, methods=["POST"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
-            Route("/v1/tokenize", self.tokenize, methods=["POST"]),
             Route("/health", self.health, methods=["GET"]),
         ]
 
@@ -58,7 +47,8 @@ class AdminAPI:
         now = time.monotonic()
         extra: dict[str, Any] = {
             "state": entry.state, "aliases": entry.spec.aliases,
-            "engine": entry.spec.engine, "device": entry.spec.device,
+            "engine": entry.spec.engine, "task": entry.spec.task,
+            "device": entry.spec.device,
             "pid": entry.pid, "in_flight": entry.leases, "queued": entry.queued,
             "ttl": self.supervisor.ttl(entry), "failures": entry.failures,
             "max_model_len": entry.max_model_len, "load_seconds": entry.load_seconds,
@@ -104,26 +94,6 @@ class AdminAPI:
         entry = self.registry.resolve(body.model)
         await self.supervisor.stop(entry, force=body.force)
         return JSONResponse(self.model_object(entry))
-
-    async def tokenize(self, request: Request) -> Response:
-        body = await read_body(request, TokenizeRequest, self.max_body_bytes)
-        if (body.prompt is None) == (body.messages is None):
-            raise BadRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
-        messages = ([flatten_message(m, i) for i, m in enumerate(body.messages)]
-                    if body.messages is not None else None)
-        lease, link = await self.supervisor.acquire(body.model)
-        with lease:
-            result = await link.tokenize(Tokenize(
-                id=f"tok-{request_id()}", prompt=body.prompt, messages=messages,
-                add_special_tokens=body.add_special_tokens,
-                add_generation_prompt=body.add_generation_prompt,
-                return_token_strs=body.return_token_strs))
-        out: dict[str, Any] = {"model": lease.entry.id, "count": len(result.token_ids),
-                               "max_model_len": result.max_model_len,
-                               "tokens": result.token_ids}
-        if result.token_strs is not None:
-            out["token_strs"] = result.token_strs
-        return JSONResponse(out)
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok",

@@ -1,5 +1,5 @@
-"""HTTP plumbing every protocol module shares: typed body decoding, JSON and SSE framing,
-OpenAI-shaped error responses, and client-disconnect detection.
+"""HTTP plumbing every protocol module shares: typed body decoding, JSON responses, error
+responses, and client-disconnect detection (SSE framing is ``sse.py``).
 """
 
 from __future__ import annotations
@@ -46,22 +46,11 @@ class JSONResponse(Response):
         return _json.encode(content)
 
 
-def sse(payload: Any) -> bytes:
-    """One server-sent event carrying ``payload`` as JSON."""
-    return b"data: " + _json.encode(payload) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def encode_json(payload: Any) -> bytes:
-    return _json.encode(payload)
-
-
-def error_response(err: APIError) -> JSONResponse:
+def error_response(err: APIError, body: Any = None) -> JSONResponse:
+    """``err`` as a response; ``body`` replaces OpenAI's error shape for other protocols."""
     headers = {"Retry-After": "1"} if err.status in (429, 503) else None
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+    return JSONResponse(err.body() if body is None else body, status_code=err.status,
+                        headers=headers)
 
 
 def _param_of(message: str) -> str | None:

@@ -1,0 +1,53 @@
+"""OpenAI's HTTP API on the relay: chat, completions, embeddings, tokenize/detokenize.
+
+Each endpoint decodes its body (``schema``) into ``shared.protocol`` messages and hands
+them to the relay with its shaper (``chat``, ``completions``); errors keep OpenAI's
+``{"error": {...}}`` shape, which is also the router's default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from router.api.openai.chat import chat_completions
+from router.api.openai.completions import completions
+from router.api.openai.embeddings import embeddings
+from router.api.openai.tokens import detokenize, tokenize
+from router.api.relay import Relay, protocol_route
+from router.errors import APIError
+
+Handler = Callable[[Relay, Request, int], Awaitable[Response]]
+
+
+def _error_body(err: APIError) -> dict[str, Any]:
+    return err.body()
+
+
+class OpenAIAPI:
+    """OpenAI's endpoints, bound to one relay."""
+
+    ENDPOINTS: dict[str, Handler] = {
+        "/v1/chat/completions": chat_completions,
+        "/v1/completions": completions,
+        "/v1/embeddings": embeddings,
+        "/v1/tokenize": tokenize,
+        "/v1/detokenize": detokenize,
+    }
+
+    def __init__(self, relay: Relay, max_body_bytes: int) -> None:
+        self.relay = relay
+        self.max_body_bytes = max_body_bytes
+
+    def _bind(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return await handler(self.relay, request, self.max_body_bytes)
+        return endpoint
+
+    def routes(self) -> list[Route]:
+        return [protocol_route(path, self._bind(h), _error_body)
+                for path, h in self.ENDPOINTS.items()]

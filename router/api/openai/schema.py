@@ -1,0 +1,415 @@
+"""OpenAI request bodies as msgspec Structs, and their translation to ``shared.protocol``.
+
+Decoding with types gives field errors for free; the functions below add the range checks
+OpenAI documents. Every documented field is honoured or answered with a 400
+``unsupported_parameter`` naming it; ``user``, ``metadata``, ``store``, ``service_tier``,
+``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier`` and ``verbosity``
+have no meaning here and are accepted and ignored. Unknown fields are ignored, as OpenAI
+and vLLM do.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from router.errors import BadRequest
+from shared.protocol import ChatMessage, Constraint, MediaPart, SamplingSpec, Tool, ToolCall
+
+
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+"""Every integer a client sends must fit the wire protocol (and OpenAI's own int64)."""
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class ImageURL(msgspec.Struct, kw_only=True):
+    url: str
+    detail: str | None = None
+
+
+class InputAudio(msgspec.Struct, kw_only=True):
+    data: str
+    format: str | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+    image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
+    refusal: str | None = None
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(msgspec.Struct, kw_only=True):
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall
+
+
+class RequestMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    function_call: FunctionCall | None = None
+    """Legacy: an assistant turn that called a function."""
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionName
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str = "response"
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True):
+    """vLLM's extension: constrain the output by exactly one of these."""
+
+    json: dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and completions (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: Int64 = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: Int64 | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: Int64 | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: Int64 = 0
+    stop_token_ids: list[Int64] | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[RequestMessage]
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[FunctionDefinition] | None = None
+    function_call: str | FunctionName | None = None
+    reasoning_effort: str | None = None
+    # fields OpenAI documents that this server cannot honour: a 400 names them
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    # vLLM extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[Any]
+    """A string, a list of token ids, or a list of either (msgspec allows one array type)."""
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Int64 | None = None
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+def _check(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise BadRequest(message, param=param, code="invalid_value")
+
+
+def _range(value: float | None, lo: float, hi: float, param: str) -> None:
+    if value is not None:
+        _check(lo <= value <= hi, f"'{param}' must be between {lo:g} and {hi:g}, got {value:g}",
+               param)
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    _check(len(stops) <= 64, "'stop' may hold at most 64 sequences", "stop")
+    _check(all(stops), "'stop' sequences must not be empty", "stop")
+    return stops
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        _check(key.isdigit() and int(key) < 2**63, f"'logit_bias' keys must be token ids, "
+               f"got '{key}'", "logit_bias")
+        _range(value, -100, 100, "logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def _common(req: _Sampling, max_tokens: int | None) -> SamplingSpec:
+    _range(req.temperature, 0, 2, "temperature")
+    _check(req.top_p is None or 0 < req.top_p <= 1, "'top_p' must be in (0, 1]", "top_p")
+    _check(1 <= req.n <= 128, f"'n' must be between 1 and 128, got {req.n}", "n")
+    _range(req.presence_penalty, -2, 2, "presence_penalty")
+    _range(req.frequency_penalty, -2, 2, "frequency_penalty")
+    _range(req.min_p, 0, 1, "min_p")
+    _check(req.repetition_penalty is None or req.repetition_penalty > 0,
+           "'repetition_penalty' must be > 0", "repetition_penalty")
+    _check(req.top_k is None or req.top_k == -1 or req.top_k >= 0,
+           "'top_k' must be -1, 0 or positive", "top_k")
+    _check(max_tokens is None or max_tokens >= 1,
+           f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
+    _check(req.min_tokens >= 0, "'min_tokens' must be >= 0", "min_tokens")
+    _check(max_tokens is None or req.min_tokens <= max_tokens,
+           f"'min_tokens' ({req.min_tokens}) must not exceed 'max_tokens' ({max_tokens})",
+           "min_tokens")
+    return SamplingSpec(
+        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+        top_k=req.top_k, min_p=req.min_p, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        seed=req.seed, stop=_stop_list(req.stop), stop_token_ids=req.stop_token_ids or [],
+        n=req.n, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
+        logit_bias=_logit_bias(req.logit_bias))
+
+
+def flatten_message(message: RequestMessage, i: int) -> ChatMessage:
+    """One OpenAI message as the wire's ``ChatMessage``: text parts joined, media kept."""
+    _check(message.role in _ROLES, f"unknown role '{message.role}'", f"messages[{i}].role")
+    content = message.content
+    media: list[MediaPart] = []
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type in ("text", "input_text") and part.text is not None:
+                texts.append(part.text)
+            elif part.type == "refusal" and part.refusal is not None:
+                texts.append(part.refusal)
+            elif part.type == "image_url" and part.image_url is not None:
+                media.append(MediaPart(type="image_url", index=j, url=part.image_url.url))
+            elif part.type == "input_audio" and part.input_audio is not None:
+                media.append(MediaPart(type="input_audio", index=j, data=part.input_audio.data,
+                                       format=part.input_audio.format))
+            else:
+                raise BadRequest(f"content part type '{part.type}' is not supported (or lacks "
+                                 "its field)", param=f"messages[{i}].content[{j}]",
+                                 code="unsupported_content")
+        content = "".join(texts)
+    if content is None and message.role in ("user", "system", "developer"):
+        raise BadRequest(f"messages[{i}] needs content", param=f"messages[{i}].content")
+    calls = None
+    if message.tool_calls:
+        calls = [ToolCall(id=c.id or f"call_{i}_{k}", name=c.function.name,
+                          arguments=_arguments_text(c.function.arguments))
+                 for k, c in enumerate(message.tool_calls)]
+    elif message.function_call is not None:  # legacy functions: one call, answered by name
+        calls = [ToolCall(id=f"call_{i}", name=message.function_call.name,
+                          arguments=_arguments_text(message.function_call.arguments))]
+    role = message.role
+    tool_call_id = message.tool_call_id
+    if role == "function":  # legacy result of a function call: a tool message
+        role, tool_call_id = "tool", tool_call_id or f"call_{i - 1}"
+    # Most chat templates know "system" but not OpenAI's newer "developer" role.
+    role = "system" if role == "developer" else role
+    return ChatMessage(role=role, content=content, name=message.name,
+                       tool_call_id=tool_call_id, tool_calls=calls, media=media or None)
+
+
+def _arguments_text(arguments: str | dict[str, Any]) -> str:
+    return arguments if isinstance(arguments, str) else msgspec.json.encode(arguments).decode()
+
+
+class ChatOptions(msgspec.Struct, kw_only=True):
+    """Everything a chat request asks beyond sampling, ready for ``Generate``."""
+
+    tools: list[Tool] | None = None
+    tool_choice: str = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    constraint: Constraint | None = None
+    template_kwargs: dict[str, Any] | None = None
+    legacy_functions: bool = False
+    """The client used ``functions``/``function_call``: answer in that shape too."""
+
+
+def _tools(req: ChatCompletionRequest) -> ChatOptions:
+    if req.functions is not None and req.tools is not None:
+        raise BadRequest("give 'tools' or the legacy 'functions', not both", param="functions")
+    legacy = req.functions is not None
+    defs = req.functions if legacy else [t.function for t in req.tools or []]
+    for k, t in enumerate(req.tools or []):
+        if t.type != "function":
+            raise BadRequest(f"tool type '{t.type}' is not supported (function only)",
+                             param=f"tools[{k}].type", code="unsupported_parameter")
+    names = [d.name for d in defs or []]
+    if len(set(names)) != len(names):
+        raise BadRequest("tool names must be unique", param="tools")
+    tools = [Tool(name=d.name, description=d.description, parameters=d.parameters)
+             for d in defs or []] or None
+    choice: str | NamedToolChoice | FunctionName | None = (
+        req.function_call if legacy else req.tool_choice)
+    opts = ChatOptions(tools=tools, legacy_functions=legacy,
+                       parallel_tool_calls=req.parallel_tool_calls is not False)
+    param = "function_call" if legacy else "tool_choice"
+    if choice is None:
+        opts.tool_choice = "auto" if tools else "none"
+    elif isinstance(choice, str):
+        _check(choice in ("auto", "none", "required"), f"'{param}' must be 'auto', 'none', "
+               f"'required' or a named function, got '{choice}'", param)
+        opts.tool_choice = choice
+    else:
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
+        _check(name in names, f"'{param}' names '{name}', which is not among the tools", param)
+        opts.tool_choice, opts.tool_name = "function", name
+    if not tools and opts.tool_choice not in ("none", "auto"):  # as OpenAI
+        raise BadRequest(f"'{param}' requires 'tools'", param=param, code="invalid_value")
+    return opts
+
+
+def _constraint(req: ChatCompletionRequest) -> Constraint | None:
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None and rf.type != "text":
+        if so is not None:
+            raise BadRequest("give 'response_format' or 'structured_outputs', not both",
+                             param="structured_outputs")
+        if rf.type == "json_object":
+            return Constraint(json_object=True)
+        if rf.type == "json_schema":
+            schema = rf.json_schema.schema if rf.json_schema else None
+            _check(isinstance(schema, dict), "'response_format.json_schema.schema' must be "
+                   "a JSON schema object", "response_format")
+            return Constraint(json=schema)
+        raise BadRequest(f"unknown response_format type '{rf.type}'",
+                         param="response_format", code="invalid_value")
+    if so is None:
+        return None
+    c = Constraint(json=so.json, json_object=bool(so.json_object), regex=so.regex,
+                   choice=so.choice, grammar=so.grammar)
+    given = sum((so.json is not None, bool(so.json_object), so.regex is not None,
+                 so.choice is not None, so.grammar is not None))
+    _check(given == 1, "'structured_outputs' takes exactly one of json, json_object, "
+           "regex, choice, grammar", "structured_outputs")
+    return c
+
+
+_UNSUPPORTED = ("audio", "prediction", "web_search_options", "moderation")
+
+
+def chat_sampling(req: ChatCompletionRequest) -> tuple[SamplingSpec, list[ChatMessage],
+                                                        ChatOptions]:
+    """Validate a chat request; return its sampling spec, messages and options."""
+    _check(bool(req.messages), "'messages' must contain at least one message", "messages")
+    for field in _UNSUPPORTED:
+        if getattr(req, field) is not None:
+            raise BadRequest(f"'{field}' is not supported by this server", param=field,
+                             code="unsupported_parameter")
+    if req.modalities is not None and set(req.modalities) - {"text"}:
+        raise BadRequest("only the 'text' modality is supported", param="modalities",
+                         code="unsupported_parameter")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    spec = _common(req, max_tokens)
+    if req.top_logprobs is not None:
+        _range(req.top_logprobs, 0, 20, "top_logprobs")
+        _check(req.logprobs, "'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    spec.logprobs = req.logprobs
+    spec.top_logprobs = req.top_logprobs or 0
+    opts = _tools(req)
+    constraint = _constraint(req)
+    if constraint is not None and opts.tool_choice in ("required", "function"):
+        raise BadRequest("a forced tool choice already constrains the output; drop "
+                         "'response_format'", param="response_format")
+    opts.constraint = constraint
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+    opts.template_kwargs = kwargs or None
+    return spec, [flatten_message(m, i) for i, m in enumerate(req.messages)], opts
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: one string or token list per prompt."""
+    p = req.prompt
+    if isinstance(p, str):
+        prompts: list[str | list[int]] = [p]
+    elif p and all(type(x) is int for x in p):
+        prompts = [list(p)]
+    else:
+        prompts = []
+        for x in p:
+            ok = isinstance(x, str) or (isinstance(x, list) and x
+                                        and all(type(t) is int for t in x))
+            _check(bool(ok), "'prompt' must be a string, a list of token ids, or a list of "
+                   "strings or of token-id lists", "prompt")
+            prompts.append(x)
+    _check(bool(prompts) and all(len(x) > 0 for x in prompts),
+           "'prompt' must not be empty", "prompt")
+    return prompts
+
+
+def completion_sampling(req: CompletionRequest) -> SamplingSpec:
+    if req.suffix:
+        raise BadRequest("'suffix' is not supported", param="suffix",
+                         code="unsupported_parameter")
+    _check(req.best_of is None or req.best_of == req.n,
+           "'best_of' other than 'n' is not supported", "best_of")
+    spec = _common(req, req.max_tokens)
+    if req.logprobs is not None:
+        _range(req.logprobs, 0, 20, "logprobs")
+        spec.logprobs = True
+        spec.top_logprobs = req.logprobs
+    return spec

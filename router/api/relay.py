@@ -1,0 +1,221 @@
+"""The protocol-neutral relay: the one path every generation request takes.
+
+    acquire (resolve + lease) → submit → wait for the first batch → stream or aggregate
+    → release → request log
+
+A protocol module supplies only its request decoding (into ``shared.protocol.Generate``)
+and a ``Shaper``: how a delta stream becomes its chunks, closing events, in-band error
+event and aggregated body. It adds no lifecycle, streaming or logging code; the relay
+knows nothing of any protocol's shapes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from router.api.sse import SSE_HEADERS
+from router.api.wire import ClientGone, JSONResponse, error_response, unless_disconnected
+from router.errors import APIError, BadRequest
+from router.link import RequestStream, WorkerLink
+from router.registry import Lease, ModelEntry
+from router.supervisor import Supervisor
+from shared.protocol import Delta, Generate
+
+log = logging.getLogger("modelyard.requests")
+
+
+class Usage:
+    """What one response generated: token counts, finish reasons, timings."""
+
+    __slots__ = ("prompt", "cached", "completion", "finish", "started", "first_at")
+
+    def __init__(self) -> None:
+        self.prompt: dict[str, int] = {}
+        self.cached: dict[str, int] = {}
+        self.completion = 0
+        self.finish: list[str] = []
+        self.started = time.perf_counter()
+        self.first_at = 0.0
+
+    def add(self, batch: list[Delta]) -> None:
+        if not self.first_at:
+            self.first_at = time.perf_counter()
+        for d in batch:
+            self.completion += d.tokens
+            if d.finish_reason is not None:
+                self.prompt[d.id] = d.prompt_tokens
+                self.cached[d.id] = d.cached_tokens
+                self.finish.append(d.finish_reason)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached.values())
+
+
+class Shaper(Protocol):
+    """How one protocol shapes one response's delta stream (built once the model is known)."""
+
+    def chunks(self, batch: list[Delta]) -> bytes:
+        """Stream: the bytes (SSE events) for one batch of deltas; may open the stream."""
+
+    def close(self, usage: Usage) -> bytes:
+        """Stream: the closing events (usage, stop, ``[DONE]`` ...)."""
+
+    def error_event(self, err: APIError) -> bytes:
+        """Stream: the in-band event for a failure after the stream began."""
+
+    def add(self, batch: list[Delta]) -> None:
+        """Aggregate: keep a batch for the body."""
+
+    def body(self, usage: Usage) -> dict[str, Any]:
+        """Aggregate: the whole response."""
+
+
+ErrorBody = Callable[[APIError], dict[str, Any]]
+
+
+def protocol_route(path: str, handler: Callable[[Request], Awaitable[Response]],
+                   error_body: ErrorBody) -> Route:
+    """A POST route whose errors take the protocol's own error shape."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as err:
+            return error_response(err, error_body(err))
+
+    return Route(path, endpoint, methods=["POST"])
+
+
+class Relay:
+    """Runs generation requests for every protocol module; see the module docstring."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    async def acquire(self, model: str | None, task: str = "generate") -> tuple[Lease, WorkerLink]:
+        """Resolve, lease and (if needed) load ``model``; it must serve ``task``."""
+        entry = self.supervisor.registry.resolve(model)
+        _check_task(entry, task)
+        return await self.supervisor.acquire(entry.id)
+
+    async def generate(self, request: Request, endpoint: str, model: str | None,
+                       gens: list[Generate], streaming: bool,
+                       shaper_for: Callable[[str], Shaper]) -> Response:
+        """Relay ``gens`` (one client request) and answer as ``shaper_for(model id)`` shapes it."""
+        usage = Usage()
+        lease, link = await self.acquire(model)
+        stream: RequestStream | None = None
+        try:
+            stream = link.submit(gens)
+            shaper = shaper_for(lease.entry.id)
+            try:
+                # Wait for the first output so that a refused request is a JSON 4xx, not
+                # a stream that starts 200 and then carries an error.
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                first = []
+        except BaseException as err:
+            if stream is not None:
+                stream.close()
+            lease.release()
+            if isinstance(err, APIError):
+                self._log(endpoint, lease.entry.id, streaming, err.status, usage)
+            raise
+        if streaming:
+            body = self._stream(stream, shaper, first, usage, lease, endpoint)
+            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+        status = 200
+        try:
+            usage.add(first)
+            shaper.add(first)
+            if not stream.exhausted:  # long answer: stop generating if the client leaves
+                await unless_disconnected(request, self._drain(stream, shaper, usage))
+        except ClientGone:
+            status = 499
+            return Response(status_code=499)
+        except APIError as err:
+            status = err.status
+            raise
+        finally:
+            stream.close()
+            lease.release()
+            self._log(endpoint, lease.entry.id, False, status, usage)
+        return JSONResponse(shaper.body(usage))
+
+    @staticmethod
+    async def _drain(stream: RequestStream, shaper: Shaper, usage: Usage) -> None:
+        async for batch in stream:
+            usage.add(batch)
+            shaper.add(batch)
+
+    async def _stream(self, stream: RequestStream, shaper: Shaper, first: list[Delta],
+                      usage: Usage, lease: Lease, endpoint: str) -> AsyncIterator[bytes]:
+        status = 200
+        try:
+            usage.add(first)
+            yield shaper.chunks(first)
+            try:
+                async for batch in stream:
+                    usage.add(batch)
+                    yield shaper.chunks(batch)
+            except APIError as err:  # the worker failed mid-stream: tell the client in-band
+                status = err.status
+                yield shaper.error_event(err)
+                return
+            yield shaper.close(usage)
+        except BaseException:
+            status = 499  # the client went away (the generator was closed or cancelled)
+            raise
+        finally:
+            stream.close()
+            lease.release()
+            self._log(endpoint, lease.entry.id, True, status, usage)
+
+    @staticmethod
+    def _log(endpoint: str, model: str, streaming: bool, status: int, usage: Usage) -> None:
+        """One line per request: what was asked, what came back, how fast."""
+        now = time.perf_counter()
+        ttft = (usage.first_at - usage.started) * 1000 if usage.first_at else 0.0
+        decode = (usage.completion / (now - usage.first_at)
+                  if usage.first_at and now > usage.first_at else 0.0)
+        log.info("%s model=%s stream=%s status=%d prompt=%d cached=%d completion=%d "
+                 "ttft_ms=%.0f decode_tps=%.1f total_ms=%.0f finish=%s", endpoint, model,
+                 str(streaming).lower(), status, usage.prompt_tokens, usage.cached_tokens,
+                 usage.completion, ttft, decode, (now - usage.started) * 1000,
+                 ",".join(usage.finish) or "-")
+
+    async def call(self, endpoint: str, model: str | None, task: str,
+                   work: Callable[[WorkerLink], Awaitable[Any]]) -> tuple[ModelEntry, Any]:
+        """A one-shot request (tokenize, embeddings ...): acquire, ``work(link)``, release."""
+        started = time.perf_counter()
+        lease, link = await self.acquire(model, task)
+        status = 200
+        try:
+            with lease:
+                return lease.entry, await work(link)
+        except APIError as err:
+            status = err.status
+            raise
+        finally:
+            log.info("%s model=%s status=%d total_ms=%.0f", endpoint, lease.entry.id, status,
+                     (time.perf_counter() - started) * 1000)
+
+
+def _check_task(entry: ModelEntry, task: str) -> None:
+    """Tokenizing works on any model; generating and embedding need the right kind."""
+    if task != "any" and entry.spec.task != task:
+        kind = "an embedding model" if entry.spec.task == "embed" else "a generation model"
+        raise BadRequest(f"model '{entry.id}' is {kind}; it cannot serve this endpoint",
+                         param="model", code="wrong_model_task")
