@@ -101,6 +101,8 @@ class Constraint(msgspec.Struct, omit_defaults=True, gc=False):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    param: str = "response_format"
+    """The request field it came from, named by errors (it is protocol-specific)."""
 
 
 class Generate(msgspec.Struct, tag="generate", **_MSG):  # type: ignore[call-arg]

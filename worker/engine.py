@@ -84,6 +84,11 @@ def engine_args_for(spec: ModelSpec, model_path: str,
         args["max_model_len"] = spec.max_model_len
     if spec.max_num_seqs:
         args["max_num_seqs"] = spec.max_num_seqs
+    # Compact JSON for every JSON constraint (tool calls, response_format): with free
+    # whitespace a small model at a high temperature can spend its whole budget on
+    # newlines and never close the object. vLLM reads this per engine, not per request,
+    # and only for the xgrammar and guidance backends.
+    args["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     if spec.task == "embed":  # a decoder turned into a pooling model (last-token embeddings)
         args["runner"] = "pooling"
         args["convert"] = "embed"
@@ -128,7 +133,13 @@ class VllmEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(**engine_args_for(spec, model_path))
+        from vllm.config import StructuredOutputsConfig
+
+        kwargs = engine_args_for(spec, model_path)
+        if isinstance(kwargs.get("structured_outputs_config"), dict):
+            kwargs["structured_outputs_config"] = StructuredOutputsConfig(
+                **kwargs["structured_outputs_config"])
+        args = AsyncEngineArgs(**kwargs)
         llm = AsyncLLM.from_engine_args(args)
         return cls(llm, spec)
 
@@ -263,15 +274,14 @@ class VllmEngine:
 
         if gen.tools and gen.tool_choice == "required":
             return StructuredOutputsParams(
-                json=required_calls_schema(gen.tools, gen.parallel_tool_calls),
-                disable_any_whitespace=True)
+                json=required_calls_schema(gen.tools, gen.parallel_tool_calls))
         if gen.tools and gen.tool_choice == "function":
             try:
                 schema = named_call_schema(gen.tools, gen.tool_name or "")
             except KeyError:
                 raise RequestError(f"tool_choice names '{gen.tool_name}', which is not in "
                                    "'tools'", param="tool_choice") from None
-            return StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+            return StructuredOutputsParams(json=schema)
         c = gen.constraint
         if c is None:
             return None
@@ -337,8 +347,11 @@ class VllmEngine:
                                            code="generation_aborted")
                     if choice.finish_reason is not None:
                         d.finish_reason = _finish_reason(choice.finish_reason)
-                        if d.finish_reason == "stop" and parsers.get(choice.index) and \
-                                parsers[choice.index].called:
+                        parser = parsers.get(choice.index)
+                        # As OpenAI: "tool_calls" when the model chose to call (auto or
+                        # required); a call the client named ends as a plain "stop".
+                        if d.finish_reason == "stop" and parser is not None and \
+                                parser.called and parser.mode != "function":
                             d.finish_reason = "tool_calls"
                         d.stop_reason = choice.stop_reason
                         d.prompt_tokens = len(ids)
@@ -348,7 +361,12 @@ class VllmEngine:
         # vLLM's own request checks (token ids in the vocabulary, min_tokens, ...) and its
         # admission limits are refusals the client can act on, not engine failures.
         except VLLMClientError as err:
-            raise RequestError(str(err), param=getattr(err, "parameter", None)) from None
+            param = getattr(err, "parameter", None)
+            if param is None and (gen.constraint or gen.tool_choice in ("required", "function")):
+                # vLLM compiles the constraint when the request is added: a schema,
+                # regex or grammar it cannot compile is the likeliest refusal.
+                param = gen.constraint.param if gen.constraint else "tools"
+            raise RequestError(str(err), param=param) from None
         except GracefulHTTPError as err:
             raise RequestError(err.message, status=int(err.http_status),
                                code="engine_busy") from None

@@ -338,7 +338,7 @@ def _constraint(req: ChatCompletionRequest) -> Constraint | None:
     if so is None:
         return None
     c = Constraint(json=so.json, json_object=bool(so.json_object), regex=so.regex,
-                   choice=so.choice, grammar=so.grammar)
+                   choice=so.choice, grammar=so.grammar, param="structured_outputs")
     given = sum((so.json is not None, bool(so.json_object), so.regex is not None,
                  so.choice is not None, so.grammar is not None))
     _check(given == 1, "'structured_outputs' takes exactly one of json, json_object, "

@@ -1,0 +1,101 @@
+"""What a chat request may carry: content parts, documented fields this server honours or
+refuses by name, ignored fields, a huge prompt that must not stall other streams, and the
+request log line."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conformance import validate
+
+pytestmark = pytest.mark.integration
+
+HI = [{"role": "user", "content": "Say hi."}]
+
+
+def test_text_content_parts_are_joined(client) -> None:  # type: ignore[no-untyped-def]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                          {"type": "text", "text": "of France?"}]}]
+    joined = [{"role": "user", "content": "What is the capital of France?"}]
+    a = client.chat.completions.create(model="smollm2", messages=parts, max_tokens=12,
+                                       temperature=0)
+    b = client.chat.completions.create(model="smollm2", messages=joined, max_tokens=12,
+                                       temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"web_search_options": {}}, "web_search_options"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "messages[0].content[1]"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]},
+     "messages[0].content[0]"),
+])
+def test_what_this_server_cannot_honour_is_a_400_naming_it(base_url: str, extra: dict,  # type: ignore[type-arg]
+                                                          param: str) -> None:
+    r = httpx.post(f"{base_url}/chat/completions", timeout=60,
+                   json={"model": "smollm2", "messages": HI, "max_tokens": 5, **extra})
+    assert r.status_code == 400, r.text
+    validate("ErrorResponse", r.json())
+    assert r.json()["error"]["param"] == param
+    assert r.json()["error"]["code"] in ("unsupported_parameter", "unsupported_content")
+
+
+def test_fields_without_meaning_here_are_accepted(client) -> None:  # type: ignore[no-untyped-def]
+    out = client.chat.completions.create(
+        model="smollm2", messages=HI, max_tokens=5, user="u-1", metadata={"k": "v"},
+        store=False, service_tier="auto", extra_body={"prompt_cache_key": "k",
+                                                      "safety_identifier": "s"})
+    assert out.choices[0].message.content is not None
+
+
+def test_a_30_mib_prompt_is_refused_without_stalling_other_streams(client, base_url: str) -> None:  # type: ignore[no-untyped-def]
+    answer: dict[str, object] = {}
+
+    def huge() -> None:
+        body = {"model": "smollm2", "messages": [{"role": "user",
+                                                  "content": "lorem ipsum " * ((30 << 20) // 12)}]}
+        started = time.monotonic()
+        r = httpx.post(f"{base_url}/chat/completions", json=body, timeout=120)
+        answer.update(status=r.status_code, code=r.json()["error"]["code"],
+                      seconds=time.monotonic() - started)
+
+    stream = client.chat.completions.create(model="smollm2", messages=HI, max_tokens=80,
+                                            temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    arrivals, sender = [], threading.Thread(target=huge)
+    for i, chunk in enumerate(stream):
+        arrivals.append(time.monotonic())
+        if i == 5:
+            sender.start()
+    sender.join()
+    assert answer["status"] == 400 and answer["code"] == "context_length_exceeded", answer
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert max(gaps) < 1.0, f"the stream stalled for {max(gaps):.2f} s"
+
+
+def test_one_log_line_per_request(router, client) -> None:  # type: ignore[no-untyped-def]
+    client.chat.completions.create(model="smollm2", messages=HI, max_tokens=3, temperature=0,
+                                   stream=True).close()
+    out = client.chat.completions.create(model="smollm2", messages=HI, max_tokens=3,
+                                         temperature=0)
+    time.sleep(0.2)
+    line = next(ln for ln in reversed(router.tail(200).splitlines())
+                if "modelyard.requests: chat " in ln and "stream=false" in ln)
+    for field in ("model=smollm2", "status=200", f"prompt={out.usage.prompt_tokens}",
+                  "cached=", f"completion={out.usage.completion_tokens}", "ttft_ms=",
+                  "decode_tps=", "total_ms=", "finish=length"):
+        assert field in line, (field, line)
