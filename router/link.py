@@ -30,8 +30,8 @@ from shared.protocol import (
     Shutdown,
     Sleep,
     Tokenize,
-    Wake,
     TokenizeResult,
+    Wake,
     router_codec,
 )
 
@@ -53,7 +53,7 @@ class RequestStream:
     worker error raises ``APIError``. ``close()`` cancels what has not finished.
     """
 
-    __slots__ = ("_link", "_items", "_waiter", "_open", "_error")
+    __slots__ = ("_error", "_items", "_link", "_open", "_waiter")
 
     def __init__(self, link: WorkerLink) -> None:
         self._link = link

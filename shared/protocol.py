@@ -154,7 +154,7 @@ class Embed(msgspec.Struct, tag="embed", **_MSG):  # type: ignore[call-arg]
     """Embed each input (text or token ids) with a pooling model."""
 
     id: str
-    inputs: list[Union[str, list[int]]]
+    inputs: list[str | list[int]]
     dimensions: int | None = None
 
 
@@ -233,8 +233,6 @@ class Ready(msgspec.Struct, tag="ready", **_MSG):  # type: ignore[call-arg]
     model: str
     max_model_len: int
     pid: int
-    task: str = "generate"
-    """``generate`` or ``embed``: what the loaded engine can do."""
 
 
 class Deltas(msgspec.Struct, tag="deltas", **_MSG):  # type: ignore[call-arg]

@@ -99,12 +99,13 @@ def test_alternating_models_under_max_loaded_1_never_cuts_a_stream(life: RouterP
 
 
 def test_reaped_after_ttl_but_not_while_a_stream_is_open(life: RouterProcess) -> None:
-    # ~11 s of tokens here. The state is read at most every 0.5 s: a read per line made the
-    # client fall behind the stream, so it read "stopping" for lines the server had
-    # sent (and released its lease after) more than the ttl earlier.
+    # The stream is read for 6 s (it would last 9 s at 50 tokens/s, 30 s at 14), then the
+    # client leaves, which also releases the lease. The state is read at most every 0.5 s:
+    # a read per line made the client fall behind the stream, so it read "stopping" for
+    # lines the server had sent (and released its lease after) more than the ttl earlier.
     checks: list[tuple[float, str]] = []
     with httpx.stream("POST", f"{life.url}/v1/chat/completions", timeout=600, json={
-            "model": "blinky", "messages": STORY, "max_tokens": 160, "stream": True,
+            "model": "blinky", "messages": STORY, "max_tokens": 450, "stream": True,
             "ignore_eos": True}) as r:
         started = None
         for line in r.iter_lines():
@@ -113,6 +114,8 @@ def test_reaped_after_ttl_but_not_while_a_stream_is_open(life: RouterProcess) ->
             now = time.monotonic()
             if started is None:
                 started = now
+            elif now - started > 6:
+                break
             elif now - started > 2.5 and (not checks or now - checks[-1][0] > 0.5):
                 checks.append((now, models(life)["blinky"]["state"]))  # ttl is 1 s
         last_token = time.monotonic()

@@ -130,10 +130,9 @@ class VllmEngine:
 
     @classmethod
     def start(cls, spec: ModelSpec, model_path: str) -> VllmEngine:
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
-
-        from vllm.config import StructuredOutputsConfig
 
         kwargs = engine_args_for(spec, model_path)
         if isinstance(kwargs.get("structured_outputs_config"), dict):
@@ -179,8 +178,8 @@ class VllmEngine:
             raise RequestError("'messages' must contain at least one message", param="messages")
         cont = isinstance(req, Generate) and req.continue_final_message
         try:
-            conversation, _, _ = parse_chat_messages(
-                self._conversation(req.messages), self.model_config, "string")
+            messages: Any = self._conversation(req.messages)
+            conversation, _, _ = parse_chat_messages(messages, self.model_config, "string")
             tools = ([{"type": "function", "function": msgspec.to_builtins(t)}
                       for t in req.tools] if req.tools else None)
             text: str = safe_apply_chat_template(
@@ -302,13 +301,13 @@ class VllmEngine:
                     "choose tools itself; use tool_choice 'required' or a named function",
                     param="tool_choice", code="unsupported_parameter")
             tool_parser = self._tool_parser
-        request = _vllm_request(gen) if tool_parser or self._reasoning_parser else None
+        request: Any = _vllm_request(gen) if tool_parser or self._reasoning_parser else None
         mode = gen.tool_choice if tools else "none"
+        reasoning_parser = self._reasoning_parser
         return lambda: OutputParser(
             mode, gen.tool_name,
             tool_parser(self.tokenizer, request.tools) if tool_parser else None,
-            self._reasoning_parser(self.tokenizer) if self._reasoning_parser else None,
-            request)
+            reasoning_parser(self.tokenizer) if reasoning_parser else None, request)
 
     # -- generation ------------------------------------------------------------------
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
@@ -329,7 +328,7 @@ class VllmEngine:
         outputs = self._llm.generate(tokens_input(ids), params, gen.id, priority=gen.priority)
         try:
             async for out in outputs:
-                deltas = []
+                deltas: list[Delta] = []
                 for choice in out.outputs:
                     d = Delta(id=gen.id, index=choice.index, text=choice.text,
                               tokens=len(choice.token_ids))
@@ -468,10 +467,11 @@ def _vllm_request(gen: Generate) -> Any:
     """The vLLM request object its parsers read (tools, tool_choice, skip_special_tokens)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    tools = [{"type": "function", "function": msgspec.to_builtins(t)} for t in gen.tools or []]
-    return ChatCompletionRequest(messages=[], tools=tools or None,
-                                 tool_choice="auto" if tools else "none",
-                                 skip_special_tokens=False)
+    tools: Any = [{"type": "function", "function": msgspec.to_builtins(t)}
+                  for t in gen.tools or []]
+    return ChatCompletionRequest.model_validate(
+        {"messages": [], "tools": tools or None, "tool_choice": "auto" if tools else "none",
+         "skip_special_tokens": False})
 
 
 class OutputParser:

@@ -30,8 +30,8 @@ from shared.protocol import (
     Shutdown,
     Sleep,
     Tokenize,
-    Wake,
     TokenizeResult,
+    Wake,
     worker_codec,
 )
 
@@ -42,7 +42,6 @@ class Engine(Protocol):
     """What the server needs of an engine (``VllmEngine`` or the synthetic one)."""
 
     max_model_len: int
-    task: str
 
     def generate(self, gen: Generate) -> Any: ...  # AsyncIterator[list[Delta]]
     async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]: ...
@@ -204,7 +203,7 @@ class WorkerServer:
         self._engine = engine
         self._request_error = request_error
         self._send(Ready(model=self._model, max_model_len=self._engine.max_model_len,
-                         pid=os.getpid(), task=self._engine.task))
+                         pid=os.getpid()))
         loop = asyncio.get_running_loop()
         fd = self._sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)

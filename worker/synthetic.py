@@ -30,8 +30,6 @@ class SyntheticError(Exception):
 class SyntheticEngine:
     """Synthetic: no model, for router benchmarks and fault injection only."""
 
-    task = "generate"
-
     def __init__(self, spec: ModelSpec) -> None:
         self.max_model_len = spec.max_model_len or 4096
         rate = float(spec.engine_args.get("tokens_per_second", 0))

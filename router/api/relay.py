@@ -34,7 +34,7 @@ log = logging.getLogger("modelyard.requests")
 class Usage:
     """What one response generated: token counts, finish reasons, timings."""
 
-    __slots__ = ("prompt", "cached", "completion", "finish", "started", "first_at")
+    __slots__ = ("cached", "completion", "finish", "first_at", "prompt", "started")
 
     def __init__(self) -> None:
         self.prompt: dict[str, int] = {}
@@ -45,8 +45,6 @@ class Usage:
         self.first_at = 0.0
 
     def add(self, batch: list[Delta]) -> None:
-        if not self.first_at:
-            self.first_at = time.perf_counter()
         for d in batch:
             self.completion += d.tokens
             if d.finish_reason is not None:
@@ -126,6 +124,7 @@ class Relay:
                 first = await stream.__anext__()
             except StopAsyncIteration:
                 first = []
+            usage.first_at = time.perf_counter()
         except BaseException as err:
             if stream is not None:
                 stream.close()

@@ -8,7 +8,7 @@ them to the relay with its shaper (``chat``, ``completions``); errors keep OpenA
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -31,7 +31,7 @@ def _error_body(err: APIError) -> dict[str, Any]:
 class OpenAIAPI:
     """OpenAI's endpoints, bound to one relay."""
 
-    ENDPOINTS: dict[str, Handler] = {
+    ENDPOINTS: ClassVar[dict[str, Handler]] = {
         "/v1/chat/completions": chat_completions,
         "/v1/completions": completions,
         "/v1/embeddings": embeddings,

@@ -24,7 +24,7 @@ from shared.protocol import Delta, Generate
 class _Call:
     """One tool call of one choice, assembled from its pieces."""
 
-    __slots__ = ("id", "name", "arguments")
+    __slots__ = ("arguments", "id", "name")
 
     def __init__(self) -> None:
         self.id = ""

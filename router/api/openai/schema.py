@@ -17,7 +17,6 @@ import msgspec
 from router.errors import BadRequest
 from shared.protocol import ChatMessage, Constraint, MediaPart, SamplingSpec, Tool, ToolCall
 
-
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 """Every integer a client sends must fit the wire protocol (and OpenAI's own int64)."""
 
