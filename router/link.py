@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 
 import zmq
@@ -44,6 +45,39 @@ def _api_error(err: Error) -> APIError:
                     type=err.type)
 
 
+class Usage:
+    """What one client request generated: token counts, finish reasons, timings.
+
+    Counted as deltas arrive (``RequestStream._feed`` already looks at each one), so the
+    relay's per-batch path does no second pass; the relay fills in the timings.
+    """
+
+    __slots__ = ("cached", "completion", "finish", "first_at", "prompt", "started")
+
+    def __init__(self) -> None:
+        self.prompt: dict[str, int] = {}
+        self.cached: dict[str, int] = {}
+        self.completion = 0
+        self.finish: list[str] = []
+        self.started = time.perf_counter()
+        self.first_at = 0.0
+
+    def add(self, delta: Delta) -> None:
+        self.completion += delta.tokens
+        if delta.finish_reason is not None:
+            self.prompt[delta.id] = delta.prompt_tokens
+            self.cached[delta.id] = delta.cached_tokens
+            self.finish.append(delta.finish_reason)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self.prompt.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached.values())
+
+
 class RequestStream:
     """The deltas of one or more ``Generate`` requests that answer one client request.
 
@@ -53,9 +87,10 @@ class RequestStream:
     worker error raises ``APIError``. ``close()`` cancels what has not finished.
     """
 
-    __slots__ = ("_error", "_items", "_link", "_open", "_waiter")
+    __slots__ = ("_error", "_items", "_link", "_open", "_waiter", "usage")
 
-    def __init__(self, link: WorkerLink) -> None:
+    def __init__(self, link: WorkerLink, usage: Usage) -> None:
+        self.usage = usage
         self._link = link
         self._items: list[Delta] = []
         self._waiter: asyncio.Future[None] | None = None
@@ -74,6 +109,7 @@ class RequestStream:
     def _feed(self, delta: Delta, offset: int) -> None:
         delta.index += offset
         self._items.append(delta)
+        self.usage.add(delta)
         if delta.finish_reason is not None:
             left = self._open.get(delta.id, 0) - 1
             if left <= 0:
@@ -158,9 +194,9 @@ class WorkerLink:
             self._drain_scheduled = True
             self._loop.call_soon(self._drain)
 
-    def submit(self, gens: Sequence[Generate]) -> RequestStream:
+    def submit(self, gens: Sequence[Generate], usage: Usage | None = None) -> RequestStream:
         """Send generates whose deltas all flow into one returned stream."""
-        stream = RequestStream(self)
+        stream = RequestStream(self, usage or Usage())
         offset = 0
         for gen in gens:
             self._routes[gen.id] = (stream, offset)

@@ -27,7 +27,7 @@ import msgspec
 import psutil
 import zmq
 
-from router.errors import APIError, ModelUnavailable, TooManyRequests, WorkerLost
+from router.errors import APIError, BadRequest, ModelUnavailable, TooManyRequests, WorkerLost
 from router.link import WorkerLink
 from router.placement import Placer, fits
 from router.registry import Lease, ModelEntry, ModelRegistry
@@ -114,9 +114,17 @@ class Supervisor:
         return entry.spec.ttl if entry.spec.ttl is not None else self.server.ttl
 
     # -- requests ----------------------------------------------------------------------
-    async def acquire(self, name: str | None) -> tuple[Lease, WorkerLink]:
-        """Resolve ``name``, lease the model and make sure its worker is ready."""
+    async def acquire(self, name: str | None, task: str = "any") -> tuple[Lease, WorkerLink]:
+        """Resolve ``name``, lease the model and make sure its worker is ready.
+
+        ``task`` (``generate`` or ``embed``) must be what the model's preset serves, so a
+        request for the wrong kind of model is refused without loading it.
+        """
         entry = self.registry.resolve(name)
+        if task != "any" and entry.spec.task != task:
+            kind = "an embedding model" if entry.spec.task == "embed" else "a generation model"
+            raise BadRequest(f"model '{entry.id}' is {kind}; it cannot serve this endpoint",
+                             param="model", code="wrong_model_task")
         lease = Lease(entry)  # before any await: from here on nothing reaps this model
         if entry.state == "ready" and entry.link is not None:
             return lease, entry.link

@@ -6,7 +6,7 @@ import json
 
 from router.api.openai.chat import ChatShaper
 from router.api.openai.completions import CompletionShaper
-from router.api.relay import Usage
+from router.link import Usage
 from router.errors import BadRequest, ModelNotFound
 from shared.protocol import Delta, TokenLogprob, ToolCallDelta, TopLogprob
 from tests.conformance import validate
@@ -32,7 +32,8 @@ def test_chat_chunks_and_body() -> None:
                       prompt_tokens=5, cached_tokens=2)]]
     out = b""
     for batch in batches:
-        usage.add(batch)
+        for d in batch:
+            usage.add(d)
         out += c.chunks(batch)
         agg.add(batch)
     out += c.close(usage)
@@ -62,7 +63,8 @@ def test_completion_chunks_body_echo_and_offsets() -> None:
                       finish_reason="length", prompt_tokens=4)]]
     out = b""
     for batch in batches:
-        usage.add(batch)
+        for d in batch:
+            usage.add(d)
         out += c.chunks(batch)
         agg.add(batch)
     for chunk in events(out):
@@ -89,7 +91,8 @@ def test_chat_tool_calls_and_reasoning_shapes() -> None:
     stream, agg, usage = ChatShaper("c", "m", 1, False), ChatShaper("c", "m", 1, False), Usage()
     out = b""
     for batch in batches:
-        usage.add(batch)
+        for d in batch:
+            usage.add(d)
         out += stream.chunks(batch)
         agg.add(batch)
     chunks = events(out)

@@ -22,43 +22,13 @@ from starlette.routing import Route
 
 from router.api.sse import SSE_HEADERS
 from router.api.wire import ClientGone, JSONResponse, error_response, unless_disconnected
-from router.errors import APIError, BadRequest
-from router.link import RequestStream, WorkerLink
+from router.errors import APIError
+from router.link import RequestStream, Usage, WorkerLink
 from router.registry import Lease, ModelEntry
 from router.supervisor import Supervisor
 from shared.protocol import Delta, Generate
 
 log = logging.getLogger("modelyard.requests")
-
-
-class Usage:
-    """What one response generated: token counts, finish reasons, timings."""
-
-    __slots__ = ("cached", "completion", "finish", "first_at", "prompt", "started")
-
-    def __init__(self) -> None:
-        self.prompt: dict[str, int] = {}
-        self.cached: dict[str, int] = {}
-        self.completion = 0
-        self.finish: list[str] = []
-        self.started = time.perf_counter()
-        self.first_at = 0.0
-
-    def add(self, batch: list[Delta]) -> None:
-        for d in batch:
-            self.completion += d.tokens
-            if d.finish_reason is not None:
-                self.prompt[d.id] = d.prompt_tokens
-                self.cached[d.id] = d.cached_tokens
-                self.finish.append(d.finish_reason)
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(self.prompt.values())
-
-    @property
-    def cached_tokens(self) -> int:
-        return sum(self.cached.values())
 
 
 class Shaper(Protocol):
@@ -102,21 +72,15 @@ class Relay:
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
 
-    async def acquire(self, model: str | None, task: str = "generate") -> tuple[Lease, WorkerLink]:
-        """Resolve, lease and (if needed) load ``model``; it must serve ``task``."""
-        entry = self.supervisor.registry.resolve(model)
-        _check_task(entry, task)
-        return await self.supervisor.acquire(entry.id)
-
     async def generate(self, request: Request, endpoint: str, model: str | None,
                        gens: list[Generate], streaming: bool,
                        shaper_for: Callable[[str], Shaper]) -> Response:
         """Relay ``gens`` (one client request) and answer as ``shaper_for(model id)`` shapes it."""
         usage = Usage()
-        lease, link = await self.acquire(model)
+        lease, link = await self.supervisor.acquire(model, "generate")
         stream: RequestStream | None = None
         try:
-            stream = link.submit(gens)
+            stream = link.submit(gens, usage)
             shaper = shaper_for(lease.entry.id)
             try:
                 # Wait for the first output so that a refused request is a JSON 4xx, not
@@ -137,10 +101,9 @@ class Relay:
             return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
         status = 200
         try:
-            usage.add(first)
             shaper.add(first)
             if not stream.exhausted:  # long answer: stop generating if the client leaves
-                await unless_disconnected(request, self._drain(stream, shaper, usage))
+                await unless_disconnected(request, self._drain(stream, shaper))
         except ClientGone:
             status = 499
             return Response(status_code=499)
@@ -154,20 +117,17 @@ class Relay:
         return JSONResponse(shaper.body(usage))
 
     @staticmethod
-    async def _drain(stream: RequestStream, shaper: Shaper, usage: Usage) -> None:
+    async def _drain(stream: RequestStream, shaper: Shaper) -> None:
         async for batch in stream:
-            usage.add(batch)
             shaper.add(batch)
 
     async def _stream(self, stream: RequestStream, shaper: Shaper, first: list[Delta],
                       usage: Usage, lease: Lease, endpoint: str) -> AsyncIterator[bytes]:
         status = 200
         try:
-            usage.add(first)
             yield shaper.chunks(first)
             try:
                 async for batch in stream:
-                    usage.add(batch)
                     yield shaper.chunks(batch)
             except APIError as err:  # the worker failed mid-stream: tell the client in-band
                 status = err.status
@@ -199,7 +159,7 @@ class Relay:
                    work: Callable[[WorkerLink], Awaitable[Any]]) -> tuple[ModelEntry, Any]:
         """A one-shot request (tokenize, embeddings ...): acquire, ``work(link)``, release."""
         started = time.perf_counter()
-        lease, link = await self.acquire(model, task)
+        lease, link = await self.supervisor.acquire(model, task)
         status = 200
         try:
             with lease:
@@ -210,11 +170,3 @@ class Relay:
         finally:
             log.info("%s model=%s status=%d total_ms=%.0f", endpoint, lease.entry.id, status,
                      (time.perf_counter() - started) * 1000)
-
-
-def _check_task(entry: ModelEntry, task: str) -> None:
-    """Tokenizing works on any model; generating and embedding need the right kind."""
-    if task != "any" and entry.spec.task != task:
-        kind = "an embedding model" if entry.spec.task == "embed" else "a generation model"
-        raise BadRequest(f"model '{entry.id}' is {kind}; it cannot serve this endpoint",
-                         param="model", code="wrong_model_task")

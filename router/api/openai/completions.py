@@ -10,10 +10,11 @@ from starlette.responses import Response
 
 from router.api.openai.schema import CompletionRequest, completion_prompts, completion_sampling
 from router.api.openai.shapes import OpenAIShaper, usage_body
-from router.api.relay import Relay, Usage
+from router.api.relay import Relay
 from router.api.sse import encode_json
 from router.api.wire import read_body, request_id
 from router.errors import BadRequest
+from router.link import Usage
 from shared.protocol import Delta, Generate
 
 

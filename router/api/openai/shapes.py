@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from router.api.relay import Usage
 from router.api.sse import SSE_DONE, encode_json, sse
 from router.errors import APIError
+from router.link import Usage
 from shared.protocol import Delta, TokenLogprob
 
 
