@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from router.api.openai.chat import ChatShaper
 from router.api.openai.completions import CompletionShaper
-from router.link import Usage
 from router.errors import BadRequest, ModelNotFound
+from router.link import Usage
 from shared.protocol import Delta, TokenLogprob, ToolCallDelta, TopLogprob
 from tests.conformance import validate
 
@@ -20,22 +21,27 @@ def lp(tok: str) -> list[TokenLogprob]:
     return [TokenLogprob(tok, -0.1, [TopLogprob(tok, -0.1), TopLogprob("x", -2.0)])]
 
 
+def relay(stream: Any, agg: Any, batches: list[list[Delta]]) -> tuple[bytes, Usage]:
+    """What the relay does with a delta stream: count usage, stream chunks, aggregate."""
+    usage, out = Usage(), b""
+    for batch in batches:
+        for d in batch:
+            usage.add(d)
+        out += stream.chunks(batch)
+        agg.add(batch)
+    return out, usage
+
+
 def test_chat_chunks_and_body() -> None:
     c = ChatShaper("chatcmpl-1", "m", 2, logprobs=True, include_usage=True)
     agg = ChatShaper("chatcmpl-1", "m", 2, logprobs=True)
-    usage = Usage()
     batches = [[Delta(id="r", index=0, text="Hel", tokens=1, logprobs=lp("Hel")),
                 Delta(id="r", index=1, text="Yo", tokens=1, logprobs=lp("Yo"))],
                [Delta(id="r", index=0, text="lo", tokens=1, logprobs=lp("lo"),
                       finish_reason="stop", prompt_tokens=5, cached_tokens=2),
                 Delta(id="r", index=1, text="", tokens=1, finish_reason="length",
                       prompt_tokens=5, cached_tokens=2)]]
-    out = b""
-    for batch in batches:
-        for d in batch:
-            usage.add(d)
-        out += c.chunks(batch)
-        agg.add(batch)
+    out, usage = relay(c, agg, batches)
     out += c.close(usage)
     assert out.endswith(b"data: [DONE]\n\n")
     chunks = events(out)
@@ -55,18 +61,12 @@ def test_chat_chunks_and_body() -> None:
 def test_completion_chunks_body_echo_and_offsets() -> None:
     c = CompletionShaper("cmpl-1", "m", 2, logprobs=True, echo=["A: ", "B: "], n=1)
     agg = CompletionShaper("cmpl-1", "m", 2, logprobs=True, echo=["A: ", "B: "], n=1)
-    usage = Usage()
     batches = [[Delta(id="r-0", index=0, text="x", tokens=1, logprobs=lp("x")),
                 Delta(id="r-1", index=1, text="yz", tokens=1, logprobs=lp("yz"),
                       finish_reason="stop", prompt_tokens=3)],
                [Delta(id="r-0", index=0, text="w", tokens=1, logprobs=lp("w"),
                       finish_reason="length", prompt_tokens=4)]]
-    out = b""
-    for batch in batches:
-        for d in batch:
-            usage.add(d)
-        out += c.chunks(batch)
-        agg.add(batch)
+    out, usage = relay(c, agg, batches)
     for chunk in events(out):
         validate("CompletionStreamChunk", chunk)
     body = agg.body(usage)
@@ -88,13 +88,8 @@ def test_chat_tool_calls_and_reasoning_shapes() -> None:
                [Delta(id="r", tokens=2, tool_calls=[ToolCallDelta(0, "call_1", "get", '{"a"')])],
                [Delta(id="r", tokens=2, tool_calls=[ToolCallDelta(0, arguments=': 1}')],
                       finish_reason="tool_calls", prompt_tokens=9)]]
-    stream, agg, usage = ChatShaper("c", "m", 1, False), ChatShaper("c", "m", 1, False), Usage()
-    out = b""
-    for batch in batches:
-        for d in batch:
-            usage.add(d)
-        out += stream.chunks(batch)
-        agg.add(batch)
+    out, usage = relay(ChatShaper("c", "m", 1, False), agg := ChatShaper("c", "m", 1, False),
+                       batches)
     chunks = events(out)
     for chunk in chunks:
         validate("CreateChatCompletionStreamResponse", chunk)
@@ -111,8 +106,13 @@ def test_chat_tool_calls_and_reasoning_shapes() -> None:
     assert message["tool_calls"] == [{"id": "call_1", "type": "function",
                                       "function": {"name": "get", "arguments": '{"a": 1}'}}]
     legacy = ChatShaper("c", "m", 1, False, legacy_functions=True)
-    for batch in batches:
-        legacy.add(batch)
+    out, usage = relay(ChatShaper("c", "m", 1, False, legacy_functions=True), legacy, batches)
+    pieces = [ch["choices"][0]["delta"].get("function_call") for ch in events(out)]
+    for chunk in events(out):
+        validate("CreateChatCompletionStreamResponse", chunk)
+    assert [p for p in pieces if p] == [{"name": "get", "arguments": '{"a"'},
+                                        {"arguments": ": 1}"}]
+    assert events(out)[-1]["choices"][0]["finish_reason"] == "function_call"
     body = legacy.body(usage)
     validate("CreateChatCompletionResponse", body)
     assert body["choices"][0]["finish_reason"] == "function_call"

@@ -13,13 +13,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.api.openai.schema import ChatCompletionRequest, chat_sampling
+from router.api.openai.schema import ChatCompletionRequest, chat_generate
 from router.api.openai.shapes import OpenAIShaper, logprob_items, usage_body
 from router.api.relay import Relay
 from router.api.sse import encode_json
 from router.api.wire import read_body, request_id
 from router.link import Usage
-from shared.protocol import Delta, Generate
+from shared.protocol import Delta
 
 
 class _Call:
@@ -146,17 +146,12 @@ class ChatShaper(OpenAIShaper):
 
 async def chat_completions(relay: Relay, request: Request, max_body: int) -> Response:
     req = await read_body(request, ChatCompletionRequest, max_body)
-    sampling, messages, opts = chat_sampling(req)
     rid = f"chatcmpl-{request_id()}"
-    gen = Generate(id=rid, sampling=sampling, messages=messages,
-                   add_generation_prompt=req.add_generation_prompt,
-                   continue_final_message=req.continue_final_message,
-                   tools=opts.tools, tool_choice=opts.tool_choice, tool_name=opts.tool_name,
-                   parallel_tool_calls=opts.parallel_tool_calls, constraint=opts.constraint,
-                   template_kwargs=opts.template_kwargs)
+    gen = chat_generate(req, rid)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    legacy = req.functions is not None  # answer in the legacy function_call shape too
     return await relay.generate(
         request, "chat", req.model, [gen], req.stream,
-        lambda model: ChatShaper(rid, model, sampling.n, req.logprobs, include_usage,
-                                 opts.legacy_functions))
+        lambda model: ChatShaper(rid, model, gen.sampling.n, req.logprobs, include_usage,
+                                 legacy))
 

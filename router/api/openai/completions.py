@@ -8,7 +8,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.api.openai.schema import CompletionRequest, completion_prompts, completion_sampling
+from router.api.openai.schema import CompletionRequest, completion_sampling, text_or_token_lists
 from router.api.openai.shapes import OpenAIShaper, usage_body
 from router.api.relay import Relay
 from router.api.sse import encode_json
@@ -101,7 +101,7 @@ def _finish(reason: str) -> str:
 async def completions(relay: Relay, request: Request, max_body: int) -> Response:
     req = await read_body(request, CompletionRequest, max_body)
     sampling = completion_sampling(req)
-    prompts = completion_prompts(req)
+    prompts = text_or_token_lists(req.prompt, "prompt")
     rid = f"cmpl-{request_id()}"
     gens = []
     for i, prompt in enumerate(prompts):

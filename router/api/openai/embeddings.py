@@ -11,7 +11,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.api.openai.schema import Int64
+from router.api.openai.schema import Int64, text_or_token_lists
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import BadRequest
 from router.link import WorkerLink
@@ -29,22 +29,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
 
 
 def embedding_inputs(raw: str | list[Any]) -> list[str | list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
-    if isinstance(raw, str):
-        inputs: list[str | list[int]] = [raw]
-    elif raw and all(type(x) is int for x in raw):
-        inputs = [list(raw)]
-    else:
-        inputs = []
-        for x in raw:
-            if not (isinstance(x, str) or (isinstance(x, list) and x
-                                           and all(type(t) is int for t in x))):
-                raise BadRequest("'input' must be a string, a list of token ids, or a list of "
-                                 "strings or of token-id lists", param="input",
-                                 code="invalid_value")
-            inputs.append(x)
-    if not inputs or not all(inputs):
-        raise BadRequest("'input' must not be empty", param="input", code="invalid_value")
+    inputs = text_or_token_lists(raw, "input")
     if len(inputs) > MAX_INPUTS:
         raise BadRequest(f"'input' may hold at most {MAX_INPUTS} items", param="input",
                          code="invalid_value")

@@ -15,7 +15,15 @@ from typing import Annotated, Any
 import msgspec
 
 from router.errors import BadRequest
-from shared.protocol import ChatMessage, Constraint, MediaPart, SamplingSpec, Tool, ToolCall
+from shared.protocol import (
+    ChatMessage,
+    Constraint,
+    Generate,
+    MediaPart,
+    SamplingSpec,
+    Tool,
+    ToolCall,
+)
 
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 """Every integer a client sends must fit the wire protocol (and OpenAI's own int64)."""
@@ -272,20 +280,9 @@ def _arguments_text(arguments: str | dict[str, Any]) -> str:
     return arguments if isinstance(arguments, str) else msgspec.json.encode(arguments).decode()
 
 
-class ChatOptions(msgspec.Struct, kw_only=True):
-    """Everything a chat request asks beyond sampling, ready for ``Generate``."""
-
-    tools: list[Tool] | None = None
-    tool_choice: str = "auto"
-    tool_name: str | None = None
-    parallel_tool_calls: bool = True
-    constraint: Constraint | None = None
-    template_kwargs: dict[str, Any] | None = None
-    legacy_functions: bool = False
-    """The client used ``functions``/``function_call``: answer in that shape too."""
-
-
-def _tools(req: ChatCompletionRequest) -> ChatOptions:
+def _tools(req: ChatCompletionRequest, gen: Generate) -> None:
+    """Set ``gen``'s tools and tool choice from ``tools``/``tool_choice`` or the legacy
+    ``functions``/``function_call``."""
     if req.functions is not None and req.tools is not None:
         raise BadRequest("give 'tools' or the legacy 'functions', not both", param="functions")
     legacy = req.functions is not None
@@ -301,22 +298,21 @@ def _tools(req: ChatCompletionRequest) -> ChatOptions:
              for d in defs or []] or None
     choice: str | NamedToolChoice | FunctionName | None = (
         req.function_call if legacy else req.tool_choice)
-    opts = ChatOptions(tools=tools, legacy_functions=legacy,
-                       parallel_tool_calls=req.parallel_tool_calls is not False)
+    gen.tools = tools
+    gen.parallel_tool_calls = req.parallel_tool_calls is not False
     param = "function_call" if legacy else "tool_choice"
     if choice is None:
-        opts.tool_choice = "auto" if tools else "none"
+        gen.tool_choice = "auto" if tools else "none"
     elif isinstance(choice, str):
         _check(choice in ("auto", "none", "required"), f"'{param}' must be 'auto', 'none', "
                f"'required' or a named function, got '{choice}'", param)
-        opts.tool_choice = choice
+        gen.tool_choice = choice
     else:
         name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
         _check(name in names, f"'{param}' names '{name}', which is not among the tools", param)
-        opts.tool_choice, opts.tool_name = "function", name
-    if not tools and opts.tool_choice not in ("none", "auto"):  # as OpenAI
+        gen.tool_choice, gen.tool_name = "function", name
+    if not tools and gen.tool_choice not in ("none", "auto"):  # as OpenAI
         raise BadRequest(f"'{param}' requires 'tools'", param=param, code="invalid_value")
-    return opts
 
 
 def _constraint(req: ChatCompletionRequest) -> Constraint | None:
@@ -348,9 +344,8 @@ def _constraint(req: ChatCompletionRequest) -> Constraint | None:
 _UNSUPPORTED = ("audio", "prediction", "web_search_options", "moderation")
 
 
-def chat_sampling(req: ChatCompletionRequest) -> tuple[SamplingSpec, list[ChatMessage],
-                                                        ChatOptions]:
-    """Validate a chat request; return its sampling spec, messages and options."""
+def chat_generate(req: ChatCompletionRequest, rid: str) -> Generate:
+    """Validate a chat request into the one ``Generate`` that answers it."""
     _check(bool(req.messages), "'messages' must contain at least one message", "messages")
     for field in _UNSUPPORTED:
         if getattr(req, field) is not None:
@@ -367,37 +362,40 @@ def chat_sampling(req: ChatCompletionRequest) -> tuple[SamplingSpec, list[ChatMe
         _check(req.logprobs, "'top_logprobs' requires 'logprobs': true", "top_logprobs")
     spec.logprobs = req.logprobs
     spec.top_logprobs = req.top_logprobs or 0
-    opts = _tools(req)
-    constraint = _constraint(req)
-    if constraint is not None and opts.tool_choice in ("required", "function"):
+    gen = Generate(id=rid, sampling=spec,
+                   messages=[flatten_message(m, i) for i, m in enumerate(req.messages)],
+                   add_generation_prompt=req.add_generation_prompt,
+                   continue_final_message=req.continue_final_message)
+    _tools(req, gen)
+    gen.constraint = _constraint(req)
+    if gen.constraint is not None and gen.tool_choice in ("required", "function"):
         raise BadRequest("a forced tool choice already constrains the output; drop "
                          "'response_format'", param="response_format")
-    opts.constraint = constraint
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-    opts.template_kwargs = kwargs or None
-    return spec, [flatten_message(m, i) for i, m in enumerate(req.messages)], opts
+    gen.template_kwargs = kwargs or None
+    return gen
 
 
-def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
-    """The prompts of a completions request: one string or token list per prompt."""
-    p = req.prompt
-    if isinstance(p, str):
-        prompts: list[str | list[int]] = [p]
-    elif p and all(type(x) is int for x in p):
-        prompts = [list(p)]
+def text_or_token_lists(raw: str | list[Any], param: str) -> list[str | list[int]]:
+    """A string, a list of token ids, or a list of strings or of token-id lists (what
+    completions' ``prompt`` and embeddings' ``input`` take): one item per text."""
+    if isinstance(raw, str):
+        items: list[str | list[int]] = [raw]
+    elif raw and all(type(x) is int for x in raw):
+        items = [list(raw)]
     else:
-        prompts = []
-        for x in p:
+        items = []
+        for x in raw:
             ok = isinstance(x, str) or (isinstance(x, list) and x
                                         and all(type(t) is int for t in x))
-            _check(bool(ok), "'prompt' must be a string, a list of token ids, or a list of "
-                   "strings or of token-id lists", "prompt")
-            prompts.append(x)
-    _check(bool(prompts) and all(len(x) > 0 for x in prompts),
-           "'prompt' must not be empty", "prompt")
-    return prompts
+            _check(bool(ok), f"'{param}' must be a string, a list of token ids, or a list of "
+                   "strings or of token-id lists", param)
+            items.append(x)
+    _check(bool(items) and all(len(x) > 0 for x in items), f"'{param}' must not be empty",
+           param)
+    return items
 
 
 def completion_sampling(req: CompletionRequest) -> SamplingSpec:
