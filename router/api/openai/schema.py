@@ -3,8 +3,8 @@
 Decoding with types gives field errors for free; the functions below add the range checks
 OpenAI documents. Every documented field is honoured or answered with a 400
 ``unsupported_parameter`` naming it; ``user``, ``metadata``, ``store``, ``service_tier``,
-``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier`` and ``verbosity``
-have no meaning here and are accepted and ignored. Unknown fields are ignored, as OpenAI
+``prompt_cache_key``, ``prompt_cache_retention``, ``prompt_cache_options``,
+``safety_identifier`` and ``verbosity`` have no meaning here and are accepted and ignored. Unknown fields are ignored, as OpenAI
 and vLLM do.
 """
 
