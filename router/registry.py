@@ -31,6 +31,8 @@ class ModelEntry:
     loaded_at: float | None = None
     load_seconds: float | None = None
     max_model_len: int | None = None
+    max_prompt_chars: int = 0
+    """From the worker: a longer prompt cannot fit, so it is refused before sending."""
     error: str | None = None
     exit_code: int | None = None
     queued: int = 0

@@ -271,6 +271,7 @@ class Supervisor:
             exited.cancel()
             entry.state, entry.link = "ready", link
             entry.max_model_len = ready.result().max_model_len
+            entry.max_prompt_chars = ready.result().max_prompt_chars
             entry.loaded_at = time.time()
             entry.last_used = time.monotonic()
             entry.load_seconds = round(entry.last_used - started, 3)

@@ -59,19 +59,20 @@ class ToolCall(msgspec.Struct, omit_defaults=True, gc=False):
     """JSON text, as the model wrote it."""
 
 
-class MediaPart(msgspec.Struct, omit_defaults=True, gc=False):
-    """A non-text part of a message; ``index`` is its place in the client's content array."""
+class ContentPart(msgspec.Struct, omit_defaults=True, gc=False):
+    """One part of a message's content: text, or media for a multimodal model."""
 
     type: str
-    """``image_url``, ``input_audio``, ``video_url`` ..."""
-    index: int
+    """``text``, ``image_url``, ``input_audio``, ``video_url`` ..."""
+    text: str | None = None
     url: str | None = None
     data: str | None = None
     format: str | None = None
 
 
 class ChatMessage(msgspec.Struct, omit_defaults=True, gc=False):
-    """One chat turn; text parts are already joined by the protocol module.
+    """One chat turn. ``content`` is its text (parts joined); ``parts`` keeps every part
+    in order, only when some part is not text.
 
     Encoded as a map: it is nested data, not a per-token message.
     """
@@ -82,7 +83,7 @@ class ChatMessage(msgspec.Struct, omit_defaults=True, gc=False):
     tool_call_id: str | None = None
     """For ``role: tool``: the call this message answers."""
     tool_calls: list[ToolCall] | None = None
-    media: list[MediaPart] | None = None
+    parts: list[ContentPart] | None = None
 
 
 class Tool(msgspec.Struct, omit_defaults=True, gc=False):
@@ -233,6 +234,9 @@ class Ready(msgspec.Struct, tag="ready", **_MSG):  # type: ignore[call-arg]
     model: str
     max_model_len: int
     pid: int
+    max_prompt_chars: int = 0
+    """No prompt longer than this (in characters) can fit the context: the router refuses
+    one without sending it (0: no bound known)."""
 
 
 class Deltas(msgspec.Struct, tag="deltas", **_MSG):  # type: ignore[call-arg]

@@ -31,12 +31,14 @@ def free_port() -> int:
 class RouterProcess:
     """``modelyard serve`` on a free port, with its log kept for failure reports."""
 
-    def __init__(self, preset_text: str, workdir: Path, name: str) -> None:
+    def __init__(self, preset_text: str, workdir: Path, name: str,
+                 subst: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.workdir = workdir
         self.preset = workdir / f"{name}.yaml"
-        self.preset.write_text(preset_text.replace("{port}", str(self.port))
-                               .replace("{root}", str(ROOT)))
+        for key, value in {"port": str(self.port), "root": str(ROOT), **(subst or {})}.items():
+            preset_text = preset_text.replace("{" + key + "}", value)
+        self.preset.write_text(preset_text)
         self.log_path = workdir / f"{name}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         # For frequent polls: a fresh ``httpx.get`` builds an SSL context each time,
@@ -95,9 +97,11 @@ class RouterProcess:
 
 
 @contextlib.contextmanager
-def running_router(preset: str, workdir: Path, name: str) -> Iterator[RouterProcess]:
-    """A started, healthy router that is stopped when the block ends."""
-    r = RouterProcess(preset, workdir, name)
+def running_router(preset: str, workdir: Path, name: str,
+                   subst: dict[str, str] | None = None) -> Iterator[RouterProcess]:
+    """A started, healthy router that is stopped when the block ends; ``{key}`` in the
+    preset is replaced by ``subst[key]`` (and ``{port}``, ``{root}``)."""
+    r = RouterProcess(preset, workdir, name, subst)
     r.start()
     try:
         r.wait_healthy()
@@ -132,14 +136,26 @@ models:
     task: embed
     cpu_cores: "1"
     max_model_len: 512
+  tiny-vlm:
+    model: "{tiny_vlm}"
+    cpu_cores: "1"
+    max_model_len: 512
 """
 
 
 @pytest.fixture(scope="session")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     """The shared router: ``smollm2`` (tools: hermes) loads at start-up; ``smollm2-b``
-    (reasoning: olmo3) and ``smollm2-embed`` (embeddings) on first use."""
-    with running_router(MAIN_PRESET, tmp_path_factory.mktemp("router"), "main") as r:
+    (reasoning: olmo3), ``smollm2-embed`` (embeddings) and ``tiny-vlm`` (a random-weight
+    multimodal model, ``tests/tiny_vlm.py``) on first use."""
+    from tests.tiny_vlm import build_tiny_vlm
+    from worker.materialize import resolve_model_path
+
+    # The tiny model borrows SmolLM2's tokenizer (materialised once; the worker reuses it).
+    tokenizer = Path(resolve_model_path("builtin:smollm2", None))
+    vlm = build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3", tokenizer)
+    with running_router(MAIN_PRESET, tmp_path_factory.mktemp("router"), "main",
+                        {"tiny_vlm": str(vlm)}) as r:
         r.wait_model("smollm2", timeout=600)
         yield r
 

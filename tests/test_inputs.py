@@ -4,6 +4,7 @@ request log line."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from tests.conformance import validate
+from tests.tiny_vlm import IMAGE_TOKENS, png_data_url
 
 pytestmark = pytest.mark.integration
 
@@ -65,11 +67,15 @@ def test_fields_without_meaning_here_are_accepted(client) -> None:  # type: igno
 def test_a_30_mib_prompt_is_refused_without_stalling_other_streams(client, base_url: str) -> None:  # type: ignore[no-untyped-def]
     answer: dict[str, object] = {}
 
+    # Encoded up front: json.dumps of 30 MiB holds this process's GIL for a while, which
+    # would stall the reading thread here and be blamed on the server.
+    body = json.dumps({"model": "smollm2", "messages": [
+        {"role": "user", "content": "lorem ipsum " * ((30 << 20) // 12)}]}).encode()
+
     def huge() -> None:
-        body = {"model": "smollm2", "messages": [{"role": "user",
-                                                  "content": "lorem ipsum " * ((30 << 20) // 12)}]}
         started = time.monotonic()
-        r = httpx.post(f"{base_url}/chat/completions", json=body, timeout=120)
+        r = httpx.post(f"{base_url}/chat/completions", content=body, timeout=120,
+                       headers={"content-type": "application/json"})
         answer.update(status=r.status_code, code=r.json()["error"]["code"],
                       seconds=time.monotonic() - started)
 
@@ -99,3 +105,23 @@ def test_one_log_line_per_request(router, client) -> None:  # type: ignore[no-un
                   "cached=", f"completion={out.usage.completion_tokens}", "ttft_ms=",
                   "decode_tps=", "total_ms=", "finish=length"):
         assert field in line, (field, line)
+
+
+def test_image_parts_reach_a_multimodal_engine(client) -> None:  # type: ignore[no-untyped-def]
+    ask = {"type": "text", "text": "What is in this picture?"}
+    text_only = client.chat.completions.create(
+        model="tiny-vlm", messages=[{"role": "user", "content": [ask]}], max_tokens=3)
+    image = {"type": "image_url", "image_url": {"url": png_data_url()}}
+    with_image = client.chat.completions.create(
+        model="tiny-vlm", messages=[{"role": "user", "content": [ask, image]}], max_tokens=3)
+    validate("CreateChatCompletionResponse", with_image.model_dump(exclude_unset=True))
+    # vLLM replaced the one <image> placeholder by the image's tokens and their markers.
+    added = with_image.usage.prompt_tokens - text_only.usage.prompt_tokens
+    assert added == IMAGE_TOKENS + 3, added
+    stream = client.chat.completions.create(
+        model="tiny-vlm", messages=[{"role": "user", "content": [image, ask]}], max_tokens=3,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    for chunk in chunks:
+        validate("CreateChatCompletionStreamResponse", chunk.model_dump(exclude_unset=True))
+    assert chunks[-1].usage.prompt_tokens == with_image.usage.prompt_tokens

@@ -18,7 +18,7 @@ def test_models_list_conforms(base_url: str) -> None:
     body = httpx.get(f"{base_url}/models").json()
     validate("ListModelsResponse", body)
     ids = {m["id"]: m for m in body["data"]}
-    assert set(ids) == {"smollm2", "smollm2-b", "smollm2-embed"}
+    assert set(ids) == {"smollm2", "smollm2-b", "smollm2-embed", "tiny-vlm"}
     assert ids["smollm2"]["aliases"] == ["smol", "Tiny-Chat"]
     assert ids["smollm2"]["state"] == "ready"
     one = httpx.get(f"{base_url}/models/smollm2").json()

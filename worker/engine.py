@@ -18,6 +18,7 @@ import msgspec
 from shared.config import ModelSpec
 from shared.protocol import (
     ChatMessage,
+    ContentPart,
     Delta,
     Detokenize,
     Embed,
@@ -126,7 +127,10 @@ class VllmEngine:
         # not stall the model's other streams; one thread, as HF tokenizers are not
         # meant to be shared across threads.
         self._render_pool = ThreadPoolExecutor(1, thread_name_prefix="render")
-        self._max_token_chars = 0
+        # No token stands for more than 4 bytes per character of its vocabulary string,
+        # so a text needs at least len(text) / _max_token_chars tokens.
+        self._max_token_chars = max(len(t) for t in self.tokenizer.get_vocab()) * 4
+        self.max_prompt_chars = self.max_model_len * self._max_token_chars
 
     @classmethod
     def start(cls, spec: ModelSpec, model_path: str) -> VllmEngine:
@@ -147,17 +151,9 @@ class VllmEngine:
         """Messages as the OpenAI-style dicts vLLM's chat utilities take."""
         out: list[dict[str, Any]] = []
         for i, m in enumerate(messages):
-            if m.media:
-                part = m.media[0]
-                if not self.model_config.is_multimodal_model:
-                    raise RequestError(
-                        f"content part type '{part.type}' needs a multimodal model; "
-                        f"'{self._spec.id}' reads text only",
-                        param=f"messages[{i}].content[{part.index}]", code="unsupported_content")
-                raise RequestError("multimodal content parts are not supported by this "
-                                   "server yet", param=f"messages[{i}].content[{part.index}]",
-                                   code="unsupported_content")
             turn: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+            if m.parts:
+                turn["content"] = [self._part(p, i, j) for j, p in enumerate(m.parts)]
             if m.name is not None:
                 turn["name"] = m.name
             if m.tool_call_id is not None:
@@ -169,17 +165,36 @@ class VllmEngine:
             out.append(turn)
         return out
 
-    def _render_chat(self, req: Generate | Tokenize) -> str:
+    def _part(self, part: ContentPart, i: int, j: int) -> dict[str, Any]:
+        if part.type == "text":
+            return {"type": "text", "text": part.text or ""}
+        if not self.model_config.is_multimodal_model:
+            raise RequestError(f"content part type '{part.type}' needs a multimodal model; "
+                               f"'{self._spec.id}' reads text only",
+                               param=f"messages[{i}].content[{j}]", code="unsupported_content")
+        if part.type == "input_audio":
+            return {"type": "input_audio",
+                    "input_audio": {"data": part.data or "", "format": part.format or "wav"}}
+        return {"type": part.type, part.type: {"url": part.url or ""}}
+
+    def _render_chat(self, req: Generate | Tokenize) -> tuple[str, Any]:
+        """The chat as prompt text, and its media (``None`` without any) for the engine."""
         from vllm.renderers.chat_utils import parse_chat_messages
-        from vllm.renderers.hf import safe_apply_chat_template
+        from vllm.renderers.hf import resolve_chat_template_content_format, safe_apply_chat_template
 
         assert req.messages is not None
         if not req.messages:
             raise RequestError("'messages' must contain at least one message", param="messages")
         cont = isinstance(req, Generate) and req.continue_final_message
+        messages: Any = self._conversation(req.messages)
+        media = any(m.parts for m in req.messages)
         try:
-            messages: Any = self._conversation(req.messages)
-            conversation, _, _ = parse_chat_messages(messages, self.model_config, "string")
+            # Templates of multimodal models take content as a list of parts.
+            content_format: Any = (resolve_chat_template_content_format(
+                self._chat_template, None, "auto", self.tokenizer,
+                model_config=self.model_config) if media else "string")
+            conversation, mm_data, _ = parse_chat_messages(messages, self.model_config,
+                                                           content_format)
             tools = ([{"type": "function", "function": msgspec.to_builtins(t)}
                       for t in req.tools] if req.tools else None)
             text: str = safe_apply_chat_template(
@@ -192,44 +207,41 @@ class VllmEngine:
         except Exception as err:  # a template's own checks (roles, order) are user errors
             raise RequestError(f"chat template rejected the messages: {err}",
                                param="messages") from None
-        return text
+        return text, mm_data or None
 
     def _check_size(self, text: str) -> None:
-        """Refuse, without tokenizing, a text that cannot fit the context.
-
-        No token stands for more than 4 bytes per character of its vocabulary string, so
-        a text needs at least ``len(text) / longest`` tokens: a 30 MiB prompt is refused
-        in microseconds instead of seconds of tokenizing.
-        """
-        if not self._max_token_chars:
-            self._max_token_chars = max(len(t) for t in self.tokenizer.get_vocab()) * 4
-        if len(text) > self.max_model_len * self._max_token_chars:
+        """Refuse, without tokenizing, a text that cannot fit the context (a 30 MiB prompt
+        is refused in microseconds instead of seconds of tokenizing; the router checks the
+        same bound before sending, this covers what a template adds)."""
+        if len(text) > self.max_prompt_chars:
             raise _too_long(self.max_model_len, f"at least {len(text) // self._max_token_chars}")
 
-    def prompt_ids(self, gen: Generate | Tokenize, add_special_tokens: bool = True) -> list[int]:
+    def prompt(self, gen: Generate | Tokenize, add_special_tokens: bool = True
+               ) -> tuple[list[int], Any]:
+        """Token ids of a request's prompt, and the media of its chat (or ``None``)."""
         if gen.messages is not None:
-            text = self._render_chat(gen)
+            text, media = self._render_chat(gen)
             self._check_size(text)
             ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
-            return ids
+            return ids, media
         if isinstance(gen, Generate) and gen.prompt_token_ids is not None:
             vocab = len(self.tokenizer)
             bad = next((t for t in gen.prompt_token_ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestError(f"token id {bad} is out of vocabulary (size {vocab})",
                                    param="prompt")
-            return list(gen.prompt_token_ids)
+            return list(gen.prompt_token_ids), None
         if gen.prompt is not None:
             self._check_size(gen.prompt)
             ids = self.tokenizer.encode(gen.prompt, add_special_tokens=add_special_tokens)
-            return ids
+            return ids, None
         raise RequestError("a prompt or messages are required", param="prompt")
 
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
 
     async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]:
-        ids = await self._off_loop(self.prompt_ids, req, req.add_special_tokens)
+        ids, _ = await self._off_loop(self.prompt, req, req.add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return ids, strs
 
@@ -313,19 +325,23 @@ class VllmEngine:
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
         """Yield the new output of each engine step as deltas (one per advanced choice)."""
         from vllm.exceptions import GracefulHTTPError, VLLMClientError
+        from vllm.inputs import TokensPrompt
         from vllm.inputs.engine import tokens_input
 
         if self.task != "generate":
             raise RequestError(f"model '{self._spec.id}' is an embedding model",
                                param="model", code="wrong_model_task")
-        ids = await self._off_loop(self.prompt_ids, gen)
+        ids, media = await self._off_loop(self.prompt, gen)
         make_parser = self._output_parser(gen)
         # Tool markup may be a special token; the parser must see it to cut it out.
         params = self.sampling_params(gen, len(ids), skip_special=make_parser is None)
         parsers: dict[int, OutputParser] = {}
         want_logprobs = gen.sampling.logprobs
         top_n = gen.sampling.top_logprobs
-        outputs = self._llm.generate(tokens_input(ids), params, gen.id, priority=gen.priority)
+        # With media, vLLM's input processor expands the placeholders it finds in ids.
+        prompt = (tokens_input(ids) if media is None else
+                  TokensPrompt(prompt_token_ids=ids, multi_modal_data=media))
+        outputs = self._llm.generate(prompt, params, gen.id, priority=gen.priority)
         try:
             async for out in outputs:
                 deltas: list[Delta] = []
@@ -353,7 +369,7 @@ class VllmEngine:
                                 parser.called and parser.mode != "function":
                             d.finish_reason = "tool_calls"
                         d.stop_reason = choice.stop_reason
-                        d.prompt_tokens = len(ids)
+                        d.prompt_tokens = len(out.prompt_token_ids or ids)
                         d.cached_tokens = out.num_cached_tokens or 0
                     deltas.append(d)
                 yield deltas
@@ -382,9 +398,9 @@ class VllmEngine:
                                code="wrong_model_task")
         prompts = []
         for i, item in enumerate(req.inputs):
-            ids = (await self._off_loop(self.prompt_ids, Tokenize(id="", prompt=item))
-                   if isinstance(item, str) else
-                   self.prompt_ids(Generate(id="", sampling=_NO_SAMPLING, prompt_token_ids=item)))
+            ids, _ = (await self._off_loop(self.prompt, Tokenize(id="", prompt=item))
+                      if isinstance(item, str) else
+                      self.prompt(Generate(id="", sampling=_NO_SAMPLING, prompt_token_ids=item)))
             if len(ids) > self.max_model_len:
                 raise RequestError(f"input {i} has {len(ids)} tokens; this model embeds at "
                                    f"most {self.max_model_len}", param="input",

@@ -42,6 +42,7 @@ class Engine(Protocol):
     """What the server needs of an engine (``VllmEngine`` or the synthetic one)."""
 
     max_model_len: int
+    max_prompt_chars: int
 
     def generate(self, gen: Generate) -> Any: ...  # AsyncIterator[list[Delta]]
     async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]: ...
@@ -203,7 +204,7 @@ class WorkerServer:
         self._engine = engine
         self._request_error = request_error
         self._send(Ready(model=self._model, max_model_len=self._engine.max_model_len,
-                         pid=os.getpid()))
+                         pid=os.getpid(), max_prompt_chars=self._engine.max_prompt_chars))
         loop = asyncio.get_running_loop()
         fd = self._sock.getsockopt(zmq.FD)
         loop.add_reader(fd, self._drain)

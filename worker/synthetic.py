@@ -30,6 +30,8 @@ class SyntheticError(Exception):
 class SyntheticEngine:
     """Synthetic: no model, for router benchmarks and fault injection only."""
 
+    max_prompt_chars = 0  # no bound: its "tokens" are words
+
     def __init__(self, spec: ModelSpec) -> None:
         self.max_model_len = spec.max_model_len or 4096
         rate = float(spec.engine_args.get("tokens_per_second", 0))

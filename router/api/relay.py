@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from router.api.sse import SSE_HEADERS
 from router.api.wire import ClientGone, JSONResponse, error_response, unless_disconnected
-from router.errors import APIError
+from router.errors import APIError, BadRequest
 from router.link import RequestStream, Usage, WorkerLink
 from router.registry import Lease, ModelEntry
 from router.supervisor import Supervisor
@@ -80,6 +80,7 @@ class Relay:
         lease, link = await self.supervisor.acquire(model, "generate")
         stream: RequestStream | None = None
         try:
+            _refuse_oversized(lease.entry, gens)
             stream = link.submit(gens, usage)
             shaper = shaper_for(lease.entry.id)
             try:
@@ -170,3 +171,19 @@ class Relay:
         finally:
             log.info("%s model=%s status=%d total_ms=%.0f", endpoint, lease.entry.id, status,
                      (time.perf_counter() - started) * 1000)
+
+
+def _refuse_oversized(entry: ModelEntry, gens: list[Generate]) -> None:
+    """A prompt longer than the worker's bound cannot fit the context: refuse it here,
+    before megabytes cross the socket and stall the worker's other streams."""
+    limit = entry.max_prompt_chars
+    if not limit:
+        return
+    for gen in gens:
+        size = len(gen.prompt or "") + sum(len(m.content or "") for m in gen.messages or ())
+        if size > limit:
+            raise BadRequest(
+                f"This model's maximum context length is {entry.max_model_len} tokens; a "
+                f"prompt of {size} characters cannot fit it. Please reduce the length of the "
+                "prompt.", param="prompt" if gen.messages is None else "messages",
+                code="context_length_exceeded")

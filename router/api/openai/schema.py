@@ -18,8 +18,8 @@ from router.errors import BadRequest
 from shared.protocol import (
     ChatMessage,
     Constraint,
+    ContentPart,
     Generate,
-    MediaPart,
     SamplingSpec,
     Tool,
     ToolCall,
@@ -43,7 +43,9 @@ class InputAudio(msgspec.Struct, kw_only=True):
     format: str | None = None
 
 
-class ContentPart(msgspec.Struct, kw_only=True):
+class RequestPart(msgspec.Struct, kw_only=True):
+    """One part of a message's ``content`` array, as OpenAI's clients send it."""
+
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
@@ -64,7 +66,7 @@ class MessageToolCall(msgspec.Struct, kw_only=True):
 
 class RequestMessage(msgspec.Struct, kw_only=True):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[RequestPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None
@@ -238,24 +240,26 @@ def flatten_message(message: RequestMessage, i: int) -> ChatMessage:
     """One OpenAI message as the wire's ``ChatMessage``: text parts joined, media kept."""
     _check(message.role in _ROLES, f"unknown role '{message.role}'", f"messages[{i}].role")
     content = message.content
-    media: list[MediaPart] = []
+    parts: list[ContentPart] = []
+    media = False
     if isinstance(content, list):
-        texts = []
         for j, part in enumerate(content):
             if part.type in ("text", "input_text") and part.text is not None:
-                texts.append(part.text)
+                parts.append(ContentPart(type="text", text=part.text))
             elif part.type == "refusal" and part.refusal is not None:
-                texts.append(part.refusal)
+                parts.append(ContentPart(type="text", text=part.refusal))
             elif part.type == "image_url" and part.image_url is not None:
-                media.append(MediaPart(type="image_url", index=j, url=part.image_url.url))
+                parts.append(ContentPart(type="image_url", url=part.image_url.url))
+                media = True
             elif part.type == "input_audio" and part.input_audio is not None:
-                media.append(MediaPart(type="input_audio", index=j, data=part.input_audio.data,
-                                       format=part.input_audio.format))
+                parts.append(ContentPart(type="input_audio", data=part.input_audio.data,
+                                         format=part.input_audio.format))
+                media = True
             else:
                 raise BadRequest(f"content part type '{part.type}' is not supported (or lacks "
                                  "its field)", param=f"messages[{i}].content[{j}]",
                                  code="unsupported_content")
-        content = "".join(texts)
+        content = "".join(p.text or "" for p in parts)
     if content is None and message.role in ("user", "system", "developer"):
         raise BadRequest(f"messages[{i}] needs content", param=f"messages[{i}].content")
     calls = None
@@ -273,7 +277,8 @@ def flatten_message(message: RequestMessage, i: int) -> ChatMessage:
     # Most chat templates know "system" but not OpenAI's newer "developer" role.
     role = "system" if role == "developer" else role
     return ChatMessage(role=role, content=content, name=message.name,
-                       tool_call_id=tool_call_id, tool_calls=calls, media=media or None)
+                       tool_call_id=tool_call_id, tool_calls=calls,
+                       parts=parts if media else None)
 
 
 def _arguments_text(arguments: str | dict[str, Any]) -> str:
