@@ -77,7 +77,7 @@ class Relay:
                        shaper_for: Callable[[str], Shaper]) -> Response:
         """Relay ``gens`` (one client request) and answer as ``shaper_for(model id)`` shapes it."""
         usage = Usage()
-        lease, link = await self.supervisor.acquire(model, "generate")
+        lease, link = await self._acquire(endpoint, model, "generate", streaming, usage)
         stream: RequestStream | None = None
         try:
             _refuse_oversized(lease.entry, gens)
@@ -116,6 +116,14 @@ class Relay:
             lease.release()
             self._log(endpoint, lease.entry.id, False, status, usage)
         return JSONResponse(shaper.body(usage))
+
+    async def _acquire(self, endpoint: str, model: str | None, task: str, streaming: bool,
+                       usage: Usage) -> tuple[Lease, WorkerLink]:
+        try:
+            return await self.supervisor.acquire(model, task)
+        except APIError as err:  # unknown model, queue full, load failed: still one line
+            self._log(endpoint, model or "-", streaming, err.status, usage)
+            raise
 
     @staticmethod
     async def _drain(stream: RequestStream, shaper: Shaper) -> None:
@@ -159,8 +167,8 @@ class Relay:
     async def call(self, endpoint: str, model: str | None, task: str,
                    work: Callable[[WorkerLink], Awaitable[Any]]) -> tuple[ModelEntry, Any]:
         """A one-shot request (tokenize, embeddings ...): acquire, ``work(link)``, release."""
-        started = time.perf_counter()
-        lease, link = await self.supervisor.acquire(model, task)
+        usage = Usage()
+        lease, link = await self._acquire(endpoint, model, task, False, usage)
         status = 200
         try:
             with lease:
@@ -169,8 +177,7 @@ class Relay:
             status = err.status
             raise
         finally:
-            log.info("%s model=%s status=%d total_ms=%.0f", endpoint, lease.entry.id, status,
-                     (time.perf_counter() - started) * 1000)
+            self._log(endpoint, lease.entry.id, False, status, usage)
 
 
 def _refuse_oversized(entry: ModelEntry, gens: list[Generate]) -> None:
