@@ -26,9 +26,9 @@ from shared.protocol import (
     SamplingSpec,
     Tokenize,
     TokenLogprob,
-    ToolCallDelta,
     TopLogprob,
 )
+from worker.outputs import OutputParser
 from worker.tools import named_call_schema, required_calls_schema
 
 log = logging.getLogger("modelyard.worker")
@@ -319,7 +319,8 @@ class VllmEngine:
         return lambda: OutputParser(
             mode, gen.tool_name,
             tool_parser(self.tokenizer, request.tools) if tool_parser else None,
-            reasoning_parser(self.tokenizer) if reasoning_parser else None, request)
+            reasoning_parser(self.tokenizer) if reasoning_parser else None, request,
+            _scan_required)
 
     # -- generation ------------------------------------------------------------------
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
@@ -490,109 +491,14 @@ def _vllm_request(gen: Generate) -> Any:
          "skip_special_tokens": False})
 
 
-class OutputParser:
-    """Splits one choice's streamed output into answer text, reasoning and tool calls.
+def _scan_required(previous: str, current: str) -> Any:
+    """vLLM's reading of a forced ``required`` array: the call pieces ``current`` adds."""
+    from vllm.tool_parsers.streaming import extract_required_tool_call_streaming
 
-    Runs vLLM's own parsers (they keep per-request state, hence one instance per choice)
-    on each delta: the reasoning parser first, then, on what it leaves as content, the
-    tool parser (``auto``), vLLM's scanner of a forced JSON array (``required``), or
-    nothing but the arguments themselves (a named function). On the last delta whatever
-    a streaming parser still holds back is flushed, if its non-streaming reading agrees.
-    """
-
-    def __init__(self, mode: str, tool_name: str | None, tool_parser: Any,
-                 reasoning_parser: Any, request: Any) -> None:
-        self.mode = mode
-        self.tool_name = tool_name
-        self.tools = tool_parser
-        self.reasoning = reasoning_parser
-        self.request = request
-        self.text, self.ids = "", []  # type: tuple[str, list[int]]
-        self.content, self.content_ids = "", []  # type: tuple[str, list[int]]
-        self.sent_reasoning = ""
-        self.sent_content = ""
-        self.called = False
-
-    def feed(self, d: Delta, token_ids: Any, last: bool) -> None:
-        """Rewrite ``d`` (its ``text`` is the raw delta) into its parsed parts."""
-        delta_text, delta_ids = d.text, list(token_ids)
-        prev_text, prev_ids = self.text, self.ids
-        self.text, self.ids = prev_text + delta_text, prev_ids + delta_ids
-        content, content_ids = delta_text, delta_ids
-        if self.reasoning is not None:
-            msg = self.reasoning.extract_reasoning_streaming(
-                prev_text, self.text, delta_text, prev_ids, self.ids, delta_ids)
-            d.reasoning = (msg.reasoning or "") if msg else ""
-            content = (msg.content or "") if msg else ""
-            content_ids = delta_ids if content else []
-            self.sent_reasoning += d.reasoning
-            if last:
-                more_reasoning, more_content = self._reasoning_rest(content)
-                d.reasoning += more_reasoning
-                content += more_content
-        calls: list[ToolCallDelta] = []
-        d.text = self._content(content, content_ids, calls)
-        if last and self.mode == "auto" and not self.called:
-            final = self.tools.extract_tool_calls(self.content, self.request)
-            rest = final.content or ""
-            if not final.tools_called and rest.startswith(self.sent_content):
-                d.text += rest[len(self.sent_content):]  # text held back as a possible tag
-                self.sent_content = rest
-        if calls:
-            d.tool_calls = calls
-
-    def _reasoning_rest(self, content: str) -> tuple[str, str]:
-        reasoning, final_content = self.reasoning.extract_reasoning(self.text, self.request)
-        reasoning, final_content = reasoning or "", final_content or ""
-        streamed_content = self.content + content
-        if reasoning.startswith(self.sent_reasoning) and \
-                final_content.startswith(streamed_content):
-            more = reasoning[len(self.sent_reasoning):]
-            self.sent_reasoning = reasoning
-            return more, final_content[len(streamed_content):]
-        return "", ""
-
-    def _content(self, delta: str, ids: list[int], calls: list[ToolCallDelta]) -> str:
-        """Feed answer-side text to the tool parsing; return what is plain text."""
-        prev = self.content
-        self.content += delta
-        self.content_ids = self.content_ids + ids
-        if self.mode == "none" or not delta:
-            self.sent_content += delta
-            return delta
-        if self.mode == "function":
-            calls.append(ToolCallDelta(index=0, arguments=delta) if self.called else
-                         ToolCallDelta(index=0, id=_call_id(), name=self.tool_name,
-                                       arguments=delta))
-            self.called = True
-            return ""
-        if self.mode == "required":
-            from vllm.tool_parsers.streaming import extract_required_tool_call_streaming
-
-            msg, _ = extract_required_tool_call_streaming(
-                previous_text=prev, current_text=self.content, tool_call_idx=None,
-                tool_call_id_type="random")
-        else:
-            msg = self.tools.extract_tool_calls_streaming(
-                prev, self.content, delta, self.content_ids[:len(self.content_ids) - len(ids)],
-                self.content_ids, ids, self.request)
-        if msg is None:
-            return ""
-        for tc in msg.tool_calls:
-            fn = tc.function
-            name = fn.name if fn else None
-            self.called = self.called or name is not None
-            calls.append(ToolCallDelta(index=tc.index, id=tc.id, name=name,
-                                       arguments=(fn.arguments or "") if fn else ""))
-        text = msg.content or ""
-        self.sent_content += text
-        return text
-
-
-def _call_id() -> str:
-    from vllm.renderers.chat_utils import make_tool_call_id
-
-    return str(make_tool_call_id())
+    msg, _ = extract_required_tool_call_streaming(
+        previous_text=previous, current_text=current, tool_call_idx=None,
+        tool_call_id_type="random")
+    return msg
 
 
 _NO_SAMPLING = SamplingSpec()
