@@ -106,8 +106,12 @@ class Placer:
         return [self._gpu_locks.setdefault(g, asyncio.Lock()) for g in sorted(spec.gpus or [0])]
 
     def place(self, spec: ModelSpec) -> dict[str, str]:
-        """The environment variables that put ``spec``'s worker where it belongs."""
-        env = {k: str(v) for k, v in spec.env.items()}
+        """The environment variables that put ``spec``'s worker where it belongs.
+
+        Only placement: a model's ``env`` (tokens, credentials) is added by the supervisor
+        and never shown, since this is what ``/v1/models`` and the logs show.
+        """
+        env: dict[str, str] = {}
         if spec.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in (spec.gpus or [0]))
             return env

@@ -173,23 +173,30 @@ class Supervisor:
             task.exception()  # retrieved here: a load nobody awaits still ends quietly
 
     # -- starting ----------------------------------------------------------------------
-    def _command(self, entry: ModelEntry, endpoint: str) -> list[str]:
-        spec = entry.spec
-        fraction = self.placer.gpu_memory_utilization(spec)
-        if fraction != spec.gpu_memory_utilization:
-            spec = msgspec.structs.replace(spec, gpu_memory_utilization=fraction)
+    def _command(self, endpoint: str) -> list[str]:
+        """The worker's command line: nothing secret, since every user can read it in ``ps``
+        (the model's spec goes over the worker's stdin: ``worker_spec``)."""
         cmd = [sys.executable, "-m", "worker", "--endpoint", endpoint,
-               "--spec", msgspec.json.encode(spec).decode(),
                "--log-level", self.server.log_level]
         if self.server.cache_dir:
             cmd += ["--cache-dir", self.server.cache_dir]
         return cmd
 
+    def worker_spec(self, entry: ModelEntry) -> bytes:
+        """The spec the worker reads from stdin: its ``env`` is already its environment."""
+        spec = msgspec.structs.replace(entry.spec, env={})
+        fraction = self.placer.gpu_memory_utilization(spec)
+        if fraction != spec.gpu_memory_utilization:
+            spec = msgspec.structs.replace(spec, gpu_memory_utilization=fraction)
+        return msgspec.json.encode(spec)
+
     def worker_env(self, entry: ModelEntry) -> dict[str, str]:
-        """The full environment a worker starts with: ours, offline hub, its placement."""
+        """The full environment a worker starts with: ours, offline hub, the model's
+        ``env``, its placement (the only part shown in ``/v1/models`` and logs)."""
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub unless asked
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.update(entry.spec.env)
         placement = self.placer.place(entry.spec)
         entry.placement = placement
         env.update(placement)
@@ -250,9 +257,12 @@ class Supervisor:
         env = self.worker_env(entry)
         with open(log_path, "ab") as log_file:
             proc = await asyncio.create_subprocess_exec(
-                *self._command(entry, endpoint), stdin=asyncio.subprocess.DEVNULL,
+                *self._command(endpoint), stdin=asyncio.subprocess.PIPE,
                 stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,
                 start_new_session=True)
+        assert proc.stdin is not None
+        proc.stdin.write(self.worker_spec(entry))
+        proc.stdin.close()  # the worker reads to the end: one JSON document
         log.info("model %s: worker pid %d starting (%s)", entry.id, proc.pid,
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
         worker = _Worker(proc, link, log_path)

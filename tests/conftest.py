@@ -131,6 +131,7 @@ models:
     cpu_cores: "1"
     max_model_len: 1024
     reasoning_parser: olmo3
+    env: {HF_TOKEN: "hf_secret_for_tests_only"}
   smollm2-embed:
     model: "builtin:smollm2"
     task: embed

@@ -78,8 +78,10 @@ def test_worker_env_for_cpu_and_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     gpu_env = sup.worker_env(sup.registry.entries["gpu-b"])
     assert gpu_env["CUDA_VISIBLE_DEVICES"] == "2,3" and gpu_env["NCCL_DEBUG"] == "WARN"
     assert "VLLM_CPU_KVCACHE_SPACE" not in gpu_env
-    cmd = sup._command(sup.registry.entries["gpu-b"], "ipc:///x")
+    cmd = sup._command("ipc:///x")
     assert cmd[1:3] == ["-m", "worker"] and "ipc:///x" in cmd
+    assert "NCCL_DEBUG" not in " ".join(cmd)  # the spec and its env go over stdin
+    assert sup.registry.entries["gpu-b"].placement == {"CUDA_VISIBLE_DEVICES": "2,3"}
 
 
 def test_wait_queue_is_bounded_and_load_timeout_is_503(tmp_path: Path) -> None:

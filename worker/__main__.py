@@ -1,8 +1,8 @@
 """``python -m worker``: one model's worker process, started by the router.
 
-Arguments: ``--endpoint`` (the router's ZeroMQ address), ``--spec`` (the model's preset
-as JSON), ``--cache-dir``. vLLM spawns an EngineCore child, so everything runs under the
-``__main__`` guard.
+Arguments: ``--endpoint`` (the router's ZeroMQ address), ``--cache-dir``; the model's
+spec comes as JSON on stdin, not on the command line, where every user could read it.
+vLLM spawns an EngineCore child, so everything runs under the ``__main__`` guard.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ def _end_group(*_: object) -> None:
     os._exit(1)
 
 
-async def _main(args: argparse.Namespace) -> int:
-    spec = msgspec.json.decode(args.spec, type=ModelSpec)
+async def _main(args: argparse.Namespace, spec: ModelSpec) -> int:
     parent = os.getppid()
     server = WorkerServer(args.endpoint, spec.id)
     signal.signal(signal.SIGTERM, _end_group)
@@ -86,14 +85,14 @@ async def _main(args: argparse.Namespace) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m worker")
     parser.add_argument("--endpoint", required=True)
-    parser.add_argument("--spec", required=True)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
-    sys.exit(asyncio.run(_main(args)))
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=ModelSpec)
+    sys.exit(asyncio.run(_main(args, spec)))
 
 
 if __name__ == "__main__":
