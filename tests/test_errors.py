@@ -40,6 +40,17 @@ def post(base_url: str, path: str, **kw) -> httpx.Response:  # type: ignore[no-u
     ({"model": "smollm2", "messages": HI, "seed": 2**63}, 400, "seed"),       # beyond int64
     ({"model": "smollm2", "messages": HI, "min_tokens": 9, "max_tokens": 3}, 400, "min_tokens"),
     ({"model": "smollm2", "messages": HI, "tool_choice": "required"}, 400, "tool_choice"),
+    # Unbounded inputs are bounded (each of these was accepted before):
+    ({"model": "smollm2", "messages": HI, "stop": ["x" * 1001]}, 400, "stop"),
+    ({"model": "smollm2", "messages": HI, "stop_token_ids": [1] * 1025}, 400, "stop_token_ids"),
+    ({"model": "smollm2", "messages": HI, "logit_bias": {"012": 1, "12": -1}}, 400,
+     "logit_bias"),                                    # two spellings of one token
+    ({"model": "smollm2", "messages": HI * 10_001}, 400, "messages"),
+    ({"model": "smollm2", "messages": HI, "tools": [
+        {"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, 400, "tools"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "x"}], '
+     b'"chat_template_kwargs": {"a": ' + b"[" * 10_000 + b"]" * 10_000 + b"}}", 400, None),
+    ({"model": "smollm2", "messages": HI, "max_tokens": 4096}, 400, "max_tokens"),  # > context
     # Refused by vLLM's own checks in the worker, not by the router:
     ({"model": "smollm2", "messages": HI, "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ({"model": "smollm2", "messages": HI, "stop_token_ids": [99999999]}, 400, "stop_token_ids"),
@@ -59,7 +70,8 @@ def test_bad_completion_bodies(base_url: str) -> None:
                         ({"model": "smollm2", "prompt": [1.5]}, "prompt"),
                         ({"model": "smollm2", "prompt": "x", "logprobs": 50}, "logprobs"),
                         ({"model": "smollm2", "prompt": [99999999]}, "prompt"),
-                        ({"model": "smollm2", "prompt": [2**70]}, None)]:  # no int64 fits
+                        ({"model": "smollm2", "prompt": [2**70]}, None),  # no int64 fits
+                        ({"model": "smollm2", "prompt": ["a"] * 300, "n": 4}, "n")]:
         r = post(base_url, "/completions", json=body)
         assert r.status_code == 400, r.text
         validate("ErrorResponse", r.json())

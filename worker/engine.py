@@ -262,6 +262,13 @@ class VllmEngine:
         if prompt_len >= self.max_model_len:
             raise _too_long(self.max_model_len, str(prompt_len))
         room = self.max_model_len - prompt_len
+        if spec.max_tokens is not None and spec.max_tokens > room:  # as OpenAI: no clamping
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + spec.max_tokens} tokens ({prompt_len} in the "
+                f"prompt, {spec.max_tokens} for the completion). Please reduce the length of "
+                "the prompt or the completion.", param="max_tokens",
+                code="context_length_exceeded")
         chosen = {k: v for k, v in msgspec.structs.asdict(spec).items()
                   if v is not None and k in _OPTIONAL_SAMPLING}
         kwargs = {**self._defaults, **chosen}

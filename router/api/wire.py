@@ -90,6 +90,8 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
                          param=_param_of(text), code="invalid_type") from None
     except (msgspec.DecodeError, UnicodeDecodeError) as err:  # invalid UTF-8 is the latter
         raise BadRequest(f"request body is not valid JSON: {err}", code="invalid_json") from None
+    except RecursionError:  # msgspec's own depth guard on deeply nested untyped values
+        raise BadRequest("request body nests too deeply", code="invalid_json") from None
 
 
 async def _disconnected(request: Request) -> None:

@@ -8,7 +8,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.api.openai.schema import CompletionRequest, completion_sampling, text_or_token_lists
+from router.api.openai.schema import (
+    MAX_CHOICES,
+    CompletionRequest,
+    completion_sampling,
+    text_or_token_lists,
+)
 from router.api.openai.shapes import OpenAIShaper, usage_body
 from router.api.relay import Relay
 from router.api.sse import encode_json
@@ -102,6 +107,9 @@ async def completions(relay: Relay, request: Request, max_body: int) -> Response
     req = await read_body(request, CompletionRequest, max_body)
     sampling = completion_sampling(req)
     prompts = text_or_token_lists(req.prompt, "prompt")
+    if len(prompts) * sampling.n > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompts × n={sampling.n} asks for more than "
+                         f"{MAX_CHOICES} choices", param="n", code="invalid_value")
     rid = f"cmpl-{request_id()}"
     gens = []
     for i, prompt in enumerate(prompts):

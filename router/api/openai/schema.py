@@ -28,6 +28,13 @@ from shared.protocol import (
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 """Every integer a client sends must fit the wire protocol (and OpenAI's own int64)."""
 
+MAX_MESSAGES = 10_000
+MAX_TOOLS = 128  # OpenAI's own limit
+MAX_STOP_CHARS = 1_000
+MAX_TOKEN_IDS = 1_024  # stop_token_ids, logit_bias entries
+MAX_CHOICES = 1_024
+"""Choices one request may ask for (prompts × n): each is allocated before any runs."""
+
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
@@ -138,20 +145,21 @@ class _Sampling(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     min_tokens: Int64 = 0
-    stop_token_ids: list[Int64] | None = None
+    stop_token_ids: Annotated[list[Int64], msgspec.Meta(max_length=MAX_TOKEN_IDS)] | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
-    messages: list[RequestMessage]
+    messages: Annotated[list[RequestMessage], msgspec.Meta(max_length=MAX_MESSAGES)]
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
     response_format: ResponseFormat | None = None
-    tools: list[ToolParam] | None = None
+    tools: Annotated[list[ToolParam], msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[FunctionDefinition] | None = None
+    functions: Annotated[list[FunctionDefinition],
+                         msgspec.Meta(max_length=MAX_TOOLS)] | None = None
     function_call: str | FunctionName | None = None
     reasoning_effort: str | None = None
     # fields OpenAI documents that this server cannot honour: a 400 names them
@@ -195,16 +203,21 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     _check(len(stops) <= 64, "'stop' may hold at most 64 sequences", "stop")
     _check(all(stops), "'stop' sequences must not be empty", "stop")
+    _check(all(len(s) <= MAX_STOP_CHARS for s in stops),
+           f"'stop' sequences may be at most {MAX_STOP_CHARS} characters long", "stop")
     return stops
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
+    _check(len(bias) <= MAX_TOKEN_IDS, f"'logit_bias' may hold at most {MAX_TOKEN_IDS} "
+           "entries", "logit_bias")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        _check(key.isdigit() and int(key) < 2**63, f"'logit_bias' keys must be token ids, "
-               f"got '{key}'", "logit_bias")
+        # Canonical decimal only: "012" and "12" would silently name the same token.
+        _check(key.isdigit() and int(key) < 2**63 and key == str(int(key)),
+               f"'logit_bias' keys must be token ids, got '{key}'", "logit_bias")
         _range(value, -100, 100, "logit_bias")
         out[int(key)] = value
     return out
