@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
+import stat
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,21 +19,37 @@ from router.api.openai import OpenAIAPI
 from router.api.relay import Relay
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
 from router.errors import APIError
+from router.placement import Placer, check_budgets
 from router.registry import ModelRegistry
 from router.supervisor import Supervisor
-from shared.config import Preset
+from shared.config import ConfigError, Preset
 
 log = logging.getLogger("modelyard.router")
+
+
+def check_runtime_dir(path: Path, source: str) -> None:
+    """Worker sockets live here: whoever can enter it can talk to the workers."""
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{source}: [server]: key 'runtime_dir': {path} must belong to this "
+                          f"user and be closed to others (chmod 700); it is "
+                          f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}")
+    if len(str(path)) > 80:  # a socket path must fit in 107 bytes
+        raise ConfigError(f"{source}: [server]: key 'runtime_dir': {path} is longer than 80 "
+                          "characters, too long for the workers' socket paths")
 
 
 def build_app(preset: Preset) -> Starlette:
     """A Starlette app serving ``preset``; workers start on demand and stop on shutdown."""
     server = preset.server
     registry = ModelRegistry(preset)
+    placer = Placer()
+    check_budgets(preset.models.values(), server, placer.gpus)
     own_runtime_dir = server.runtime_dir is None
     runtime_dir = Path(server.runtime_dir or tempfile.mkdtemp(prefix="modelyard-"))
     runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    supervisor = Supervisor(registry, server, runtime_dir)
+    check_runtime_dir(runtime_dir, preset.source)
+    supervisor = Supervisor(registry, server, runtime_dir, placer)
     openai = OpenAIAPI(Relay(supervisor), server.max_body_bytes)
     admin = AdminAPI(supervisor, server.max_body_bytes)
 

@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         server.log_level = args.log_level
     logging.basicConfig(level=server.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = build_app(preset)
+    try:
+        app = build_app(preset)
+    except ConfigError as err:  # what only the running machine can tell (dirs, memory)
+        print(f"modelyard: {err}", file=sys.stderr)
+        return 2
     uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level,
                 access_log=False, timeout_graceful_shutdown=30)
     return 0

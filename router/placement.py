@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shared.config import ModelSpec, ServerConfig, format_cores, parse_cores
+from shared.config import ConfigError, ModelSpec, ServerConfig, format_cores, parse_cores
 
 GIB = 1024 ** 3
 
@@ -82,6 +82,18 @@ def fits(spec: ModelSpec, loaded: Iterable[ModelSpec], server: ServerConfig,
         if used + gib > budget + 1e-9:
             return False
     return True
+
+
+def check_budgets(models: Iterable[ModelSpec], server: ServerConfig,
+                  gpus: dict[int, GpuMemory]) -> None:
+    """Refuse a model that could never load: larger than its device's whole budget (it
+    would wait for room forever)."""
+    for spec in models:
+        for key, gib in footprint(spec, gpus).items():
+            budget = server.memory_budget_gib.get(key)
+            if budget is not None and gib > budget + 1e-9:
+                raise ConfigError(f"model '{spec.id}': needs {gib:g} GiB on {key}, more than "
+                                  f"its whole memory_budget_gib of {budget:g}")
 
 
 class Placer:

@@ -250,16 +250,27 @@ class Supervisor:
 
     async def _spawn(self, entry: ModelEntry) -> WorkerLink:
         started = time.monotonic()
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", entry.id)
-        endpoint = f"ipc://{self.runtime_dir}/{safe}-{next(_generation)}.sock"
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", entry.id)[:100]
+        # A socket path must fit in 107 bytes, so its name does not depend on the model's.
+        endpoint = f"ipc://{self.runtime_dir}/w{next(_generation)}.sock"
         log_path = self.runtime_dir / f"{safe}.log"
-        link = WorkerLink(self._ctx, endpoint, entry.id)
-        env = self.worker_env(entry)
-        with open(log_path, "ab") as log_file:
-            proc = await asyncio.create_subprocess_exec(
-                *self._command(endpoint), stdin=asyncio.subprocess.PIPE,
-                stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,
-                start_new_session=True)
+        link: WorkerLink | None = None
+        try:
+            link = WorkerLink(self._ctx, endpoint, entry.id)
+            env = self.worker_env(entry)
+            with open(log_path, "ab") as log_file:
+                proc = await asyncio.create_subprocess_exec(
+                    *self._command(endpoint), stdin=asyncio.subprocess.PIPE,
+                    stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,
+                    start_new_session=True)
+        except (OSError, ValueError, zmq.ZMQError) as err:  # nothing started: say why
+            reason = f"could not start its worker: {type(err).__name__}: {err}"
+            if link is not None:
+                link.close(reason)
+            self._failed(entry, reason, "", None)
+            self.placer.release(entry.id)
+            log.error("model %s: %s", entry.id, reason)
+            raise ModelUnavailable(f"model '{entry.id}' {reason}") from None
         assert proc.stdin is not None
         proc.stdin.write(self.worker_spec(entry))
         proc.stdin.close()  # the worker reads to the end: one JSON document

@@ -33,7 +33,10 @@ def parse_cores(text: str) -> set[int]:
         if not part:
             continue
         lo, _, hi = part.partition("-")
-        cores.update(range(int(lo), int(hi or lo) + 1))
+        first, last = int(lo), int(hi or lo)
+        if first > last:
+            raise ValueError(f"empty core range {part!r}")
+        cores.update(range(first, last + 1))
     return cores
 
 
@@ -212,6 +215,15 @@ def _check_names(models: dict[str, ModelSpec], server: ServerConfig, source: str
             raise ConfigError(f"{source}: model '{spec.id}': key 'kv_cache_gib': must be > 0")
         if spec.tensor_parallel_size < 1:
             raise ConfigError(f"{source}: model '{spec.id}': key 'tensor_parallel_size': must be >= 1")
+        if spec.cpu_cores is not None:
+            try:
+                cores = parse_cores(spec.cpu_cores)
+            except ValueError:
+                cores = set()
+            if not cores or min(cores) < 0:
+                raise ConfigError(f"{source}: model '{spec.id}': key 'cpu_cores': expected core "
+                                  f"numbers and ranges such as \"0-3,6\", got "
+                                  f"\"{spec.cpu_cores}\"")
     if server.default_model and server.default_model.lower() not in owner:
         raise ConfigError(f"{source}: [server]: key 'default_model': no model or alias "
                           f"named '{server.default_model}'")

@@ -75,3 +75,10 @@ def test_unknown_extension_and_missing_file(tmp_path: Path) -> None:
         load_preset(tmp_path / "x.toml")
     with pytest.raises(ConfigError, match="cannot read"):
         load_preset(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("cores", ["0-x", "3-1", "", ",", "-1"])
+def test_bad_cpu_cores_are_refused_at_load(cores: str) -> None:
+    """Issue 8, defect 4: "0-x" was accepted and failed only when the worker spawned."""
+    with pytest.raises(ConfigError, match="model 'm': key 'cpu_cores'"):
+        build_preset({"models": {"m": {"model": "/m", "cpu_cores": cores}}}, "p.yaml")

@@ -112,3 +112,66 @@ def test_wait_queue_is_bounded_and_load_timeout_is_503(tmp_path: Path) -> None:
         return [type(o).__name__ for o in outcomes]
 
     assert asyncio.run(scenario()) == [ModelUnavailable.__name__] * 2
+
+
+def test_a_worker_that_cannot_start_leaves_the_model_failed_with_the_reason(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 8, defect 4: a spawn failure escaped as a 500 and left the model 'loading'
+    (so capacity counted it) forever."""
+    from router.errors import ModelUnavailable
+
+    preset = build_preset({"models": {"m": {"model": "/m", "cpu_cores": "0"}}})
+    sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path, Placer(cores={0}, gpus={}))
+
+    async def no_exec(*args: object, **kw: object) -> object:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", no_exec)
+
+    async def scenario() -> None:
+        with pytest.raises(ModelUnavailable) as info:
+            await sup.acquire("m")
+        assert info.value.status == 503 and "Too many open files" in info.value.message
+        entry = sup.registry.entries["m"]
+        assert entry.state == "failed" and "Too many open files" in (entry.error or "")
+        assert entry.leases == 0 and sup.placer._held == {}  # nothing held by a failure
+
+    asyncio.run(scenario())
+    sup._ctx.term()
+
+
+def test_a_model_larger_than_its_whole_budget_is_refused_at_start(tmp_path: Path) -> None:
+    """Issue 8, defect 6: such a model waited for room forever."""
+    from router.app import build_app
+    from router.placement import check_budgets
+    from shared.config import ConfigError
+
+    preset = build_preset({"server": {"memory_budget_gib": {"cpu": 4, "cuda:0": 40}},
+                           "models": {"small": {"model": "/s", "kv_cache_gib": 2},
+                                      "big": {"model": "/b", "kv_cache_gib": 8}}})
+    with pytest.raises(ConfigError, match="'big': needs 9 GiB on cpu"):
+        build_app(preset)
+    gpu = build_preset({"server": {"memory_budget_gib": {"cuda:0": 40}},
+                        "models": {"g": {"model": "/g", "device": "cuda",
+                                         "gpu_memory_utilization": 0.9}}})
+    with pytest.raises(ConfigError, match="72 GiB on cuda:0"):
+        check_budgets(gpu.models.values(), gpu.server, H100)  # 0.9 of an 80 GiB GPU
+    check_budgets(gpu.models.values(), gpu.server, {})  # unknown without NVML: no claim
+
+
+def test_runtime_dir_must_be_private(tmp_path: Path) -> None:
+    """Issue 8, defect 12: a configured runtime_dir was used whatever its mode."""
+    from router.app import check_runtime_dir
+    from shared.config import ConfigError
+
+    shared_dir = tmp_path / "open"
+    shared_dir.mkdir(mode=0o755)
+    shared_dir.chmod(0o755)
+    with pytest.raises(ConfigError, match="chmod 700"):
+        check_runtime_dir(shared_dir, "p.yaml")
+    shared_dir.chmod(0o700)
+    check_runtime_dir(shared_dir, "p.yaml")
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir(mode=0o700)
+    with pytest.raises(ConfigError, match="too long"):
+        check_runtime_dir(deep, "p.yaml")
