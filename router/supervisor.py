@@ -431,18 +431,21 @@ class Supervisor:
     async def _finish_stop(self, entry: ModelEntry, worker: _Worker, force: bool = False,
                            grace: float = 10.0) -> None:
         """The rest of a stop, once ``entry`` is marked ``stopping``."""
-        if force:
-            worker.link.fail(ModelUnavailable(f"model '{entry.id}' was unloaded"))
-        else:
+        if not force:
             deadline = time.monotonic() + self.server.drain_timeout
             while worker.link.busy and time.monotonic() < deadline:
                 await asyncio.sleep(POLL)
-            if worker.link.busy:
-                worker.link.fail(ModelUnavailable(
-                    f"model '{entry.id}' was unloaded after a {self.server.drain_timeout:g} s "
-                    "drain"))
+        ended = None
+        if worker.link.busy:
+            ended = ModelUnavailable(f"model '{entry.id}' was unloaded" if force else
+                                     f"model '{entry.id}' was unloaded after a "
+                                     f"{self.server.drain_timeout:g} s drain")
         try:
+            # Shutdown first: once the link has failed it sends nothing, and the engine
+            # would go on generating for nobody until SIGTERM.
             worker.link.shutdown()
+            if ended is not None:
+                worker.link.fail(ended)
             await asyncio.wait_for(worker.proc.wait(), grace)
         except (TimeoutError, APIError):
             kill_tree(worker.proc.pid, signal.SIGTERM)

@@ -175,3 +175,52 @@ def test_runtime_dir_must_be_private(tmp_path: Path) -> None:
     deep.mkdir(mode=0o700)
     with pytest.raises(ConfigError, match="too long"):
         check_runtime_dir(deep, "p.yaml")
+
+
+def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
+    """Issue 8, defect 2: a force unload failed the link first, after which it sent
+    nothing, so the engine went on generating for nobody until SIGTERM."""
+    import sys
+
+    import zmq
+
+    from router.errors import ModelUnavailable
+    from router.link import WorkerLink
+    from router.supervisor import _Worker
+    from shared.protocol import Generate, SamplingSpec, Shutdown, worker_codec
+
+    preset = build_preset({"models": {"m": {"model": "/m"}}})
+    sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path, Placer(cores={0}, gpus={}))
+
+    async def scenario() -> list[object]:
+        endpoint = f"ipc://{tmp_path}/w.sock"
+        link = WorkerLink(sup._ctx, endpoint, "m")
+        peer = sup._ctx.socket(zmq.DEALER)  # stands for the worker's end of the socket
+        peer.setsockopt(zmq.LINGER, 0)
+        peer.connect(endpoint)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import time; time.sleep(60)", start_new_session=True)
+        entry = sup.registry.entries["m"]
+        sup._workers["m"] = _Worker(proc, link, tmp_path / "m.log")
+        entry.state, entry.link = "ready", link
+        stream = link.submit([Generate(id="g1", sampling=SamplingSpec())])  # in flight
+        stop = asyncio.create_task(sup.stop(entry, force=True, grace=0.5))
+        received: list[object] = []
+        codec = worker_codec()
+        for _ in range(200):
+            try:
+                received.append(codec.decode(peer.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                await asyncio.sleep(0.01)
+            if any(isinstance(m, Shutdown) for m in received):
+                break
+        await stop
+        with pytest.raises(ModelUnavailable):
+            await stream.__anext__()  # the client hears of it at once
+        assert entry.state == "unloaded" and proc.returncode is not None
+        peer.close(0)
+        return received
+
+    received = asyncio.run(scenario())
+    sup._ctx.term()
+    assert [type(m).__name__ for m in received] == ["Generate", "Shutdown"]
