@@ -13,7 +13,9 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 
+from router.admission import KeyGuard, Keys
 from router.api.admin import AdminAPI
 from router.api.openai import OpenAIAPI
 from router.api.relay import Relay
@@ -43,6 +45,7 @@ def build_app(preset: Preset) -> Starlette:
     """A Starlette app serving ``preset``; workers start on demand and stop on shutdown."""
     server = preset.server
     registry = ModelRegistry(preset)
+    keys = Keys.load(server, preset.source)
     placer = Placer()
     check_budgets(preset.models.values(), server, placer.gpus)
     own_runtime_dir = server.runtime_dir is None
@@ -55,8 +58,9 @@ def build_app(preset: Preset) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        log.info("modelyard: %d model(s) from %s; runtime dir %s", len(registry.entries),
-                 preset.source, runtime_dir)
+        log.info("modelyard: %d model(s) from %s; runtime dir %s; %s", len(registry.entries),
+                 preset.source, runtime_dir,
+                 f"{len(keys.user)} API key(s) required" if keys.required else "no API keys")
         supervisor.start()
         try:
             yield
@@ -68,6 +72,7 @@ def build_app(preset: Preset) -> Starlette:
     app = Starlette(
         routes=openai.routes() + admin.routes(),
         lifespan=lifespan,
+        middleware=[Middleware(KeyGuard, keys=keys)],
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                             Exception: server_error_handler},
     )

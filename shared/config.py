@@ -82,6 +82,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     log_level: str = "info"
     max_body_bytes: int = 32 * 1024 * 1024
     """Larger request bodies get a 413."""
+    api_keys: list[str] = []
+    """When any key is set (here, in ``api_key_file`` or ``MODELYARD_API_KEYS``), every
+    endpoint but ``/health`` needs one (``Authorization: Bearer`` or ``x-api-key``)."""
+    admin_api_keys: list[str] = []
+    """When set, loading and unloading models needs one of these; they open every endpoint."""
+    api_key_file: str | None = None
+    """A file of keys, one per line (``#`` starts a comment)."""
 
 
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
