@@ -23,7 +23,6 @@ from shared.protocol import (
     Detokenize,
     Embed,
     Generate,
-    SamplingSpec,
     Tokenize,
     TokenLogprob,
     TopLogprob,
@@ -225,12 +224,7 @@ class VllmEngine:
             ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
             return ids, media
         if isinstance(gen, Generate) and gen.prompt_token_ids is not None:
-            vocab = len(self.tokenizer)
-            bad = next((t for t in gen.prompt_token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestError(f"token id {bad} is out of vocabulary (size {vocab})",
-                                   param="prompt")
-            return list(gen.prompt_token_ids), None
+            return self._in_vocabulary(gen.prompt_token_ids, "prompt"), None
         if gen.prompt is not None:
             self._check_size(gen.prompt)
             ids = self.tokenizer.encode(gen.prompt, add_special_tokens=add_special_tokens)
@@ -245,13 +239,18 @@ class VllmEngine:
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return ids, strs
 
-    async def detokenize(self, req: Detokenize) -> str:
+    def _in_vocabulary(self, ids: list[int], param: str) -> list[int]:
+        """``ids`` (copied), or a 400 naming ``param`` for the first one not a token."""
         vocab = len(self.tokenizer)
-        bad = next((t for t in req.token_ids if not 0 <= t < vocab), None)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is out of vocabulary (size {vocab})",
-                               param="tokens")
-        text: str = await self._off_loop(self.tokenizer.decode, req.token_ids)
+                               param=param)
+        return list(ids)
+
+    async def detokenize(self, req: Detokenize) -> str:
+        ids = self._in_vocabulary(req.token_ids, "tokens")
+        text: str = await self._off_loop(self.tokenizer.decode, ids)
         return text
 
     # -- sampling --------------------------------------------------------------------
@@ -408,7 +407,7 @@ class VllmEngine:
         for i, item in enumerate(req.inputs):
             ids, _ = (await self._off_loop(self.prompt, Tokenize(id="", prompt=item))
                       if isinstance(item, str) else
-                      self.prompt(Generate(id="", sampling=_NO_SAMPLING, prompt_token_ids=item)))
+                      (self._in_vocabulary(item, "input"), None))
             if len(ids) > self.max_model_len:
                 raise RequestError(f"input {i} has {len(ids)} tokens; this model embeds at "
                                    f"most {self.max_model_len}", param="input",
@@ -507,8 +506,6 @@ def _scan_required(previous: str, current: str) -> Any:
         tool_call_id_type="random")
     return msg
 
-
-_NO_SAMPLING = SamplingSpec()
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "seed")

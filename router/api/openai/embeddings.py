@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from router.api.openai.schema import Int64, text_or_token_lists
+from router.api.relay import Relay
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import BadRequest
 from router.link import WorkerLink
@@ -42,7 +43,7 @@ def _encode(vector: list[float], encoding: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-async def embeddings(relay: Any, request: Request, max_body: int) -> Response:
+async def embeddings(relay: Relay, request: Request, max_body: int) -> Response:
     req = await read_body(request, EmbeddingRequest, max_body)
     if req.encoding_format not in ("float", "base64"):
         raise BadRequest("'encoding_format' must be 'float' or 'base64'",

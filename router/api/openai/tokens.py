@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from router.api.openai.schema import Int64, RequestMessage, ToolParam, flatten_message
+from router.api.relay import Relay
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import BadRequest
 from router.link import WorkerLink
@@ -32,7 +33,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-async def tokenize(relay: Any, request: Request, max_body: int) -> Response:
+async def tokenize(relay: Relay, request: Request, max_body: int) -> Response:
     body = await read_body(request, TokenizeRequest, max_body)
     if (body.prompt is None) == (body.messages is None):
         raise BadRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
@@ -57,7 +58,7 @@ async def tokenize(relay: Any, request: Request, max_body: int) -> Response:
     return JSONResponse(out)
 
 
-async def detokenize(relay: Any, request: Request, max_body: int) -> Response:
+async def detokenize(relay: Relay, request: Request, max_body: int) -> Response:
     body = await read_body(request, DetokenizeRequest, max_body)
     message = Detokenize(id=f"detok-{request_id()}", token_ids=list(body.tokens))
 
