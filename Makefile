@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.modelyard-installed
 PIP    := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: install serve test unit bench clean
+.PHONY: install serve test lint unit bench clean
 
 install: $(STAMP)
 
@@ -22,8 +22,13 @@ $(STAMP): pyproject.toml Makefile
 serve: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/modelyard serve --config configs/default.yaml --host 127.0.0.1 --port 8080
 
-test: install
+test: install lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+# Both are pinned in the test extra, so a new release cannot turn CI red on its own.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy router worker shared bench
 
 unit: install
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)

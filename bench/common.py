@@ -13,9 +13,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -41,14 +42,15 @@ def pct(values: list[float], p: float) -> float:
 
 
 def machine() -> dict[str, Any]:
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                  if line.startswith("model name")), platform.processor())
+    with open("/proc/cpuinfo") as cpuinfo:
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo
+                      if line.startswith("model name")), platform.processor())
     return {"cpus": os.cpu_count(), "cpu": model,
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "python": platform.python_version()}
 
 
-def report(name: str, result: dict[str, Any], rows: list[tuple[str, ...]]) -> None:
+def report(name: str, result: dict[str, Any], rows: Sequence[tuple[Any, ...]]) -> None:
     """Write ``bench/results/<name>.json``; print the JSON and a small table."""
     result = {"benchmark": name, "machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M"),
               **result}
@@ -67,13 +69,14 @@ class Server:
     def __init__(self, cmd: list[str], port: int, env: dict[str, str] | None = None,
                  cpus: set[int] | None = None, name: str = "server") -> None:
         self.port = port
-        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log",
-                                               delete=False)
+        # Kept open (and on disk) while the server runs; closed by __exit__.
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix=f"bench-{name}-", suffix=".log", delete=False)
         full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
         preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, preexec_fn=preexec,
+                                     stderr=subprocess.STDOUT, preexec_fn=preexec,  # noqa: PLW1509  # no threads yet
                                      start_new_session=True)
 
     @property
@@ -114,7 +117,7 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
 
-    def __enter__(self) -> Server:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -117,8 +117,10 @@ async def disconnects(base: str, router_pid: int, total: int = 500,
                     return True
         completed = sum(await asyncio.gather(*(one(p) for p in plan)))
     await asyncio.sleep(1.0)
-    model = httpx.get(f"{base}/v1/models/synth").json()
-    after = {"fds": router.num_fds(), "tasks": httpx.get(f"{base}/health").json()["tasks"]}
+    async with httpx.AsyncClient(timeout=30) as client:
+        model = (await client.get(f"{base}/v1/models/synth")).json()
+        health = (await client.get(f"{base}/health")).json()
+    after = {"fds": router.num_fds(), "tasks": health["tasks"]}
     return {"requests": total, "disconnected": sum(plan), "completed": completed,
             "engine_in_flight_after": model.get("worker_in_flight"),
             "router_in_flight_after": model["in_flight"],
@@ -161,10 +163,10 @@ def main() -> None:
             ("kill -9 synthetic: next request ok", k["next_request_succeeded"]),
             ("kill -9 vLLM: error within 2 s", r["clients_terminal_error_within_2s"]),
             ("kill -9 vLLM: next request ok", r["next_request_succeeded"]),
-            ("20% disconnect: in flight after", f"engine {d['engine_in_flight_after']}, "
-                                                f"router {d['router_in_flight_after']}"),
-            ("20% disconnect: fds / tasks", f"{d['router_fds_before_after']} / "
-                                            f"{d['router_tasks_before_after']}"),
+            ("20% disconnect: in flight after", (f"engine {d['engine_in_flight_after']}, "
+                                                 f"router {d['router_in_flight_after']}")),
+            ("20% disconnect: fds / tasks", (f"{d['router_fds_before_after']} / "
+                                             f"{d['router_tasks_before_after']}")),
             *[(f"router {how}", v) for how, v in result["router_signals"].items()]]
     report("faults", result, rows)
 

@@ -69,7 +69,8 @@ def main() -> None:
                 order = list(targets) if r % 2 == 0 else list(reversed(targets))
                 for name in order:
                     runs[name].append(asyncio.run(streams(targets[name], body, concurrency)))
-            stats = {name: summarize(runs[name], concurrency) for name in targets}
+            stats: dict[str, Any] = {name: summarize(runs[name], concurrency)
+                                     for name in targets}
             stats["ratio_tokens_per_s"] = round(
                 stats["modelyard"]["tokens_per_s"] / stats["vllm"]["tokens_per_s"], 3)
             stats["ttft_p50_added_ms"] = round(

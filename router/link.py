@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from typing import cast
 
 import zmq
 
@@ -172,7 +173,7 @@ class WorkerLink:
         self._calls: dict[str, asyncio.Future[object]] = {}
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[Ready] = self._loop.create_future()
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self._fd = cast(int, self._sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
         self._drain_scheduled = False
         self._closed = False
@@ -190,7 +191,7 @@ class WorkerLink:
         self._after_send()
 
     def _after_send(self) -> None:
-        if not self._drain_scheduled and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self._drain_scheduled and cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._drain_scheduled = True
             self._loop.call_soon(self._drain)
 
@@ -310,7 +311,7 @@ class WorkerLink:
                 return
             try:
                 message = decode(frame.buffer)
-            except Exception as err:  # a bad frame is a worker bug; log it, keep the link
+            except Exception as err:  # noqa: BLE001  # a bad frame is a worker bug; log it, keep the link
                 log.error("undecodable message from worker %s: %s", self.model, err)
                 continue
             dispatch(message)

@@ -33,7 +33,7 @@ def read_gpus() -> dict[int, GpuMemory]:
         return {}
     try:
         pynvml.nvmlInit()
-    except Exception:  # NVMLError: no driver / no GPU here, so there is nothing to place on
+    except Exception:  # noqa: BLE001  # NVMLError: no driver / no GPU here, so there is nothing to place on
         return {}
     try:
         out = {}

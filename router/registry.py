@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from router.errors import ModelNotFound
 from shared.config import ModelSpec, Preset
@@ -105,7 +105,7 @@ class Lease:
     response can release in its generator's ``finally`` whatever path it ends by.
     """
 
-    __slots__ = ("entry", "_held")
+    __slots__ = ("_held", "entry")
 
     def __init__(self, entry: ModelEntry) -> None:
         self.entry = entry
@@ -119,7 +119,7 @@ class Lease:
             self.entry.leases -= 1
             self.entry.last_used = time.monotonic()
 
-    def __enter__(self) -> Lease:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

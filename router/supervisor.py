@@ -21,7 +21,9 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import psutil
@@ -98,8 +100,8 @@ class Supervisor:
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
 
-    def _spawn_task(self, coro: object) -> None:
-        task = asyncio.create_task(coro)  # type: ignore[arg-type]
+    def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
 
@@ -258,7 +260,7 @@ class Supervisor:
         try:
             link = WorkerLink(self._ctx, endpoint, entry.id)
             env = self.worker_env(entry)
-            with open(log_path, "ab") as log_file:
+            with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append: no wait
                 proc = await asyncio.create_subprocess_exec(
                     *self._command(endpoint), stdin=asyncio.subprocess.PIPE,
                     stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,

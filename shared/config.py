@@ -45,13 +45,12 @@ def format_cores(cores: set[int]) -> str:
     runs: list[str] = []
     ordered = sorted(cores)
     start = prev = ordered[0]
-    for c in ordered[1:] + [None]:  # type: ignore[list-item]
-        if c is not None and c == prev + 1:
-            prev = c
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if c is not None:
-            start = prev = c
+    for c in ordered[1:]:
+        if c != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = c
+        prev = c
+    runs.append(str(start) if start == prev else f"{start}-{prev}")
     return ",".join(runs)
 
 
@@ -173,7 +172,7 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
         raise ConfigError(f"{source}: the top level must be a mapping")
     unknown = set(raw) - {"server", "defaults", "*", "models"}
     if unknown:
-        raise ConfigError(f"{source}: unknown top-level key '{sorted(unknown)[0]}' "
+        raise ConfigError(f"{source}: unknown top-level key '{min(unknown)}' "
                           "(expected server, defaults, models)")
     server = _convert(raw.get("server") or {}, ServerConfig, f"{source}: [server]")
     defaults = raw.get("defaults") or raw.get("*") or {}

@@ -16,7 +16,7 @@ step, instead of one message per token.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -25,7 +25,7 @@ _WIRE = {"array_like": True, "omit_defaults": True, "gc": False}
 _MSG = {**_WIRE, "tag_field": "kind"}
 
 
-class SamplingSpec(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
+class SamplingSpec(msgspec.Struct, **_WIRE):
     """The sampling parameters a worker turns into ``vllm.SamplingParams``.
 
     ``None`` means "the model's default" (vLLM reads ``generation_config.json``).
@@ -106,7 +106,7 @@ class Constraint(msgspec.Struct, omit_defaults=True, gc=False):
     """The request field it came from, named by errors (it is protocol-specific)."""
 
 
-class Generate(msgspec.Struct, tag="generate", **_MSG):  # type: ignore[call-arg]
+class Generate(msgspec.Struct, tag="generate", **_MSG):
     """Start a generation. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids``."""
 
     id: str
@@ -127,13 +127,13 @@ class Generate(msgspec.Struct, tag="generate", **_MSG):  # type: ignore[call-arg
     """Extra chat-template variables (``enable_thinking``, ``reasoning_effort`` ...)."""
 
 
-class Cancel(msgspec.Struct, tag="cancel", **_MSG):  # type: ignore[call-arg]
+class Cancel(msgspec.Struct, tag="cancel", **_MSG):
     """Abort a generation (client went away)."""
 
     id: str
 
 
-class Tokenize(msgspec.Struct, tag="tokenize", **_MSG):  # type: ignore[call-arg]
+class Tokenize(msgspec.Struct, tag="tokenize", **_MSG):
     """Tokenize a prompt or render-and-tokenize a chat, without generating."""
 
     id: str
@@ -146,12 +146,12 @@ class Tokenize(msgspec.Struct, tag="tokenize", **_MSG):  # type: ignore[call-arg
     template_kwargs: dict[str, Any] | None = None
 
 
-class Detokenize(msgspec.Struct, tag="detokenize", **_MSG):  # type: ignore[call-arg]
+class Detokenize(msgspec.Struct, tag="detokenize", **_MSG):
     id: str
     token_ids: list[int]
 
 
-class Embed(msgspec.Struct, tag="embed", **_MSG):  # type: ignore[call-arg]
+class Embed(msgspec.Struct, tag="embed", **_MSG):
     """Embed each input (text or token ids) with a pooling model."""
 
     id: str
@@ -159,36 +159,36 @@ class Embed(msgspec.Struct, tag="embed", **_MSG):  # type: ignore[call-arg]
     dimensions: int | None = None
 
 
-class Ping(msgspec.Struct, tag="ping", **_MSG):  # type: ignore[call-arg]
+class Ping(msgspec.Struct, tag="ping", **_MSG):
     id: str
 
 
-class Shutdown(msgspec.Struct, tag="shutdown", **_MSG):  # type: ignore[call-arg]
+class Shutdown(msgspec.Struct, tag="shutdown", **_MSG):
     pass
 
 
-class Sleep(msgspec.Struct, tag="sleep", **_MSG):  # type: ignore[call-arg]
+class Sleep(msgspec.Struct, tag="sleep", **_MSG):
     """Put the engine in vLLM sleep mode (GPU only); answered with ``Pong``."""
 
     id: str
     level: int = 1
 
 
-class Wake(msgspec.Struct, tag="wake", **_MSG):  # type: ignore[call-arg]
+class Wake(msgspec.Struct, tag="wake", **_MSG):
     """Leave sleep mode; answered with ``Pong`` once the engine serves again."""
 
     id: str
 
 
-ToWorker = Union[Generate, Cancel, Tokenize, Detokenize, Embed, Ping, Shutdown, Sleep, Wake]
+ToWorker = Generate | Cancel | Tokenize | Detokenize | Embed | Ping | Shutdown | Sleep | Wake
 
 
-class TopLogprob(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
+class TopLogprob(msgspec.Struct, **_WIRE):
     token: str
     logprob: float
 
 
-class TokenLogprob(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
+class TokenLogprob(msgspec.Struct, **_WIRE):
     """Log probability of one sampled token and, if asked, its top alternatives."""
 
     token: str
@@ -196,7 +196,7 @@ class TokenLogprob(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
     top: list[TopLogprob] = []
 
 
-class ToolCallDelta(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
+class ToolCallDelta(msgspec.Struct, **_WIRE):
     """A piece of a tool call the model is making: the first piece of call ``index``
     carries ``id`` and ``name``; later ones carry argument text only."""
 
@@ -206,7 +206,7 @@ class ToolCallDelta(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
     arguments: str = ""
 
 
-class Delta(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
+class Delta(msgspec.Struct, **_WIRE):
     """New output of one choice of one request since its previous delta.
 
     ``finish_reason`` is set on the choice's last delta, which also carries the prompt's
@@ -228,7 +228,7 @@ class Delta(msgspec.Struct, **_WIRE):  # type: ignore[call-arg]
     tool_calls: list[ToolCallDelta] | None = None
 
 
-class Ready(msgspec.Struct, tag="ready", **_MSG):  # type: ignore[call-arg]
+class Ready(msgspec.Struct, tag="ready", **_MSG):
     """The engine is up; sent once, after start-up."""
 
     model: str
@@ -239,29 +239,29 @@ class Ready(msgspec.Struct, tag="ready", **_MSG):  # type: ignore[call-arg]
     one without sending it (0: no bound known)."""
 
 
-class Deltas(msgspec.Struct, tag="deltas", **_MSG):  # type: ignore[call-arg]
+class Deltas(msgspec.Struct, tag="deltas", **_MSG):
     items: list[Delta]
 
 
-class TokenizeResult(msgspec.Struct, tag="tokens", **_MSG):  # type: ignore[call-arg]
+class TokenizeResult(msgspec.Struct, tag="tokens", **_MSG):
     id: str
     token_ids: list[int]
     max_model_len: int
     token_strs: list[str] | None = None
 
 
-class DetokenizeResult(msgspec.Struct, tag="text", **_MSG):  # type: ignore[call-arg]
+class DetokenizeResult(msgspec.Struct, tag="text", **_MSG):
     id: str
     text: str
 
 
-class Embeddings(msgspec.Struct, tag="embeddings", **_MSG):  # type: ignore[call-arg]
+class Embeddings(msgspec.Struct, tag="embeddings", **_MSG):
     id: str
     vectors: list[list[float]]
     prompt_tokens: int
 
 
-class Error(msgspec.Struct, tag="error", **_MSG):  # type: ignore[call-arg]
+class Error(msgspec.Struct, tag="error", **_MSG):
     """A request failed (``id`` set) or the worker cannot go on (``id`` empty).
 
     ``status``, ``type``, ``param`` and ``code`` follow OpenAI's error object, so the
@@ -277,12 +277,12 @@ class Error(msgspec.Struct, tag="error", **_MSG):  # type: ignore[call-arg]
     code: str | None = None
 
 
-class Pong(msgspec.Struct, tag="pong", **_MSG):  # type: ignore[call-arg]
+class Pong(msgspec.Struct, tag="pong", **_MSG):
     id: str
     in_flight: int = 0
 
 
-ToRouter = Union[Ready, Deltas, TokenizeResult, DetokenizeResult, Embeddings, Error, Pong]
+ToRouter = Ready | Deltas | TokenizeResult | DetokenizeResult | Embeddings | Error | Pong
 
 
 class Codec:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ def _document() -> dict[str, Any]:
     return doc
 
 
-@lru_cache(maxsize=None)
+@cache
 def _validator(name: str) -> Draft202012Validator:
     resource = Resource.from_contents(_document(), default_specification=DRAFT202012)
     registry = Registry().with_resource("urn:openai", resource)

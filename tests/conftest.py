@@ -51,7 +51,7 @@ class RouterProcess:
 
     def start(self) -> None:
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        self.log = open(self.log_path, "wb")
+        self.log = open(self.log_path, "wb")  # noqa: SIM115  # the router's stdout until stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "router", "serve", "--config", str(self.preset)],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)

@@ -4,6 +4,7 @@ request log line."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -89,7 +90,7 @@ def test_a_30_mib_prompt_is_refused_without_stalling_other_streams(client, base_
             sender.start()
     sender.join()
     assert answer["status"] == 400 and answer["code"] == "context_length_exceeded", answer
-    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     assert max(gaps) < 1.0, f"the stream stalled for {max(gaps):.2f} s"
 
 

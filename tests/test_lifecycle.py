@@ -205,7 +205,7 @@ def test_no_worker_or_engine_process_outlives_the_router(tmp_path_factory: pytes
         else:
             r.proc.kill()
         r.proc.wait(60)
-        gone, alive = psutil.wait_procs(tree, timeout=15)
+        _, alive = psutil.wait_procs(tree, timeout=15)
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
         r.stop()

@@ -6,8 +6,23 @@ import msgspec
 import pytest
 
 from shared.protocol import (
-    Cancel, ChatMessage, Delta, Deltas, Error, Generate, Ping, Pong, Ready, SamplingSpec,
-    Shutdown, TokenizeResult, TokenLogprob, TopLogprob, Tokenize, router_codec, worker_codec,
+    Cancel,
+    ChatMessage,
+    Delta,
+    Deltas,
+    Error,
+    Generate,
+    Ping,
+    Pong,
+    Ready,
+    SamplingSpec,
+    Shutdown,
+    Tokenize,
+    TokenizeResult,
+    TokenLogprob,
+    TopLogprob,
+    router_codec,
+    worker_codec,
 )
 
 TO_WORKER = [

