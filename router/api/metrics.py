@@ -1,0 +1,68 @@
+"""``/metrics`` (Prometheus text, or OpenMetrics when the scraper asks) and ``/v1/metrics``
+(the same figures as JSON, per model), and the wrapper that counts the requests a
+protocol route refuses before they reach the relay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from prometheus_client.exposition import choose_encoder
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from router.api.wire import JSONResponse
+from router.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request
+
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def endpoint_name(path: str) -> str:
+    """The relay's name for a route's requests: the first segment after ``/v1/``
+    (``/v1/chat/completions`` → ``chat``)."""
+    return path.removeprefix("/v1/").split("/")[0]
+
+
+class MetricsAPI:
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/metrics", self.exposition, methods=["GET"]),
+            Route("/v1/metrics", self.snapshot, methods=["GET"]),
+        ]
+
+    async def exposition(self, request: Request) -> Response:
+        # prometheus_client picks the format: OpenMetrics if the scraper asks, else text
+        encode, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encode(self.metrics.registry), media_type=content_type)
+
+    async def snapshot(self, request: Request) -> Response:
+        return JSONResponse(self.metrics.snapshot())
+
+    def counted(self, routes: list[Route]) -> list[Route]:
+        """``routes`` whose refusals before the relay (a body that does not decode, a bad
+        field) are counted too; the relay counts every request it sees."""
+        return [Route(r.path, self._counting(r.endpoint, endpoint_name(r.path)),
+                      methods=r.methods) for r in routes]
+
+    def _counting(self, inner: Endpoint, endpoint: str) -> Endpoint:
+        async def counting(request: Request) -> Response:
+            mark = RequestMark()
+            token = current_request.set(mark)
+            try:
+                response = await inner(request)
+            except Exception:
+                if not mark.counted:  # a bug: the app's handler answers it with a 500
+                    self.metrics.request(endpoint, UNKNOWN_MODEL, 500)
+                raise
+            finally:
+                current_request.reset(token)
+            # A stream is counted when it ends, after this returns; its status here is 200.
+            if response.status_code >= 400 and not mark.counted:
+                self.metrics.request(endpoint, UNKNOWN_MODEL, response.status_code)
+            return response
+
+        return counting

@@ -1,0 +1,262 @@
+"""``Metrics``: the router's Prometheus metrics, in a ``CollectorRegistry`` of its own.
+
+Request metrics are counted once per request, where the relay writes its log line
+(``Relay._log``), and for requests refused before the relay (a body that does not
+decode) by the route wrapper in ``router.api.metrics``; ``current_request`` tells the
+wrapper whether the relay already counted its request. The per-model gauges (state, in
+flight, queued, load seconds, restarts, evictions) are read from the ``ModelRegistry``
+at scrape time, so the supervisor keeps no gauges of its own.
+
+Every series is labelled with a model id the preset declares, or ``-`` for a request
+that named no model the router knows: a client cannot grow the label set.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator
+from contextvars import ContextVar
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.errors import APIError
+from router.link import Usage
+from router.registry import ModelRegistry
+
+STATES = ("unloaded", "loading", "ready", "sleeping", "stopping", "failed")
+UNKNOWN_MODEL = "-"
+# Seconds; CPU workers answer in seconds to minutes, GPU workers in milliseconds.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+                160.0, 320.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5,
+               1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+               640.0, 1280.0)
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+class RequestMark:
+    """Whether the request being served has been counted; see ``current_request``."""
+
+    __slots__ = ("counted",)
+
+    def __init__(self) -> None:
+        self.counted = False
+
+
+current_request: ContextVar[RequestMark | None] = ContextVar("modelyard_request",
+                                                             default=None)
+"""Set by the route wrapper for the request its task serves; ``Metrics.request`` marks it."""
+
+
+class _ModelCollector:
+    """The per-model gauges, read from the registry's entries at each scrape."""
+
+    def __init__(self, models: ModelRegistry) -> None:
+        self.models = models
+
+    def collect(self) -> Iterator[Metric]:
+        state = GaugeMetricFamily("modelyard_model_state",
+                                  "1 for the state the model is in, 0 for the others",
+                                  labels=["model", "state"])
+        in_flight = GaugeMetricFamily("modelyard_model_in_flight", "Requests holding the "
+                                      "model (waiting for it or being served)", labels=["model"])
+        queued = GaugeMetricFamily("modelyard_model_queued",
+                                   "Requests waiting for the model to load, wake or find room",
+                                   labels=["model"])
+        load = GaugeMetricFamily("modelyard_model_load_seconds",
+                                 "How long the model's last successful start took",
+                                 labels=["model"])
+        restarts = CounterMetricFamily("modelyard_model_restarts",
+                                       "Starts after a crash or a failed start", labels=["model"])
+        evictions = CounterMetricFamily("modelyard_model_evictions",
+                                        "Stops to make room for another model", labels=["model"])
+        for entry in self.models:
+            for name in STATES:
+                state.add_metric([entry.id, name], 1.0 if entry.state == name else 0.0)
+            in_flight.add_metric([entry.id], entry.leases)
+            queued.add_metric([entry.id], entry.queued)
+            if entry.load_seconds is not None:
+                load.add_metric([entry.id], entry.load_seconds)
+            restarts.add_metric([entry.id], entry.restarts)
+            evictions.add_metric([entry.id], entry.evictions)
+        yield from (state, in_flight, queued, load, restarts, evictions)
+
+
+class _Series:
+    """One (model, endpoint)'s token counters and histograms, looked up once: ``labels()``
+    takes a lock and builds a key, most of the cost of counting a request. Bounded: models
+    are the preset's (or ``-``), endpoints the router's own."""
+
+    __slots__ = ("cached_tokens", "completion_tokens", "e2e", "inter_token", "prompt_tokens",
+                 "ttft")
+
+    def __init__(self, metrics: Metrics, model: str, endpoint: str) -> None:
+        self.prompt_tokens = metrics.prompt_tokens.labels(model)
+        self.cached_tokens = metrics.cached_tokens.labels(model)
+        self.completion_tokens = metrics.completion_tokens.labels(model)
+        self.ttft = metrics.ttft.labels(model)
+        self.inter_token = metrics.inter_token.labels(model)
+        self.e2e = metrics.e2e.labels(model, endpoint)
+
+
+class Metrics:
+    """Request counters and latency histograms plus the per-model gauges, in ``registry``."""
+
+    def __init__(self, models: ModelRegistry) -> None:
+        self.models = models
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter("modelyard_requests", "Requests answered, by final status "
+                                "(499: the client left)", ["model", "endpoint", "status"],
+                                registry=reg)
+        self.prompt_tokens = Counter("modelyard_prompt_tokens", "Prompt tokens",
+                                     ["model"], registry=reg)
+        self.cached_tokens = Counter("modelyard_cached_tokens", "Prompt tokens served from "
+                                     "the prefix cache", ["model"], registry=reg)
+        self.completion_tokens = Counter("modelyard_completion_tokens", "Generated tokens",
+                                         ["model"], registry=reg)
+        self.ttft = Histogram("modelyard_time_to_first_token_seconds", "From the request's "
+                              "arrival at the relay to its first output", ["model"],
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.inter_token = Histogram("modelyard_inter_token_seconds", "Mean time per output "
+                                     "token after the first, per choice; one observation per "
+                                     "successful request", ["model"], buckets=ITL_BUCKETS,
+                                     registry=reg)
+        self.e2e = Histogram("modelyard_request_seconds", "From the request's arrival at the "
+                             "relay to its last byte, successful requests", ["model", "endpoint"],
+                             buckets=E2E_BUCKETS, registry=reg)
+        reg.register(_ModelCollector(models))
+        self._requests: dict[tuple[str, str, int], Counter] = {}
+        self._series: dict[tuple[str, str], _Series] = {}
+
+    def label(self, model: str) -> str:
+        """The model id for ``model`` as a request named it, or ``-`` if none fits."""
+        if model in self.models.entries:
+            return model  # the relay passes the id for every request that got a lease
+        if model == UNKNOWN_MODEL:
+            return model
+        try:
+            return self.models.resolve(model).id
+        except APIError:  # unknown or ambiguous: one label for all, whatever was asked
+            return UNKNOWN_MODEL
+
+    def request(self, endpoint: str, model: str, status: int, usage: Usage | None = None,
+                now: float = 0.0) -> None:
+        """Count one finished request; ``now`` (``perf_counter``) is when it ended."""
+        mark = current_request.get()
+        if mark is not None:
+            mark.counted = True
+        model = self.label(model)
+        counter = self._requests.get((model, endpoint, status))
+        if counter is None:
+            counter = self._requests[model, endpoint, status] = self.requests.labels(
+                model, endpoint, str(status))
+        counter.inc()
+        if usage is None or not (status == 200 or usage.first_at):
+            return  # nothing was generated: no tokens, no latencies
+        series = self._series.get((model, endpoint))
+        if series is None:
+            series = self._series[model, endpoint] = _Series(self, model, endpoint)
+        if usage.completion or usage.prompt:
+            series.prompt_tokens.inc(usage.prompt_tokens)
+            series.cached_tokens.inc(usage.cached_tokens)
+            series.completion_tokens.inc(usage.completion)
+        if usage.first_at:
+            series.ttft.observe(usage.first_at - usage.started)
+        if status != 200:
+            return
+        now = now or time.perf_counter()
+        series.e2e.observe(now - usage.started)
+        per_choice = usage.completion / max(1, len(usage.finish))
+        if usage.first_at and per_choice > 1:
+            series.inter_token.observe((now - usage.first_at) / (per_choice - 1))
+
+    def snapshot(self) -> dict[str, Any]:
+        """The same figures as JSON, per model: ``GET /v1/metrics``."""
+        return snapshot(self.registry.collect())
+
+
+def snapshot(families: Iterable[Metric]) -> dict[str, Any]:
+    """Per-model JSON from collected (or parsed) metric families of a ``Metrics``."""
+    models: dict[str, dict[str, Any]] = {}
+
+    def model(name: str) -> dict[str, Any]:
+        return models.setdefault(name, {"requests": {}, "tokens": {"prompt": 0, "cached": 0,
+                                                                     "completion": 0}})
+
+    histograms: dict[tuple[str, ...], _Buckets] = {}
+    for family in families:
+        key = family.name.removeprefix("modelyard_")
+        for s in family.samples:
+            name = s.labels.get("model")
+            if name is None or s.name.endswith("_created"):
+                continue
+            entry = model(name)
+            if key == "requests":
+                by_status = entry["requests"].setdefault(s.labels["endpoint"], {})
+                by_status[s.labels["status"]] = int(s.value)
+            elif key.endswith("_tokens"):
+                entry["tokens"][key.removesuffix("_tokens")] = int(s.value)
+            elif key == "model_state":
+                if s.value:
+                    entry["state"] = s.labels["state"]
+            elif key.startswith("model_"):
+                field = key.removeprefix("model_")
+                entry[field] = int(s.value) if field != "load_seconds" else s.value
+            elif family.type == "histogram":
+                where = (key, name, s.labels.get("endpoint", ""))
+                histograms.setdefault(where, _Buckets()).add(s.name, s.labels, s.value)
+    for (key, name, endpoint), buckets in sorted(histograms.items()):
+        figures = model(name)
+        if endpoint:
+            figures = figures.setdefault(key, {})
+            key = endpoint
+        figures[key] = buckets.summary()
+    return {"object": "metrics", "models": models}
+
+
+class _Buckets:
+    """One histogram series gathered from its samples: count, sum and quantiles."""
+
+    def __init__(self) -> None:
+        self.count = 0.0
+        self.sum = 0.0
+        self.bounds: list[tuple[float, float]] = []  # (upper bound, cumulative count)
+
+    def add(self, sample: str, labels: dict[str, str], value: float) -> None:
+        if sample.endswith("_bucket"):
+            self.bounds.append((float(labels["le"]), value))
+        elif sample.endswith("_count"):
+            self.count = value
+        elif sample.endswith("_sum"):
+            self.sum = value
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"count": int(self.count), "sum": round(self.sum, 6),
+                               "avg": round(self.sum / self.count, 6) if self.count else None}
+        for q in QUANTILES:
+            value = quantile(q, sorted(self.bounds))
+            out[f"p{round(q * 100)}"] = None if value is None else round(value, 6)
+        return out
+
+
+def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus's ``histogram_quantile``: interpolated within the bucket holding the
+    rank; the highest finite bound when the rank falls in ``+Inf``."""
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, cumulative in buckets:
+        if cumulative >= rank:
+            if math.isinf(upper):
+                return lower
+            if cumulative == below:
+                return upper
+            return lower + (upper - lower) * (rank - below) / (cumulative - below)
+        lower, below = upper, cumulative
+    return lower
