@@ -65,6 +65,11 @@ def _param_of(message: str) -> str | None:
 
 async def read_body(request: Request, kind: type[T], limit: int) -> T:
     """Read and decode a JSON body into ``kind``; errors name the offending field."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media and media != "application/json" and not media.endswith("+json"):
+        # No header is taken as JSON (bare clients); a form or text body is a client mistake.
+        raise APIError(f"Content-Type '{media}' is not supported; send application/json",
+                       status=415, type="invalid_request_error", code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
@@ -126,7 +131,9 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     err = APIError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
                    type="invalid_request_error", code=code)
-    return error_response(err)
+    response = error_response(err)
+    response.headers.update(exc.headers or {})  # a 405 says what is Allow-ed
+    return response
 
 
 async def server_error_handler(request: Request, exc: Exception) -> Response:

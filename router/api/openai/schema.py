@@ -199,6 +199,22 @@ def _range(value: float | None, lo: float, hi: float, param: str) -> None:
                param)
 
 
+def check_free_json(value: Any, param: str) -> None:
+    """Free-form JSON (tool parameters, template kwargs, schemas) crosses the msgpack wire
+    too: an integer beyond int64 there is a 400 naming the field, not an encoder error.
+    Iterative: the value may nest as deep as the decoder allows."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif type(item) is int and not -(2**63) <= item < 2**63:
+            raise BadRequest(f"'{param}' holds an integer that does not fit in 64 bits",
+                             param=param, code="invalid_value")
+
+
 def _stop_list(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     _check(len(stops) <= 64, "'stop' may hold at most 64 sequences", "stop")
@@ -216,7 +232,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     out: dict[int, float] = {}
     for key, value in bias.items():
         # Canonical decimal only: "012" and "12" would silently name the same token.
-        _check(key.isdigit() and int(key) < 2**63 and key == str(int(key)),
+        # isdigit() alone takes '²' and '٣', which int() refuses or reads as another id.
+        _check(key.isascii() and key.isdigit() and int(key) < 2**63 and key == str(int(key)),
                f"'logit_bias' keys must be token ids, got '{key}'", "logit_bias")
         _range(value, -100, 100, "logit_bias")
         out[int(key)] = value
@@ -312,6 +329,9 @@ def _tools(req: ChatCompletionRequest, gen: Generate) -> None:
     names = [d.name for d in defs or []]
     if len(set(names)) != len(names):
         raise BadRequest("tool names must be unique", param="tools")
+    for k, d in enumerate(defs or []):
+        check_free_json(d.parameters, f"functions[{k}].parameters" if legacy
+                        else f"tools[{k}].function.parameters")
     tools = [Tool(name=d.name, description=d.description, parameters=d.parameters)
              for d in defs or []] or None
     choice: str | NamedToolChoice | FunctionName | None = (
@@ -389,6 +409,9 @@ def chat_generate(req: ChatCompletionRequest, rid: str) -> Generate:
     if gen.constraint is not None and gen.tool_choice in ("required", "function"):
         raise BadRequest("a forced tool choice already constrains the output; drop "
                          "'response_format'", param="response_format")
+    check_free_json(req.chat_template_kwargs, "chat_template_kwargs")
+    if gen.constraint is not None:
+        check_free_json(gen.constraint.json, gen.constraint.param)
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)

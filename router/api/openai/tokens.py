@@ -9,7 +9,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.api.openai.schema import Int64, RequestMessage, ToolParam, flatten_message
+from router.api.openai.schema import (
+    Int64,
+    RequestMessage,
+    ToolParam,
+    check_free_json,
+    flatten_message,
+)
 from router.api.relay import Relay
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import BadRequest
@@ -39,6 +45,9 @@ async def tokenize(relay: Relay, request: Request, max_body: int) -> Response:
         raise BadRequest("give exactly one of 'prompt' and 'messages'", param="prompt")
     messages = ([flatten_message(m, i) for i, m in enumerate(body.messages)]
                 if body.messages is not None else None)
+    check_free_json(body.chat_template_kwargs, "chat_template_kwargs")
+    for k, t in enumerate(body.tools or []):
+        check_free_json(t.function.parameters, f"tools[{k}].function.parameters")
     tools = [Tool(name=t.function.name, description=t.function.description,
                   parameters=t.function.parameters) for t in body.tools or []] or None
     message = Tokenize(id=f"tok-{request_id()}", prompt=body.prompt, messages=messages,

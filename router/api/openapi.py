@@ -1,0 +1,296 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 description of every route the router serves.
+
+Request bodies are the msgspec Structs the handlers decode (``schema_components``), so
+the document cannot drift from what is accepted. Response bodies are written here, after
+OpenAI's official schemas (same required fields) plus modelyard's own fields. The paths
+are the app's routes at the first request: a route missing from ``OPERATIONS`` is still
+listed (with only the error responses), and ``tests/test_fuzz.py`` fails on it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from router.api.admin import ModelAction
+from router.api.openai.embeddings import EmbeddingRequest
+from router.api.openai.schema import ChatCompletionRequest, CompletionRequest
+from router.api.openai.tokens import DetokenizeRequest, TokenizeRequest
+
+Schema = dict[str, Any]
+_REF = "#/components/schemas/{name}"
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": _REF.format(name=name)}
+
+
+def _obj(required: dict[str, Schema], optional: dict[str, Schema] | None = None) -> Schema:
+    return {"type": "object", "properties": {**required, **(optional or {})},
+            "required": list(required)}
+
+
+def _nullable(schema: Schema) -> Schema:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_INT: Schema = {"type": "integer"}
+_STR: Schema = {"type": "string"}
+_NUM: Schema = {"type": "number"}
+
+
+def _const(value: str) -> Schema:
+    return {"type": "string", "enum": [value]}
+
+
+def _array(items: Schema) -> Schema:
+    return {"type": "array", "items": items}
+
+
+_CHAT_LOGPROBS = _nullable(_obj({"content": _nullable(_array(_obj(
+    {"token": _STR, "logprob": _NUM, "bytes": _nullable(_array(_INT)),
+     "top_logprobs": _array(_obj({"token": _STR, "logprob": _NUM,
+                                  "bytes": _nullable(_array(_INT))}))})))},
+    {"refusal": _nullable(_array({}))}))
+
+RESPONSES: dict[str, Schema] = {
+    "Error": _obj({"message": _STR, "type": _STR, "param": _nullable(_STR),
+                   "code": _nullable(_STR)}),
+    "ErrorResponse": _obj({"error": _ref("Error")}),
+    "Usage": _obj({"prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT},
+                  {"prompt_tokens_details": _obj({}, {"cached_tokens": _INT})}),
+    "ChatCompletion": _obj({
+        "id": _STR, "object": _const("chat.completion"), "created": _INT, "model": _STR,
+        "choices": _array(_obj({
+            "index": _INT,
+            "finish_reason": {"type": "string", "enum": [
+                "stop", "length", "tool_calls", "content_filter", "function_call"]},
+            "message": _obj(
+                {"role": _const("assistant"), "content": _nullable(_STR),
+                 "refusal": _nullable(_STR)},
+                {"reasoning_content": _STR,
+                 "tool_calls": _array(_obj({"id": _STR, "type": _const("function"),
+                                            "function": _obj({"name": _STR,
+                                                              "arguments": _STR})})),
+                 "function_call": _obj({"name": _STR, "arguments": _STR})}),
+            "logprobs": _CHAT_LOGPROBS})),
+    }, {"usage": _ref("Usage")}),
+    "ChatCompletionChunk": _obj({
+        "id": _STR, "object": _const("chat.completion.chunk"), "created": _INT, "model": _STR,
+        "choices": _array(_obj({
+            "index": _INT,
+            "delta": _obj({}, {
+                "role": _const("assistant"), "content": _nullable(_STR),
+                "reasoning_content": _STR,
+                "tool_calls": _array(_obj({"index": _INT}, {
+                    "id": _STR, "type": _const("function"),
+                    "function": _obj({}, {"name": _STR, "arguments": _STR})})),
+                "function_call": _obj({}, {"name": _STR, "arguments": _STR})}),
+            "finish_reason": _nullable({"type": "string", "enum": [
+                "stop", "length", "tool_calls", "content_filter", "function_call"]})},
+            {"logprobs": _CHAT_LOGPROBS})),
+    }, {"usage": _ref("Usage")}),
+    "CompletionChunk": _obj({
+        "id": _STR, "object": _const("text_completion"), "created": _INT, "model": _STR,
+        "choices": _array(_obj({
+            "index": _INT, "text": _STR,
+            "finish_reason": _nullable({"type": "string", "enum": ["stop", "length"]}),
+            "logprobs": _nullable({"type": "object"})})),
+    }, {"usage": _ref("Usage")}),
+    "Completion": _obj({
+        "id": _STR, "object": _const("text_completion"), "created": _INT, "model": _STR,
+        "choices": _array(_obj({
+            "index": _INT, "text": _STR,
+            "finish_reason": {"type": "string", "enum": ["stop", "length", "content_filter"]},
+            "logprobs": _nullable(_obj({}, {
+                "tokens": _array(_STR), "token_logprobs": _array(_NUM),
+                "top_logprobs": _array({"type": "object", "additionalProperties": _NUM}),
+                "text_offset": _array(_INT)}))})),
+    }, {"usage": _ref("Usage")}),
+    "EmbeddingList": _obj({
+        "object": _const("list"), "model": _STR,
+        "data": _array(_obj({"object": _const("embedding"), "index": _INT,
+                             "embedding": {"anyOf": [_array(_NUM), _STR]}})),
+        "usage": _obj({"prompt_tokens": _INT, "total_tokens": _INT})}),
+    "TokenizeResult": _obj({"model": _STR, "count": _INT, "max_model_len": _INT,
+                            "tokens": _array(_INT)}, {"token_strs": _array(_STR)}),
+    "DetokenizeResult": _obj({"model": _STR, "prompt": _STR}),
+    "Model": _obj({"id": _STR, "object": _const("model"), "created": _INT, "owned_by": _STR},
+                  {"state": {"type": "string", "enum": [
+                      "unloaded", "loading", "ready", "sleeping", "stopping", "failed"]},
+                   "aliases": _array(_STR), "engine": _STR, "task": _STR, "device": _STR,
+                   "pid": _INT, "in_flight": _INT, "queued": _INT, "ttl": _NUM,
+                   "failures": _INT, "max_model_len": _INT, "load_seconds": _NUM,
+                   "loaded_at": _INT, "idle_seconds": _NUM, "placement": {"type": "object"},
+                   "exit_code": _INT, "error": _STR, "worker_in_flight": _INT}),
+    "ModelList": _obj({"object": _const("list"), "data": _array(_ref("Model"))}),
+    "Health": _obj({"status": _STR,
+                    "models": {"type": "object", "additionalProperties": _STR},
+                    "tasks": _INT}),
+}
+
+_ERRORS = {
+    "400": "The body, a field or a value is wrong (the error's `param` names it)",
+    "404": "No such model (or path)",
+    "405": "Method not allowed on this path",
+    "413": "The body exceeds `max_body_bytes`",
+    "415": "The Content-Type is not application/json",
+    "429": "The model's wait queue is full (see Retry-After)",
+    "502": "The worker died while serving the request",
+    "503": "The model could not be started or loaded in time (see Retry-After)",
+}
+_BODY_ERRORS = {"413", "415"}
+_AUTH_ERRORS = {"401": "Missing or invalid API key",
+                "403": "This endpoint needs an admin key"}
+
+
+def _event(chunk: str) -> Schema:
+    """One server-sent event of a stream of ``chunk``s: a chunk, an in-band error (the
+    worker failed mid-stream), or the closing ``[DONE]``."""
+    payload = {"type": "string", "contentMediaType": "application/json",
+               "contentSchema": {"anyOf": [_ref(chunk), _ref("ErrorResponse")]}}
+    return _obj({"data": {"anyOf": [{"const": "[DONE]"}, payload]}})
+
+
+class Operation(msgspec.Struct, frozen=True):
+    """One route's description: what it takes and what a success looks like."""
+
+    summary: str
+    body: type | None = None
+    ok: str | None = None  # response schema name, or None for a plain-text body
+    streams: str | None = None  # 200 may be text/event-stream of these chunks
+    accepted: bool = False  # 202 when asked not to wait
+    text: bool = False  # 200 is text/plain (Prometheus exposition)
+
+
+_GENERATE = ("Generation: the model's worker runs it; `\"stream\": true` answers with "
+             "server-sent events ending in `data: [DONE]`")
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("POST", "/v1/chat/completions"): Operation(
+        f"Chat completion. {_GENERATE}", ChatCompletionRequest, "ChatCompletion", "ChatCompletionChunk"),
+    ("POST", "/v1/completions"): Operation(
+        f"Text completion. {_GENERATE}", CompletionRequest, "Completion", "CompletionChunk"),
+    ("POST", "/v1/embeddings"): Operation(
+        "Embeddings from a model with `task: embed`", EmbeddingRequest, "EmbeddingList"),
+    ("POST", "/v1/tokenize"): Operation(
+        "Token ids of a prompt, or of chat messages rendered by the model's template",
+        TokenizeRequest, "TokenizeResult"),
+    ("POST", "/v1/detokenize"): Operation(
+        "Text of token ids", DetokenizeRequest, "DetokenizeResult"),
+    ("GET", "/v1/models"): Operation("Every configured model and its state", None,
+                                     "ModelList"),
+    ("GET", "/v1/models/{model_id}"): Operation(
+        "One model by exact id (aliases are for requests)", None, "Model"),
+    ("POST", "/v1/models/load"): Operation(
+        "Start a model's worker; with `\"wait\": false` answer 202 at once", ModelAction,
+        "Model", accepted=True),
+    ("POST", "/v1/models/unload"): Operation(
+        "Stop a model's worker (drain, or `\"force\": true`)", ModelAction, "Model"),
+    ("GET", "/health"): Operation("Liveness and every model's state (never needs a key)",
+                                  None, "Health"),
+    ("GET", "/metrics"): Operation("Prometheus metrics (text exposition format)", text=True),
+    ("GET", "/v1/metrics"): Operation("The same metrics as one JSON object, per model"),
+    ("GET", "/openapi.json"): Operation("This document", None, None),
+}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("modelyard")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "0.0.0"
+
+
+def _openapi_path(path: str) -> str:
+    return re.sub(r"\{(\w+):\w+\}", r"{\1}", path)  # "{model_id:path}" -> "{model_id}"
+
+
+def _json(schema: Schema) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, Any]:
+    ok: dict[str, Any] = {"description": "OK"}
+    if op.text:
+        ok["content"] = {"text/plain": {"schema": _STR}}
+    elif op.ok is not None:
+        ok["content"] = _json(_ref(op.ok))
+        if op.streams is not None:
+            ok["content"]["text/event-stream"] = {"schema": _event(op.streams)}
+    else:
+        ok["content"] = _json({"type": "object"})
+    responses: dict[str, Any] = {"200": ok}
+    if op.accepted and op.ok is not None:
+        responses["202"] = {"description": "Loading has started",
+                            "content": _json(_ref(op.ok))}
+    errors = {k: v for k, v in _ERRORS.items() if op.body is not None or k not in _BODY_ERRORS}
+    if auth and path != "/health":
+        errors.update(_AUTH_ERRORS)
+    for status, description in sorted(errors.items()):
+        responses[status] = {"description": description, "content": _json(_ref("ErrorResponse"))}
+    out: dict[str, Any] = {"summary": op.summary, "responses": responses}
+    if op.body is not None:
+        out["requestBody"] = {"required": True, "content": _json(_ref(op.body.__name__))}
+    params = re.findall(r"\{(\w+)\}", path)
+    if params:
+        out["parameters"] = [{"name": p, "in": "path", "required": True, "schema": _STR}
+                             for p in params]
+    if auth and path == "/health":
+        out["security"] = []
+    return out
+
+
+def build_document(routes: list[BaseRoute], auth: bool) -> dict[str, Any]:
+    """The OpenAPI document for ``routes``; ``auth``: the server requires API keys."""
+    bodies = sorted({op.body for op in OPERATIONS.values() if op.body is not None},
+                    key=lambda t: t.__name__)
+    _, components = msgspec.json.schema_components(bodies, ref_template=_REF)
+    clash = set(components) & set(RESPONSES)
+    assert not clash, f"request and response schemas share names: {clash}"
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes:
+        if not isinstance(route, Route):
+            continue
+        path = _openapi_path(route.path)
+        for method in sorted(route.methods or ()):
+            if method == "HEAD":  # Starlette answers HEAD for every GET route
+                continue
+            op = OPERATIONS.get((method, path), Operation("(undescribed)"))
+            paths.setdefault(path, {})[method.lower()] = _operation(method, path, op, auth)
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "modelyard", "version": _version(),
+                 "description": "OpenAI-compatible multi-model server. Errors are "
+                                "OpenAI-shaped: {\"error\": {message, type, param, code}}."},
+        "paths": paths,
+        "components": {"schemas": {**components, **RESPONSES}},
+    }
+    if auth:
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
+        doc["security"] = [{"bearer": []}, {"apiKey": []}]
+    return doc
+
+
+class OpenAPIDocument:
+    """Serves ``build_document`` for the app's routes, built once at the first request."""
+
+    def __init__(self, auth: bool) -> None:
+        self.auth = auth
+        self._body: bytes | None = None
+
+    def routes(self) -> list[Route]:
+        return [Route("/openapi.json", self.serve, methods=["GET"])]
+
+    async def serve(self, request: Request) -> Response:
+        if self._body is None:  # the app's routes are final by the first request
+            self._body = msgspec.json.encode(build_document(request.app.routes, self.auth))
+        return Response(self._body, media_type="application/json")
