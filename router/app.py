@@ -17,10 +17,13 @@ from starlette.middleware import Middleware
 
 from router.admission import KeyGuard, Keys
 from router.api.admin import AdminAPI
+from router.api.metrics import MetricsAPI
 from router.api.openai import OpenAIAPI
+from router.api.openapi import OpenAPIDocument
 from router.api.relay import Relay
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
 from router.errors import APIError
+from router.metrics import Metrics
 from router.placement import Placer, check_budgets
 from router.registry import ModelRegistry
 from router.supervisor import Supervisor
@@ -53,7 +56,8 @@ def build_app(preset: Preset) -> Starlette:
     runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_runtime_dir(runtime_dir, preset.source)
     supervisor = Supervisor(registry, server, runtime_dir, placer)
-    openai = OpenAIAPI(Relay(supervisor), server.max_body_bytes)
+    metrics = MetricsAPI(Metrics(registry))
+    openai = OpenAIAPI(Relay(supervisor, metrics.metrics), server.max_body_bytes)
     admin = AdminAPI(supervisor, server.max_body_bytes)
 
     @contextlib.asynccontextmanager
@@ -70,7 +74,8 @@ def build_app(preset: Preset) -> Starlette:
                 shutil.rmtree(runtime_dir, ignore_errors=True)
 
     app = Starlette(
-        routes=openai.routes() + admin.routes(),
+        routes=(metrics.counted(openai.routes()) + admin.routes() + metrics.routes()
+                + OpenAPIDocument(keys.required).routes()),
         lifespan=lifespan,
         middleware=[Middleware(KeyGuard, keys=keys)],
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,

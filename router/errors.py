@@ -3,6 +3,7 @@
     APIError                 any error answered as OpenAI's {"error": {...}} object
     ├── BadRequest           400  invalid_request_error (body, field or value is wrong)
     ├── ModelNotFound        404  invalid_request_error, code model_not_found
+    ├── ClientTooSlow        408  the client did not read its stream (nobody sees it)
     ├── PayloadTooLarge      413  invalid_request_error
     ├── TooManyRequests      429  a model's wait queue is full (Retry-After)
     ├── ModelUnavailable     503  the model could not be started / loaded in time
@@ -44,6 +45,12 @@ class ModelNotFound(APIError):
     status = 404
     type = "invalid_request_error"
     default_code = "model_not_found"
+
+
+class ClientTooSlow(APIError):
+    status = 408
+    type = "timeout_error"
+    default_code = "client_too_slow"
 
 
 class PayloadTooLarge(APIError):

@@ -15,7 +15,7 @@ from typing import cast
 
 import zmq
 
-from router.errors import APIError, BadRequest, ModelUnavailable, WorkerLost
+from router.errors import APIError, BadRequest, ClientTooSlow, ModelUnavailable, WorkerLost
 from shared.protocol import (
     Cancel,
     Delta,
@@ -39,6 +39,9 @@ from shared.protocol import (
 
 log = logging.getLogger("modelyard.router")
 _ids = itertools.count()
+BUFFERED_PER_CHOICE = 64
+"""Deltas a stream holds for its reader, per choice (at least 4096): a client that reads
+no faster than that has its generation cancelled, so it cannot grow the router's memory."""
 
 
 def _api_error(err: Error) -> APIError:
@@ -88,7 +91,7 @@ class RequestStream:
     worker error raises ``APIError``. ``close()`` cancels what has not finished.
     """
 
-    __slots__ = ("_error", "_items", "_link", "_open", "_waiter", "usage")
+    __slots__ = ("_error", "_items", "_limit", "_link", "_open", "_waiter", "usage")
 
     def __init__(self, link: WorkerLink, usage: Usage) -> None:
         self.usage = usage
@@ -97,6 +100,7 @@ class RequestStream:
         self._waiter: asyncio.Future[None] | None = None
         self._open: dict[str, int] = {}  # generate id -> choices not yet finished
         self._error: APIError | None = None
+        self._limit = 4096
 
     @property
     def exhausted(self) -> bool:
@@ -111,6 +115,9 @@ class RequestStream:
         delta.index += offset
         self._items.append(delta)
         self.usage.add(delta)
+        if len(self._items) > self._limit and self._open:
+            self._fail(ClientTooSlow(f"the client read {len(self._items)} deltas behind its "
+                                     "stream; generation cancelled"))
         if delta.finish_reason is not None:
             left = self._open.get(delta.id, 0) - 1
             if left <= 0:
@@ -153,6 +160,10 @@ class RequestStream:
 class WorkerLink:
     """One bound DEALER socket per worker; the worker connects to it.
 
+    The socket is a CURVE server with a fresh key pair: only a peer that knows its public
+    key, given to the worker privately (``WorkerBoot`` over stdin), can connect, so no
+    other process can read this worker's requests or answer them.
+
     The socket is a plain (not ``zmq.asyncio``) socket whose file descriptor is watched
     with ``loop.add_reader``: one wake-up drains every queued frame, with no Future per
     frame (pyzmq's asyncio layer cost a fifth of the router's time under load). ZeroMQ's
@@ -165,6 +176,12 @@ class WorkerLink:
         self.model = model
         self._codec = router_codec()
         self._sock: zmq.Socket[bytes] = ctx.socket(zmq.DEALER)
+        public, secret = zmq.curve_keypair()
+        self.key = public.decode()
+        """The public key a worker needs to connect: a secret between router and worker."""
+        self._sock.curve_server = True
+        self._sock.curve_secretkey = secret
+        self._sock.curve_publickey = public
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
@@ -178,6 +195,7 @@ class WorkerLink:
         self._drain_scheduled = False
         self._closed = False
         self._failure: APIError | None = None
+        self._probes = 0
         self.completed = 0
         """Generations this worker finished: proof it was healthy (resets crash backoff)."""
 
@@ -187,7 +205,13 @@ class WorkerLink:
     def _send(self, message: object) -> None:
         if self._failure is not None:
             raise self._failure
-        self._sock.send(self._codec.encode(message), zmq.NOBLOCK)  # type: ignore[arg-type]
+        try:
+            self._sock.send(self._codec.encode(message), zmq.NOBLOCK)  # type: ignore[arg-type]
+        except zmq.Again:  # no worker connected (yet, or any more): nobody to send to
+            raise WorkerLost(f"model '{self.model}': its worker is not connected") from None
+        except OverflowError:  # an integer the request schema did not bound
+            raise BadRequest("an integer in the request does not fit in 64 bits",
+                             code="invalid_value") from None
         self._after_send()
 
     def _after_send(self) -> None:
@@ -203,26 +227,27 @@ class WorkerLink:
             self._routes[gen.id] = (stream, offset)
             stream._open[gen.id] = gen.sampling.n
             offset += gen.sampling.n
+        stream._limit = max(4096, BUFFERED_PER_CHOICE * offset)
         sent = 0
         try:
             for gen in gens:
                 self._send(gen)
                 sent += 1
-        except (APIError, OverflowError) as err:
+        except APIError:
             for i, gen in enumerate(gens):
                 if i < sent:
                     self.cancel(gen.id)  # already running in the worker: stop it
                 else:
                     self._routes.pop(gen.id, None)
-            if isinstance(err, OverflowError):  # an integer the schema did not bound
-                raise BadRequest("an integer in the request does not fit in 64 bits",
-                                 code="invalid_value") from None
             raise
         return stream
 
     def cancel(self, gen_id: str) -> None:
         if self._routes.pop(gen_id, None) is not None and self._failure is None:
-            self._send(Cancel(id=gen_id))
+            try:
+                self._send(Cancel(id=gen_id))
+            except WorkerLost:
+                pass  # no worker connected: nothing runs there to cancel
 
     def _forget(self, gen_id: str) -> None:
         """A generate finished every choice."""
@@ -254,7 +279,11 @@ class WorkerLink:
         return result
 
     async def ping(self) -> Pong:
-        result = await self._call(Ping(id=f"ping-{next(_ids)}"))
+        self._probes += 1  # a look, not work: it keeps no model from its idle stop
+        try:
+            result = await self._call(Ping(id=f"ping-{next(_ids)}"))
+        finally:
+            self._probes -= 1
         assert isinstance(result, Pong)
         return result
 
@@ -266,8 +295,8 @@ class WorkerLink:
 
     @property
     def busy(self) -> bool:
-        """Generations or calls in flight on this worker."""
-        return bool(self._routes or self._calls)
+        """Generations or calls (but pings) in flight on this worker."""
+        return bool(self._routes) or len(self._calls) > self._probes
 
     def shutdown(self) -> None:
         """Ask the worker to exit cleanly (it aborts what it still runs)."""

@@ -40,8 +40,18 @@ class ModelEntry:
     failures: int = 0
     """Consecutive failed starts or crashes; drives the restart backoff."""
     failed_at: float = 0.0
+    restarts: int = 0
+    """Starts after a crash or a failed start."""
+    evictions: int = 0
+    """Stops to make room for another model."""
     placement: dict[str, str] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    slots: asyncio.Semaphore | None = None
+    """``max_concurrent`` requests served at once; ``None``: no cap."""
+
+    def __post_init__(self) -> None:
+        if self.spec.max_concurrent:
+            self.slots = asyncio.Semaphore(self.spec.max_concurrent)
 
     @property
     def id(self) -> str:
@@ -63,13 +73,15 @@ class ModelRegistry:
     def __iter__(self) -> Iterator[ModelEntry]:
         return iter(self.entries.values())
 
-    def resolve(self, name: str | None) -> ModelEntry:
-        """Find the model a request names; raise ``ModelNotFound`` (404) if none fits."""
+    def resolve(self, name: str | None, use_default: bool = True) -> ModelEntry:
+        """Find the model a request names; raise ``ModelNotFound`` (404) if none fits.
+        Without ``use_default`` (load, unload) a name that fits nothing is never the
+        default model: a typo must not unload it."""
         if name:
             found = self._match(name)
             if found is not None:
                 return self.entries[found]
-        if self.default_model:
+        if self.default_model and use_default:
             default = self._match(self.default_model)
             if default is not None:
                 return self.entries[default]
@@ -105,11 +117,13 @@ class Lease:
     response can release in its generator's ``finally`` whatever path it ends by.
     """
 
-    __slots__ = ("_held", "entry")
+    __slots__ = ("_held", "entry", "slot")
 
     def __init__(self, entry: ModelEntry) -> None:
         self.entry = entry
         self._held = True
+        self.slot = False
+        """Holds one of the model's ``max_concurrent`` slots (``Supervisor.acquire``)."""
         entry.leases += 1
         entry.last_used = time.monotonic()
 
@@ -118,6 +132,8 @@ class Lease:
             self._held = False
             self.entry.leases -= 1
             self.entry.last_used = time.monotonic()
+            if self.slot and self.entry.slots is not None:
+                self.entry.slots.release()
 
     def __enter__(self) -> Self:
         return self

@@ -33,7 +33,7 @@ from router.errors import APIError, BadRequest, ModelUnavailable, TooManyRequest
 from router.link import WorkerLink
 from router.placement import Placer, fits
 from router.registry import Lease, ModelEntry, ModelRegistry
-from shared.config import ServerConfig
+from shared.config import ServerConfig, WorkerBoot
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
@@ -57,21 +57,46 @@ def backoff_seconds(failures: int) -> float:
     return 0.0 if failures <= 0 else min(BACKOFF_MAX, 0.5 * 2 ** (failures - 1))
 
 
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal a worker's whole process group and any descendant that left it."""
+def descendants(pid: int) -> list[psutil.Process]:
+    """A process's descendants as psutil objects, which refuse to signal a recycled pid."""
     try:
-        descendants = psutil.Process(pid).children(recursive=True)
+        found: list[psutil.Process] = psutil.Process(pid).children(recursive=True)
     except psutil.Error:
-        descendants = []
+        return []
+    return found
+
+
+def signal_all(processes: list[psutil.Process], sig: int) -> None:
+    for process in processes:
+        try:
+            process.send_signal(sig)
+        except psutil.Error:
+            pass  # exited already, or its pid now names another process: leave it
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal a worker's process group and any descendant that left it. Only for a worker
+    not yet waited for: until then its pid, the group's id, cannot name anyone else."""
+    children = descendants(pid)
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass  # group already gone
-    for child in descendants:
+    signal_all(children, sig)
+
+
+def group_members(pgid: int, born_after: float, born_before: float) -> list[psutil.Process]:
+    """Processes left in a dead worker's group (an EngineCore it started). Born while the
+    worker lived: a stranger that later got the worker's pid as its group id is not."""
+    found = []
+    for process in psutil.process_iter():
         try:
-            child.send_signal(sig)
-        except psutil.Error:
-            pass  # already exited
+            if (os.getpgid(process.pid) == pgid
+                    and born_after - 1 <= process.create_time() <= born_before):
+                found.append(process)
+        except (psutil.Error, OSError):
+            pass  # gone while we looked, or not ours to see
+    return found
 
 
 class _Worker:
@@ -82,7 +107,8 @@ class _Worker:
         self.proc = proc
         self.link = link
         self.log_path = log_path
-        self.descendants: list[int] = []
+        self.started_at = time.time()
+        self.descendants: list[psutil.Process] = []
         self.watcher: asyncio.Task[None] | None = None
 
 
@@ -122,19 +148,56 @@ class Supervisor:
         ``task`` (``generate`` or ``embed``) must be what the model's preset serves, so a
         request for the wrong kind of model is refused without loading it.
         """
+        now = self.acquire_now(name, task)
+        if isinstance(now, tuple):
+            return now
+        lease = Lease(now)  # before any await: from here on nothing reaps this model
+        try:
+            await self._take_slot(lease)
+            return lease, await self.ensure_ready(now)
+        except BaseException:
+            lease.release()
+            raise
+
+    def acquire_now(self, name: str | None,
+                    task: str = "any") -> tuple[Lease, WorkerLink] | ModelEntry:
+        """``acquire`` without waiting: the lease and link of a ready model with a free
+        slot, else the resolved entry for ``acquire`` to wait on."""
         entry = self.registry.resolve(name)
         if task != "any" and entry.spec.task != task:
             kind = "an embedding model" if entry.spec.task == "embed" else "a generation model"
             raise BadRequest(f"model '{entry.id}' is {kind}; it cannot serve this endpoint",
                              param="model", code="wrong_model_task")
-        lease = Lease(entry)  # before any await: from here on nothing reaps this model
-        if entry.state == "ready" and entry.link is not None:
+        slots = entry.slots
+        if (entry.state == "ready" and entry.link is not None
+                and (slots is None or not slots.locked())):
+            lease = Lease(entry)
+            if slots is not None:
+                slots._value -= 1  # asyncio.Semaphore.acquire's own step when one is free
+                lease.slot = True
             return lease, entry.link
-        try:
-            return lease, await self.ensure_ready(entry)
-        except BaseException:
-            lease.release()
-            raise
+        return entry
+
+    async def _take_slot(self, lease: Lease) -> None:
+        """One of the model's ``max_concurrent`` slots; wait in its queue for one."""
+        entry, slots = lease.entry, lease.entry.slots
+        if slots is None:
+            return
+        if slots.locked():
+            if entry.queued >= self.server.max_queue_depth:
+                raise TooManyRequests(f"model '{entry.id}' serves {entry.spec.max_concurrent} "
+                                      f"requests and {entry.queued} more wait; retry later")
+            entry.queued += 1
+            try:
+                await asyncio.wait_for(slots.acquire(), self.server.load_timeout)
+            except TimeoutError:
+                raise ModelUnavailable(f"model '{entry.id}' had no free slot within "
+                                       f"{self.server.load_timeout:g} s") from None
+            finally:
+                entry.queued -= 1
+        else:
+            await slots.acquire()  # free: returns without yielding
+        lease.slot = True
 
     async def ensure_ready(self, entry: ModelEntry) -> WorkerLink:
         """Wait (bounded) until ``entry`` serves: load it, wake it, or find it room."""
@@ -151,7 +214,15 @@ class Supervisor:
                 if entry.state == "ready" and entry.link is not None:
                     return entry.link
             task = self.start_loading(entry)
-            return await asyncio.wait_for(asyncio.shield(task), self.server.load_timeout)
+            try:
+                return await asyncio.wait_for(asyncio.shield(task), self.server.load_timeout)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if task.cancelled() and not (current and current.cancelling()):
+                    # the shared load was cancelled (an unload), not this request
+                    raise ModelUnavailable(f"model '{entry.id}' was unloaded while it was "
+                                           "loading") from None
+                raise
         except TimeoutError:
             raise ModelUnavailable(f"model '{entry.id}' did not become ready within "
                                    f"{self.server.load_timeout:g} s") from None
@@ -177,20 +248,21 @@ class Supervisor:
     # -- starting ----------------------------------------------------------------------
     def _command(self, endpoint: str) -> list[str]:
         """The worker's command line: nothing secret, since every user can read it in ``ps``
-        (the model's spec goes over the worker's stdin: ``worker_spec``)."""
+        (the model's spec goes over the worker's stdin: ``worker_boot``)."""
         cmd = [sys.executable, "-m", "worker", "--endpoint", endpoint,
                "--log-level", self.server.log_level]
         if self.server.cache_dir:
             cmd += ["--cache-dir", self.server.cache_dir]
         return cmd
 
-    def worker_spec(self, entry: ModelEntry) -> bytes:
-        """The spec the worker reads from stdin: its ``env`` is already its environment."""
+    def worker_boot(self, entry: ModelEntry, link: WorkerLink) -> bytes:
+        """What the worker reads from stdin: its spec (whose ``env`` is already its
+        environment) and its link's key."""
         spec = msgspec.structs.replace(entry.spec, env={})
         fraction = self.placer.gpu_memory_utilization(spec)
         if fraction != spec.gpu_memory_utilization:
             spec = msgspec.structs.replace(spec, gpu_memory_utilization=fraction)
-        return msgspec.json.encode(spec)
+        return msgspec.json.encode(WorkerBoot(spec=spec, router_key=link.key))
 
     def worker_env(self, entry: ModelEntry) -> dict[str, str]:
         """The full environment a worker starts with: ours, offline hub, the model's
@@ -219,12 +291,14 @@ class Supervisor:
             if idle:
                 victim = min(idle, key=lambda e: e.last_used)
                 log.info("model %s: evicting idle model %s to make room", entry.id, victim.id)
+                victim.evictions += 1
                 await self.stop(victim)
             else:
                 await asyncio.sleep(POLL)  # room appears when a lease ends or a model stops
 
     async def _load(self, entry: ModelEntry) -> WorkerLink:
-        while entry.state == "stopping":  # a request during a stop waits, then restarts
+        # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
+        while entry.state == "stopping" or (entry.state != "ready" and entry.id in self._workers):
             await asyncio.sleep(POLL)
         if entry.state == "ready" and entry.link is not None:
             return entry.link
@@ -235,6 +309,7 @@ class Supervisor:
             await asyncio.sleep(delay)
         try:
             await self._make_room(entry)
+            entry.restarts += entry.state == "failed"  # a start after a crash or failed start
             # No await between finding room and claiming it: two loads cannot both fit.
             entry.state, entry.error, entry.exit_code = "loading", None, None
             locks = self.placer.start_locks(entry.spec)
@@ -265,6 +340,11 @@ class Supervisor:
                     *self._command(endpoint), stdin=asyncio.subprocess.PIPE,
                     stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,
                     start_new_session=True)
+        except asyncio.CancelledError:  # an unload while the process started
+            if link is not None:
+                link.close("load cancelled")
+            self.placer.release(entry.id)
+            raise  # _load marks the model unloaded
         except (OSError, ValueError, zmq.ZMQError) as err:  # nothing started: say why
             reason = f"could not start its worker: {type(err).__name__}: {err}"
             if link is not None:
@@ -274,7 +354,7 @@ class Supervisor:
             log.error("model %s: %s", entry.id, reason)
             raise ModelUnavailable(f"model '{entry.id}' {reason}") from None
         assert proc.stdin is not None
-        proc.stdin.write(self.worker_spec(entry))
+        proc.stdin.write(self.worker_boot(entry, link))
         proc.stdin.close()  # the worker reads to the end: one JSON document
         log.info("model %s: worker pid %d starting (%s)", entry.id, proc.pid,
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
@@ -284,7 +364,9 @@ class Supervisor:
         exited = asyncio.create_task(proc.wait())
         ready = asyncio.create_task(link.wait_ready())
         try:
-            await asyncio.wait({exited, ready}, return_when=asyncio.FIRST_COMPLETED)
+            # Bounded: a hung engine start must not hold the start lock (and its GPUs).
+            await asyncio.wait({exited, ready}, timeout=self.server.load_timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             exited.cancel()
             ready.cancel()
@@ -298,17 +380,16 @@ class Supervisor:
             entry.loaded_at = time.time()
             entry.last_used = time.monotonic()
             entry.load_seconds = round(entry.last_used - started, 3)
-            try:
-                worker.descendants = [p.pid for p in
-                                      psutil.Process(proc.pid).children(recursive=True)]
-            except psutil.Error:
-                worker.descendants = []
+            worker.descendants = descendants(proc.pid)
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
             log.info("model %s: ready in %.1f s (pid %d)", entry.id, entry.load_seconds, proc.pid)
             return link
         ready.cancel()
+        exited.cancel()
         failure = (ready.exception() if ready.done() and not ready.cancelled() else None)
-        reason = str(failure) if failure else f"worker exited with code {proc.returncode}"
+        reason = (str(failure) if failure else
+                  f"worker exited with code {proc.returncode}" if proc.returncode is not None
+                  else f"worker did not become ready within {self.server.load_timeout:g} s")
         await self._reap(entry, worker, reason)
         tail = await asyncio.to_thread(_tail, log_path)
         self._failed(entry, reason, tail, proc.returncode)
@@ -328,33 +409,40 @@ class Supervisor:
 
     async def _watch(self, entry: ModelEntry, worker: _Worker) -> None:
         code = await worker.proc.wait()
-        if self._workers.get(entry.id) is not worker or entry.state == "stopping":
-            return  # stop() owns the rest
+        if self._workers.get(entry.id) is not worker:
+            return
         reason = f"worker exited unexpectedly with code {code}"
-        log.error("model %s: %s", entry.id, reason)
         worker.link.fail(WorkerLost(f"model '{entry.id}': {reason}"))  # streams end now
+        if entry.state == "stopping":
+            return  # stop() owns the rest; with its streams ended, its drain ends at once
+        log.error("model %s: %s", entry.id, reason)
+        # Recorded before any await: a request arriving meanwhile sees 'failed' and starts
+        # a reload, which waits for this reap and is not overwritten by it.
+        self._failed(entry, reason, "", code, served=worker.link.completed > 0)
+        entry.link = None
         await self._reap(entry, worker, reason)
-        self._failed(entry, reason, await asyncio.to_thread(_tail, worker.log_path), code,
-                     served=worker.link.completed > 0)
+        tail = await asyncio.to_thread(_tail, worker.log_path)
+        if entry.state == "failed" and entry.exit_code == code:
+            entry.error = f"{reason}\n{tail}".strip()
 
     async def _reap(self, entry: ModelEntry, worker: _Worker, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""
         if worker.proc.returncode is None:
+            worker.descendants += descendants(worker.proc.pid)
             kill_tree(worker.proc.pid, signal.SIGKILL)
             await worker.proc.wait()
-        kill_tree(worker.proc.pid, signal.SIGKILL)  # EngineCore children may outlive it
-        for pid in worker.descendants:
-            try:
-                psutil.Process(pid).kill()
-            except psutil.Error:
-                pass  # already gone, as it should be
+        # EngineCore children may outlive the worker, in its group or out of it.
+        left = await asyncio.to_thread(group_members, worker.proc.pid, worker.started_at,
+                                       time.time())
+        signal_all(worker.descendants + left, signal.SIGKILL)
         worker.link.close(reason)
         if self._workers.get(entry.id) is worker:
             del self._workers[entry.id]
         self.placer.release(entry.id)
         if entry.link is worker.link:
             entry.link = None
-        entry.pid = None
+        if entry.pid == worker.proc.pid:
+            entry.pid = None
 
     # -- idling ------------------------------------------------------------------------
     def _idle_expired(self, entry: ModelEntry, now: float) -> bool:
@@ -367,19 +455,24 @@ class Supervisor:
         """Stop (or put to sleep) models idle past their ttl; checked every POLL seconds."""
         while True:
             await asyncio.sleep(POLL)
-            now = time.monotonic()
-            for entry in self.registry:
-                # The check and stop()'s first state change run with no await between
-                # them, so a request cannot take a lease in between.
-                if self._idle_expired(entry, now):
-                    log.info("model %s: idle for %.1f s; %s", entry.id,
-                             now - entry.last_used, entry.spec.idle_action)
-                    if entry.spec.idle_action == "sleep" and entry.spec.device == "cuda":
-                        entry.state = "sleeping"
-                        self._spawn_task(self._sleep(entry))
-                    else:
-                        entry.state = "stopping"  # now, not when the task first runs
-                        self._spawn_task(self._finish_stop(entry, self._workers[entry.id]))
+            try:
+                self._reap_idle_once(time.monotonic())
+            except Exception:  # a bug here must not end reaping for good: log, go on
+                log.exception("idle reaper failed; retrying")
+
+    def _reap_idle_once(self, now: float) -> None:
+        for entry in self.registry:
+            # The check and stop()'s first state change run with no await between
+            # them, so a request cannot take a lease in between.
+            if self._idle_expired(entry, now):
+                log.info("model %s: idle for %.1f s; %s", entry.id,
+                         now - entry.last_used, entry.spec.idle_action)
+                if entry.spec.idle_action == "sleep" and entry.spec.device == "cuda":
+                    entry.state = "sleeping"
+                    self._spawn_task(self._sleep(entry))
+                else:
+                    entry.state = "stopping"  # now, not when the task first runs
+                    self._spawn_task(self._finish_stop(entry, self._workers[entry.id]))
 
     async def _sleep(self, entry: ModelEntry) -> None:
         link = entry.link
@@ -416,8 +509,9 @@ class Supervisor:
         ``drain_timeout``) unless ``force``, which ends them with a 503 at once. Requests
         that arrive meanwhile wait and start the model again."""
         load = self._loads.get(entry.id)
-        if load is not None and entry.state == "loading":
+        if load is not None:  # loading, or still in its backoff or waiting for room
             load.cancel()
+            await asyncio.wait({load})  # its own cleanup reaps what it started
         worker = self._workers.get(entry.id)
         if worker is None:
             if entry.state != "failed":
@@ -435,7 +529,8 @@ class Supervisor:
         """The rest of a stop, once ``entry`` is marked ``stopping``."""
         if not force:
             deadline = time.monotonic() + self.server.drain_timeout
-            while worker.link.busy and time.monotonic() < deadline:
+            while (worker.link.busy and worker.proc.returncode is None
+                   and time.monotonic() < deadline):
                 await asyncio.sleep(POLL)
         ended = None
         if worker.link.busy:
@@ -466,4 +561,4 @@ class Supervisor:
             task.cancel()
         await asyncio.gather(*(self.stop(e) for e in self.registry
                                if e.id in self._workers), return_exceptions=True)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # closes any socket a cancelled start left behind

@@ -20,7 +20,7 @@ import configparser
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -73,7 +73,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     drain_timeout: float = 30.0
     """Seconds an unload (or router shutdown) waits for in-flight requests."""
     load_timeout: float = 900.0
-    """Seconds a request waits for its model to load before a 503."""
+    """Seconds a model may take to start, and a request waits for it, before a 503."""
+    send_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """Seconds one write of a streamed response may wait for a client that does not read;
+    then the request ends (its generation is cancelled and its model freed)."""
     runtime_dir: str | None = None
     """Where ZeroMQ sockets and worker logs live; default: a fresh 0700 temp dir."""
     cache_dir: str | None = None
@@ -122,6 +125,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Footprint counted against ``memory_budget_gib``; default: CPU ``kv_cache_gib`` + 1,
     GPU ``gpu_memory_utilization`` × the device's memory (NVML)."""
     load_on_startup: bool = False
+    max_concurrent: Annotated[int, msgspec.Meta(ge=0)] = 256
+    """Requests this model serves at once (0: no cap); more wait in its queue
+    (``max_queue_depth``), then get a 429."""
     task: Literal["generate", "embed"] = "generate"
     """``embed`` runs the model with vLLM's pooling runner for ``/v1/embeddings``."""
     chat_template: str | None = None
@@ -134,6 +140,15 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine_args: dict[str, Any] = {}
     """Extra ``AsyncEngineArgs`` keyword arguments, passed through unchanged."""
     env: dict[str, str] = {}
+
+
+class WorkerBoot(msgspec.Struct, kw_only=True):
+    """What a worker reads from its stdin (never its command line, which ``ps`` shows to
+    every user): its model's spec and the key that lets it, and only it, reach the router."""
+
+    spec: ModelSpec
+    router_key: str
+    """The CURVE public key of the router's socket for this worker (Z85)."""
 
 
 class Preset(msgspec.Struct, kw_only=True):

@@ -197,6 +197,8 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
         link = WorkerLink(sup._ctx, endpoint, "m")
         peer = sup._ctx.socket(zmq.DEALER)  # stands for the worker's end of the socket
         peer.setsockopt(zmq.LINGER, 0)
+        peer.curve_serverkey = link.key.encode()
+        peer.curve_publickey, peer.curve_secretkey = zmq.curve_keypair()
         peer.connect(endpoint)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", "import time; time.sleep(60)", start_new_session=True)

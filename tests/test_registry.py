@@ -60,3 +60,12 @@ def test_lease_counts_and_release_is_idempotent() -> None:
     assert entry.leases == 0
     lease.release()
     assert entry.leases == 0 and entry.last_used > 0
+
+
+def test_load_and_unload_never_fall_back_to_the_default() -> None:
+    """A typo in ``POST /v1/models/unload`` unloaded the default model."""
+    reg = registry(default="qwen3-32b")
+    assert reg.resolve("no-such-model").id == "qwen3-32b"  # requests do fall back
+    with pytest.raises(ModelNotFound):
+        reg.resolve("no-such-model", use_default=False)
+    assert reg.resolve("big", use_default=False).id == "llama-3.1-70b"

@@ -18,7 +18,7 @@ import threading
 
 import msgspec
 
-from shared.config import ModelSpec
+from shared.config import WorkerBoot
 from worker.server import WorkerServer
 
 log = logging.getLogger("modelyard.worker")
@@ -47,9 +47,10 @@ def _end_group(*_: object) -> None:
     os._exit(1)
 
 
-async def _main(args: argparse.Namespace, spec: ModelSpec) -> int:
+async def _main(args: argparse.Namespace, boot: WorkerBoot) -> int:
+    spec = boot.spec
     parent = os.getppid()
-    server = WorkerServer(args.endpoint, spec.id)
+    server = WorkerServer(args.endpoint, spec.id, boot.router_key)
     signal.signal(signal.SIGTERM, _end_group)
     try:
         if spec.engine == "synthetic":
@@ -91,8 +92,8 @@ def main() -> None:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
-    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=ModelSpec)
-    sys.exit(asyncio.run(_main(args, spec)))
+    boot = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerBoot)
+    sys.exit(asyncio.run(_main(args, boot)))
 
 
 if __name__ == "__main__":

@@ -448,6 +448,10 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
+    def in_flight(self) -> int:
+        """Requests vLLM itself still holds: proof that cancelled ones really ended."""
+        return int(self._llm.get_num_unfinished_requests())
+
     async def sleep(self, level: int) -> None:
         await self._llm.sleep(level=level)
 

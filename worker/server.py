@@ -49,6 +49,7 @@ class Engine(Protocol):
     async def detokenize(self, req: Detokenize) -> str: ...
     async def embed(self, req: Embed) -> tuple[list[list[float]], int]: ...
     async def abort(self, request_id: str) -> None: ...
+    def in_flight(self) -> int: ...
     async def sleep(self, level: int) -> None: ...
     async def wake(self) -> None: ...
     def shutdown(self) -> None: ...
@@ -57,7 +58,7 @@ class Engine(Protocol):
 class WorkerServer:
     """Serves one engine to one router over a DEALER socket."""
 
-    def __init__(self, endpoint: str, model: str) -> None:
+    def __init__(self, endpoint: str, model: str, router_key: str) -> None:
         self._engine: Engine
         self._request_error: type[Exception] = Exception
         self._model = model
@@ -69,6 +70,9 @@ class WorkerServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # never drop or block on output
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        # The router's socket admits only peers that know its key (CURVE).
+        self._sock.curve_serverkey = router_key.encode()
+        self._sock.curve_publickey, self._sock.curve_secretkey = zmq.curve_keypair()
         self._sock.connect(endpoint)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._outbox: list[Delta] = []
@@ -152,7 +156,7 @@ class WorkerServer:
         elif isinstance(message, (Tokenize, Detokenize, Embed)):
             self._tasks[message.id] = asyncio.create_task(self._answer(message))
         elif isinstance(message, Ping):
-            self._send(Pong(id=message.id, in_flight=len(self._tasks)))
+            self._send(Pong(id=message.id, in_flight=self._engine.in_flight()))
         elif isinstance(message, (Sleep, Wake)):
             asyncio.create_task(self._sleep_or_wake(message))
         elif isinstance(message, Shutdown):
@@ -167,7 +171,7 @@ class WorkerServer:
         except Exception as err:  # noqa: BLE001  # e.g. sleep mode on a CPU: the router falls back to stop
             self._send(Error(id=message.id, message=f"{type(err).__name__}: {err}", status=500))
             return
-        self._send(Pong(id=message.id, in_flight=len(self._tasks)))
+        self._send(Pong(id=message.id, in_flight=self._engine.in_flight()))
 
     def _drain(self) -> None:
         self._drain_scheduled = False

@@ -3,7 +3,8 @@
 For router benchmarks and fault-injection tests ONLY (``engine: synthetic`` in a preset);
 it never serves a user. It emits the word ``tok`` once per token, ``max_tokens`` times
 (16 if unset), at ``engine_args.tokens_per_second`` per request (0: as fast as it can),
-``engine_args.tokens_per_step`` tokens per delta. With ``engine_args.timestamps`` each
+``engine_args.tokens_per_step`` tokens per delta, after a start of
+``engine_args.start_seconds``. With ``engine_args.timestamps`` each
 token is the ``time.monotonic_ns()`` of its creation instead, so a client can measure the
 relay's added latency (the clock is shared by all processes of the machine). A
 ``cpu_cores`` placement pins the process (a vLLM worker leaves that to vLLM).
@@ -38,6 +39,9 @@ class SyntheticEngine:
         self._interval = 1.0 / rate if rate > 0 else 0.0
         self._per_step = int(spec.engine_args.get("tokens_per_step", 1))
         self._timestamps = bool(spec.engine_args.get("timestamps", False))
+        self._running = 0
+        # Fault injection: a start that takes this long (blocking, as loading weights is).
+        time.sleep(float(spec.engine_args.get("start_seconds", 0)))
         if spec.cpu_cores:
             os.sched_setaffinity(0, parse_cores(spec.cpu_cores))
 
@@ -68,19 +72,26 @@ class SyntheticEngine:
                                  code="context_length_exceeded")
         total = min(gen.sampling.max_tokens or 16, self.max_model_len - prompt_len)
         sent = 0
-        while sent < total:
-            step = min(self._per_step, total - sent)
-            sent += step
-            done = sent == total
-            text = f"{time.monotonic_ns()} " if self._timestamps else "tok " * step
-            yield [Delta(id=gen.id, index=i, text=text, tokens=step,
-                         finish_reason="length" if done else None,
-                         prompt_tokens=prompt_len if done else 0)
-                   for i in range(gen.sampling.n)]
-            await asyncio.sleep(self._interval * step)
+        self._running += 1
+        try:
+            while sent < total:
+                step = min(self._per_step, total - sent)
+                sent += step
+                done = sent == total
+                text = f"{time.monotonic_ns()} " if self._timestamps else "tok " * step
+                yield [Delta(id=gen.id, index=i, text=text, tokens=step,
+                             finish_reason="length" if done else None,
+                             prompt_tokens=prompt_len if done else 0)
+                       for i in range(gen.sampling.n)]
+                await asyncio.sleep(self._interval * step)
+        finally:
+            self._running -= 1
 
     async def abort(self, request_id: str) -> None:
         return None
+
+    def in_flight(self) -> int:
+        return self._running
 
     async def sleep(self, level: int) -> None:
         return None

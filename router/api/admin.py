@@ -81,7 +81,7 @@ class AdminAPI:
 
     async def load(self, request: Request) -> Response:
         body = await read_body(request, ModelAction, self.max_body_bytes)
-        entry = self.registry.resolve(body.model)
+        entry = self.registry.resolve(body.model, use_default=False)
         if not body.wait and entry.state != "ready":
             self.supervisor.start_loading(entry)
             return JSONResponse(self.model_object(entry), status_code=202)
@@ -91,7 +91,7 @@ class AdminAPI:
 
     async def unload(self, request: Request) -> Response:
         body = await read_body(request, ModelAction, self.max_body_bytes)
-        entry = self.registry.resolve(body.model)
+        entry = self.registry.resolve(body.model, use_default=False)
         await self.supervisor.stop(entry, force=body.force)
         return JSONResponse(self.model_object(entry))
 

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
-from router.api.sse import SSE_HEADERS
+from router.api.sse import EventStream
 from router.api.wire import ClientGone, JSONResponse, error_response, unless_disconnected
-from router.errors import APIError, BadRequest
+from router.errors import APIError, BadRequest, ClientTooSlow
 from router.link import RequestStream, Usage, WorkerLink
+from router.metrics import Metrics
 from router.registry import Lease, ModelEntry
 from router.supervisor import Supervisor
 from shared.protocol import Delta, Generate
@@ -69,37 +70,43 @@ def protocol_route(path: str, handler: Callable[[Request], Awaitable[Response]],
 class Relay:
     """Runs generation requests for every protocol module; see the module docstring."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Supervisor, metrics: Metrics | None = None) -> None:
         self.supervisor = supervisor
+        self.metrics = metrics or Metrics(supervisor.registry)
 
     async def generate(self, request: Request, endpoint: str, model: str | None,
                        gens: list[Generate], streaming: bool,
                        shaper_for: Callable[[str], Shaper]) -> Response:
         """Relay ``gens`` (one client request) and answer as ``shaper_for(model id)`` shapes it."""
         usage = Usage()
-        lease, link = await self._acquire(endpoint, model, "generate", streaming, usage)
+        try:
+            lease, link = await self._acquire(request, endpoint, model, "generate", streaming,
+                                              usage)
+        except ClientGone:
+            return Response(status_code=499)
         stream: RequestStream | None = None
         try:
             _refuse_oversized(lease.entry, gens)
             stream = link.submit(gens, usage)
             shaper = shaper_for(lease.entry.id)
-            try:
-                # Wait for the first output so that a refused request is a JSON 4xx, not
-                # a stream that starts 200 and then carries an error.
-                first = await stream.__anext__()
-            except StopAsyncIteration:
-                first = []
+            # Wait for the first output so that a refused request is a JSON 4xx, not a
+            # stream that starts 200 and then carries an error; a client that leaves
+            # meanwhile gives its place in the engine's queue back at once.
+            first = await unless_disconnected(request, _first_batch(stream))
             usage.first_at = time.perf_counter()
         except BaseException as err:
             if stream is not None:
                 stream.close()
             lease.release()
-            if isinstance(err, APIError):
-                self._log(endpoint, lease.entry.id, streaming, err.status, usage)
+            if isinstance(err, (APIError, ClientGone)):
+                status = err.status if isinstance(err, APIError) else 499
+                self._log(endpoint, lease.entry.id, streaming, status, usage)
+            if isinstance(err, ClientGone):
+                return Response(status_code=499)
             raise
         if streaming:
             body = self._stream(stream, shaper, first, usage, lease, endpoint)
-            return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+            return EventStream(body, self.supervisor.server.send_timeout)
         status = 200
         try:
             shaper.add(first)
@@ -117,10 +124,19 @@ class Relay:
             self._log(endpoint, lease.entry.id, False, status, usage)
         return JSONResponse(shaper.body(usage))
 
-    async def _acquire(self, endpoint: str, model: str | None, task: str, streaming: bool,
-                       usage: Usage) -> tuple[Lease, WorkerLink]:
+    async def _acquire(self, request: Request | None, endpoint: str, model: str | None, task: str,
+                       streaming: bool, usage: Usage) -> tuple[Lease, WorkerLink]:
+        """The model's lease and link; a client that leaves while it waits (for a load or
+        a slot) gives its place in the queue back at once (``ClientGone``)."""
         try:
-            return await self.supervisor.acquire(model, task)
+            now = self.supervisor.acquire_now(model, task)
+            if isinstance(now, tuple):
+                return now
+            waiting = self.supervisor.acquire(model, task)
+            return await (waiting if request is None else unless_disconnected(request, waiting))
+        except ClientGone:
+            self._log(endpoint, model or "-", streaming, 499, usage)
+            raise
         except APIError as err:  # unknown model, queue full, load failed: still one line
             self._log(endpoint, model or "-", streaming, err.status, usage)
             raise
@@ -131,18 +147,23 @@ class Relay:
             shaper.add(batch)
 
     async def _stream(self, stream: RequestStream, shaper: Shaper, first: list[Delta],
-                      usage: Usage, lease: Lease, endpoint: str) -> AsyncIterator[bytes]:
+                      usage: Usage, lease: Lease, endpoint: str) -> AsyncGenerator[bytes, None]:
         status = 200
         try:
             yield shaper.chunks(first)
-            try:
-                async for batch in stream:
-                    yield shaper.chunks(batch)
-            except APIError as err:  # the worker failed mid-stream: tell the client in-band
-                status = err.status
-                yield shaper.error_event(err)
-                return
+            while True:
+                try:
+                    batch = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+                except APIError as err:  # the worker failed mid-stream: tell the client in-band
+                    status = err.status
+                    yield shaper.error_event(err)
+                    return
+                yield shaper.chunks(batch)
             yield shaper.close(usage)
+        except ClientTooSlow as err:  # thrown in by EventStream: a write timed out
+            status = err.status
         except BaseException:
             status = 499  # the client went away (the generator was closed or cancelled)
             raise
@@ -151,10 +172,11 @@ class Relay:
             lease.release()
             self._log(endpoint, lease.entry.id, True, status, usage)
 
-    @staticmethod
-    def _log(endpoint: str, model: str, streaming: bool, status: int, usage: Usage) -> None:
-        """One line per request: what was asked, what came back, how fast."""
+    def _log(self, endpoint: str, model: str, streaming: bool, status: int,
+             usage: Usage) -> None:
+        """One line and one count per request: what was asked, what came back, how fast."""
         now = time.perf_counter()
+        self.metrics.request(endpoint, model, status, usage, now)
         ttft = (usage.first_at - usage.started) * 1000 if usage.first_at else 0.0
         decode = (usage.completion / (now - usage.first_at)
                   if usage.first_at and now > usage.first_at else 0.0)
@@ -168,7 +190,7 @@ class Relay:
                    work: Callable[[WorkerLink], Awaitable[Any]]) -> tuple[ModelEntry, Any]:
         """A one-shot request (tokenize, embeddings ...): acquire, ``work(link)``, release."""
         usage = Usage()
-        lease, link = await self._acquire(endpoint, model, task, False, usage)
+        lease, link = await self._acquire(None, endpoint, model, task, False, usage)
         status = 200
         try:
             with lease:
@@ -178,6 +200,13 @@ class Relay:
             raise
         finally:
             self._log(endpoint, lease.entry.id, False, status, usage)
+
+
+async def _first_batch(stream: RequestStream) -> list[Delta]:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return []
 
 
 def _refuse_oversized(entry: ModelEntry, gens: list[Generate]) -> None:
