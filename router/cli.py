@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 import uvicorn
 
 from router.app import build_app
-from shared.config import ConfigError, load_preset
+from shared.config import ConfigError, ServerConfig, load_preset
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,9 +43,26 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # what only the running machine can tell (dirs, memory)
         print(f"modelyard: {err}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=server.host, port=server.port, log_level=server.log_level,
-                access_log=False, timeout_graceful_shutdown=30)
+    config = uvicorn.Config(app, host=server.host, port=server.port,
+                            log_level=server.log_level, access_log=False,
+                            timeout_graceful_shutdown=30)
+    if server.send_buffer_bytes:
+        uvicorn.Server(config).run(sockets=[listening_socket(server)])
+    else:
+        uvicorn.Server(config).run()
     return 0
+
+
+def listening_socket(server: ServerConfig) -> socket.socket:
+    """The server socket, with ``send_buffer_bytes`` set on it: accepted connections inherit
+    that fixed kernel send buffer instead of growing theirs up to megabytes for a client
+    that does not read."""
+    family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, server.send_buffer_bytes)
+    sock.bind((server.host, server.port))
+    return sock
 
 
 if __name__ == "__main__":

@@ -77,6 +77,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     send_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     """Seconds one write of a streamed response may wait for a client that does not read;
     then the request ends (its generation is cancelled and its model freed)."""
+    send_buffer_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """A fixed kernel send buffer per client connection (0: the kernel's autotuning, which
+    lets a client that does not read park up to megabytes in the kernel per connection)."""
     runtime_dir: str | None = None
     """Where ZeroMQ sockets and worker logs live; default: a fresh 0700 temp dir."""
     cache_dir: str | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import random
+import socket
 import threading
 import time
 
@@ -29,6 +30,8 @@ server:
   max_loaded_models: 1
   load_timeout: 600
   max_queue_depth: 500
+  send_timeout: 2
+  send_buffer_bytes: 65536
 models:
   blinky: {model: "builtin:smollm2", ttl: 1, max_model_len: 512}
   swap-a: {model: "builtin:smollm2", max_model_len: 512}
@@ -152,6 +155,49 @@ def test_200_requests_racing_a_1_second_ttl_all_succeed(life: RouterProcess) -> 
                 pids.add(pid)
     assert statuses == [200] * 200, life.tail()
     assert len(pids) >= 1
+
+
+def test_50_streams_that_never_read_are_ended_and_free_the_model(life: RouterProcess) -> None:
+    """Issue 8, defect 3: a client that stopped reading pinned its model (no write timeout,
+    the lease held for ever) while the router buffered its stream without bound."""
+    router = psutil.Process(life.proc.pid)  # type: ignore[union-attr]
+    chat(life, "blinky", max_tokens=1)  # loaded, so start-up memory is not counted
+    base = router.memory_info().rss
+    body = json.dumps({"model": "blinky", "messages": STORY, "max_tokens": 400,
+                       "stream": True, "logprobs": True, "top_logprobs": 20,
+                       "ignore_eos": True}).encode()
+    request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+               b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    readers = []
+    for _ in range(50):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that never reads
+        s.connect(("127.0.0.1", life.port))
+        s.sendall(request)
+        readers.append(s)
+    peak, deadline = base, time.monotonic() + 240
+    while True:
+        peak = max(peak, router.memory_info().rss)
+        if models(life)["blinky"]["in_flight"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert models(life)["blinky"]["in_flight"] == 0, life.tail()
+    assert peak - base < 64 * 2**20, f"router grew by {(peak - base) >> 20} MiB"
+    for s in readers:
+        s.settimeout(10)
+        data = b""
+        while chunk := s.recv(1 << 16):
+            data += chunk
+        s.close()
+        assert data.startswith(b"HTTP/1.1 200") and b"data: {" in data
+        # cut off: the stream did not end as a finished one
+        assert b"[DONE]" not in data, f"{len(data)} bytes, all of the stream"
+    log = life.log_path.read_text(errors="replace")
+    assert log.count("status=408") >= 50, life.tail()
+    started = time.monotonic()
+    while models(life)["blinky"]["state"] != "unloaded":  # reaped at its 1 s ttl
+        assert time.monotonic() - started < 10, models(life)["blinky"]
+        time.sleep(0.1)
 
 
 def test_kill_9_mid_stream_ends_every_client_and_the_next_request_restarts(

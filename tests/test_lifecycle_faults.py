@@ -49,6 +49,17 @@ def run(sup: Supervisor, scenario: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
+def keyed_peer(ctx: zmq.Context[zmq.Socket[bytes]], link: WorkerLink,
+               endpoint: str) -> zmq.Socket[bytes]:
+    """A worker's end of ``link``: it knows the key, as a worker learns it over stdin."""
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.curve_serverkey = link.key.encode()
+    peer.curve_publickey, peer.curve_secretkey = zmq.curve_keypair()
+    peer.connect(endpoint)
+    return peer
+
+
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -269,11 +280,7 @@ def test_only_the_worker_with_the_key_can_reach_its_socket(tmp_path: Path) -> No
         with contextlib.suppress(zmq.Again):  # it has no connection to send on
             impostor.send(Codec(ToRouter).encode(Ready(model="m", max_model_len=1, pid=1)),
                           zmq.NOBLOCK)
-        worker = ctx.socket(zmq.DEALER)  # the real worker, with the key from its stdin
-        worker.setsockopt(zmq.LINGER, 0)
-        worker.curve_serverkey = link.key.encode()
-        worker.curve_publickey, worker.curve_secretkey = zmq.curve_keypair()
-        worker.connect(endpoint)
+        worker = keyed_peer(ctx, link, endpoint)  # the real worker's end, keyed by stdin
         await asyncio.sleep(0.3)
         for i in range(4):  # DEALER deals round-robin: any other peer would get some
             link.submit([Generate(id=f"secret-{i}", prompt="the prompt",
@@ -337,3 +344,31 @@ def test_clients_that_leave_while_queued_give_their_place_back(tmp_path: Path) -
             s.settimeout(1)
             with pytest.raises(TimeoutError):
                 s.recv(100)  # no 429: it waits for the model like the others did
+
+
+def test_a_stream_its_client_does_not_read_is_bounded(tmp_path: Path) -> None:
+    """Defect 3: deltas for a client that did not read piled up without bound."""
+    from router.errors import ClientTooSlow
+    from router.link import Usage
+    from shared.protocol import Delta, Deltas
+
+    async def scenario() -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        endpoint = f"ipc://{tmp_path}/w.sock"
+        link = WorkerLink(ctx, endpoint, "m")
+        worker = keyed_peer(ctx, link, endpoint)
+        await asyncio.sleep(0.2)
+        stream = link.submit([Generate(id="g", prompt="hi", sampling=SamplingSpec())],
+                             Usage())
+        for _ in range(10_000):  # what the worker sends while the relay waits on a write
+            link._dispatch(Deltas(items=[Delta(id="g", index=0, text="x", tokens=1)]))
+        assert len(stream._items) == 4097 and "g" not in link._routes  # cancelled there
+        batch = await stream.__anext__()
+        assert len(batch) == 4097
+        with pytest.raises(ClientTooSlow):
+            await stream.__anext__()
+        link.close()
+        worker.close(0)
+        ctx.term()
+
+    asyncio.run(scenario())
