@@ -135,6 +135,10 @@ def test_a_worker_that_cannot_start_leaves_the_model_failed_with_the_reason(
         entry = sup.registry.entries["m"]
         assert entry.state == "failed" and "Too many open files" in (entry.error or "")
         assert entry.leases == 0 and sup.placer._held == {}  # nothing held by a failure
+        assert entry.restarts == 0  # a first start is not a restart (a metric)
+        with pytest.raises(ModelUnavailable):
+            await sup.acquire("m")  # after the 0.5 s backoff
+        assert entry.restarts == 1
 
     asyncio.run(scenario())
     sup._ctx.term()

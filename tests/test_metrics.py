@@ -232,31 +232,6 @@ def test_metrics_need_a_key_when_keys_are_configured(monkeypatch: pytest.MonkeyP
         assert client.get("/v1/metrics", headers=key).status_code == 200
 
 
-def test_restarts_count_starts_after_a_failure(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from router.errors import ModelUnavailable
-
-    preset = build_preset({"models": {"m": {"model": "/m", "cpu_cores": "0"}}})
-    sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path, Placer(cores={0}, gpus={}))
-
-    async def no_exec(*args: object, **kw: object) -> object:
-        raise OSError(24, "Too many open files")
-
-    monkeypatch.setattr(asyncio, "create_subprocess_exec", no_exec)
-
-    async def scenario() -> None:
-        entry = sup.registry.entries["m"]
-        with pytest.raises(ModelUnavailable):
-            await sup.acquire("m")
-        assert entry.restarts == 0  # a first start is not a restart
-        with pytest.raises(ModelUnavailable):
-            await sup.acquire("m")  # after the 0.5 s backoff
-        assert entry.restarts == 1
-
-    asyncio.run(scenario())
-    sup._ctx.term()
-
-
 def test_evictions_count_models_stopped_for_room(tmp_path: Path) -> None:
     preset = build_preset({"server": {"max_loaded_models": 1},
                            "models": {"old": {"model": "/o"}, "new": {"model": "/n"}}})
