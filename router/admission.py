@@ -17,6 +17,7 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.api.sse import encode_json
+from router.errors import APIError
 from shared.config import ConfigError, ServerConfig
 
 OPEN_PATHS = frozenset({"/health"})
@@ -67,7 +68,7 @@ class Keys:
         return 200
 
 
-def _presented_key(scope: Scope) -> bytes | None:
+def presented_key(scope: Scope) -> bytes | None:
     for name, value in scope["headers"]:
         if name == b"authorization" and value[:7].lower() == b"bearer ":
             return bytes(value[7:].strip())
@@ -88,18 +89,24 @@ class KeyGuard:
         if scope["type"] != "http" or not self.keys.required:
             await self.app(scope, receive, send)
             return
-        status = self.keys.allows(_presented_key(scope), scope["path"])
+        status = self.keys.allows(presented_key(scope), scope["path"])
         if status == 200:
             await self.app(scope, receive, send)
             return
         message = ("this endpoint needs an admin key" if status == 403 else
                    "missing or invalid API key: send 'Authorization: Bearer <key>' or "
                    "'x-api-key: <key>'")
-        body = encode_json({"error": {
-            "message": message, "type": "invalid_request_error", "param": None,
-            "code": "insufficient_permissions" if status == 403 else "invalid_api_key"}})
-        await send({"type": "http.response.start", "status": status, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, APIError(
+            message, status=status, type="invalid_request_error",
+            code="insufficient_permissions" if status == 403 else "invalid_api_key"),
+            [(b"www-authenticate", b"Bearer")])
+
+
+async def send_error(send: Send, err: APIError,
+                     headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    """Answer ``err`` in OpenAI's error shape from ASGI middleware, before any handler."""
+    body = encode_json(err.body())
+    await send({"type": "http.response.start", "status": err.status, "headers": [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})

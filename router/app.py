@@ -13,9 +13,8 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 
-from router.admission import KeyGuard, Keys
+from router.admission import Keys
 from router.api.admin import AdminAPI
 from router.api.metrics import MetricsAPI
 from router.api.openai import OpenAIAPI
@@ -23,6 +22,7 @@ from router.api.openapi import OpenAPIDocument
 from router.api.relay import Relay
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
 from router.errors import APIError
+from router.limits import middleware_stack
 from router.metrics import Metrics
 from router.placement import Placer, check_budgets
 from router.registry import ModelRegistry
@@ -77,7 +77,7 @@ def build_app(preset: Preset) -> Starlette:
         routes=(metrics.counted(openai.routes()) + admin.routes() + metrics.routes()
                 + OpenAPIDocument(keys.required).routes()),
         lifespan=lifespan,
-        middleware=[Middleware(KeyGuard, keys=keys)],
+        middleware=middleware_stack(server, keys),
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                             Exception: server_error_handler},
     )

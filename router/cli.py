@@ -10,6 +10,7 @@ import sys
 import uvicorn
 
 from router.app import build_app
+from router.limits import header_deadline, uvicorn_backstop
 from shared.config import ConfigError, ServerConfig, load_preset
 
 
@@ -45,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = uvicorn.Config(app, host=server.host, port=server.port,
                             log_level=server.log_level, access_log=False,
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=30,
+                            # typed int, but it only reaches loop.call_later
+                            timeout_keep_alive=server.keep_alive_timeout,  # type: ignore[arg-type]
+                            limit_concurrency=uvicorn_backstop(server.max_connections),
+                            proxy_headers=False,  # X-Forwarded-For: see router/limits.py
+                            http=header_deadline(server.read_timeout) if server.read_timeout
+                            else "auto")
     if server.send_buffer_bytes:
         uvicorn.Server(config).run(sockets=[listening_socket(server)])
     else:

@@ -17,6 +17,7 @@ and the key.
 from __future__ import annotations
 
 import configparser
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -94,6 +95,21 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """When set, loading and unloading models needs one of these; they open every endpoint."""
     api_key_file: str | None = None
     """A file of keys, one per line (``#`` starts a comment)."""
+    rate_limit_per_minute: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Requests per minute per client (its API key when keys are set, else its address),
+    as a token bucket; more get a 429 with ``Retry-After``. 0: no rate limit."""
+    rate_limit_burst: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """The bucket's size: requests a client may send at once; 0: ``rate_limit_per_minute``."""
+    trusted_proxies: list[str] = []
+    """IPs or CIDRs whose ``X-Forwarded-For`` is believed (the right-most address not in
+    this set is the client); from any other peer the header is ignored."""
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    """HTTP requests served at once (``/health`` aside); more get a 503 at once."""
+    keep_alive_timeout: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    """Seconds an idle keep-alive connection stays open."""
+    read_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    """Seconds a request's headers, and then its body, may take to arrive; a late body gets
+    a 408, and either way the connection is closed. 0: no deadline."""
 
 
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -160,7 +176,7 @@ class Preset(msgspec.Struct, kw_only=True):
     source: str = ""
 
 
-_LIST_KEYS = ("aliases", "gpus")  # comma-separated in INI; msgspec converts the items
+_LIST_KEYS = ("aliases", "gpus", "trusted_proxies")  # comma-separated in INI
 _AT_RE = re.compile(r"\s*- at `\$((?:\.\w+|\[\d+\])*)`")
 
 
@@ -251,6 +267,12 @@ def _check_names(models: dict[str, ModelSpec], server: ServerConfig, source: str
     if server.default_model and server.default_model.lower() not in owner:
         raise ConfigError(f"{source}: [server]: key 'default_model': no model or alias "
                           f"named '{server.default_model}'")
+    for proxy in server.trusted_proxies:
+        try:  # strict: "10.0.0.1/8" (host bits set) is refused, not read as something else
+            ipaddress.ip_network(proxy, strict=True)
+        except ValueError as err:
+            raise ConfigError(f"{source}: [server]: key 'trusted_proxies': expected IP "
+                              f"addresses or CIDRs, got \"{proxy}\" ({err})") from None
 
 
 def _ini_section(section: configparser.SectionProxy) -> dict[str, Any]:

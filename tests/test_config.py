@@ -82,3 +82,23 @@ def test_bad_cpu_cores_are_refused_at_load(cores: str) -> None:
     """Issue 8, defect 4: "0-x" was accepted and failed only when the worker spawned."""
     with pytest.raises(ConfigError, match="model 'm': key 'cpu_cores'"):
         build_preset({"models": {"m": {"model": "/m", "cpu_cores": cores}}}, "p.yaml")
+
+
+@pytest.mark.parametrize("key,value", [
+    ("rate_limit_per_minute", -1), ("rate_limit_burst", -5), ("max_connections", 0),
+    ("keep_alive_timeout", 0), ("read_timeout", -1),
+    ("trusted_proxies", ["10.0.0.1/8"]), ("trusted_proxies", ["proxy.lan"]),
+    ("trusted_proxies", ["10.0.0.0/33"]), ("trusted_proxies", "10.0.0.0/8"),
+])
+def test_bad_admission_limits_are_refused_at_load(key: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"p.yaml: \\[server\\]: key '{key}'"):
+        build_preset({"server": {key: value}, "models": {"m": {"model": "/m"}}}, "p.yaml")
+
+
+def test_admission_limits_from_ini() -> None:
+    raw = parse_ini("[server]\nrate_limit_per_minute = 60\nread_timeout = 2.5\n"
+                    "trusted_proxies = 127.0.0.1, 10.0.0.0/8, ::1\n[m]\nmodel = /m\n", "p.ini")
+    server = build_preset(raw, "p.ini").server
+    assert server.rate_limit_per_minute == 60 and server.read_timeout == 2.5
+    assert server.trusted_proxies == ["127.0.0.1", "10.0.0.0/8", "::1"]
+    assert server.max_connections == 1024 and server.rate_limit_burst == 0

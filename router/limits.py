@@ -1,0 +1,261 @@
+"""How much a client may ask, checked as ASGI middleware before any handler runs.
+
+    ConnectionCap      at most ``max_connections`` requests in flight; more get a 503
+    ProxyHeaders       (uvicorn's) ``X-Forwarded-For`` believed only from ``trusted_proxies``
+    BodyDeadline       a body that has not arrived after ``read_timeout`` s gets a 408
+                       (``header_deadline``, for uvicorn: late headers close the connection)
+    KeyGuard           (``admission.py``) 401/403 without a key
+    RateLimit          a token bucket per client; an empty one gets a 429 with Retry-After
+
+``middleware_stack`` builds them in that order, outermost first: a refused request costs
+nothing further in, and a stranger without a key never takes a token from a bucket.
+``/health`` is never capped or limited, so monitoring still sees an overloaded router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from router.admission import OPEN_PATHS, KeyGuard, Keys, presented_key, send_error
+from router.errors import APIError
+from shared.config import ServerConfig
+
+MAX_CLIENTS = 65_536
+"""Buckets kept at most; about 260 bytes each (a full-length IPv6 address), so the
+limiter stays under 20 MB."""
+
+
+def middleware_stack(server: ServerConfig, keys: Keys) -> list[Middleware]:
+    """The admission middleware for ``server``, outermost first (see the module doc)."""
+    stack = [Middleware(ConnectionCap, max_connections=server.max_connections)]
+    if server.trusted_proxies:  # uvicorn's own is turned off: it trusts 127.0.0.1 by default
+        stack.append(Middleware(ProxyHeadersMiddleware,
+                                trusted_hosts=server.trusted_proxies))
+    if server.read_timeout:
+        stack.append(Middleware(BodyDeadline, seconds=server.read_timeout))
+    stack.append(Middleware(KeyGuard, keys=keys))
+    if server.rate_limit_per_minute:
+        buckets = TokenBuckets(server.rate_limit_per_minute, server.rate_limit_burst)
+        stack.append(Middleware(RateLimit, buckets=buckets, keys=keys))
+    return stack
+
+
+def uvicorn_backstop(max_connections: int) -> int:
+    """uvicorn's ``limit_concurrency``, a little above ``max_connections``: uvicorn counts
+    open connections (idle keep-alive ones too) and refuses in plain text, so it only
+    catches what ``ConnectionCap`` cannot see (connections that never finish a request)."""
+    return max_connections + max(16, max_connections // 8)
+
+
+def header_deadline(seconds: float) -> type[HttpToolsProtocol]:
+    """uvicorn's HTTP protocol, but a request's headers must be complete within ``seconds``
+    of the connection opening or of the request's first byte, or the connection is
+    closed. uvicorn itself times out only idle connections between requests: one that
+    sends nothing after connecting, or its headers a byte at a time, is held for ever."""
+
+    class HeaderDeadline(HttpToolsProtocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def _expired(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._deadline is None:  # the first request keeps the connection's deadline
+                self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderDeadline
+
+
+class _Bucket:
+    __slots__ = ("stamp", "tokens")
+
+    def __init__(self, tokens: float, stamp: float) -> None:
+        self.tokens = tokens
+        self.stamp = stamp
+
+
+class TokenBuckets:
+    """One token bucket per client: ``size`` tokens, refilled at ``per_minute`` a minute,
+    one taken per request.
+
+    Memory is bounded: at most ``max_clients`` buckets, least recently seen dropped first.
+    A dropped bucket has refilled to full (so forgetting it changes nothing) unless more
+    than ``max_clients`` clients were seen within one refill period (``size / rate``);
+    only a client cycling through addresses gets there, and a new address would give it a
+    fresh bucket anyway.
+    """
+
+    def __init__(self, per_minute: int, burst: int = 0, max_clients: int = MAX_CLIENTS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_minute = per_minute
+        self.size = float(burst or per_minute)
+        self.rate = per_minute / 60.0  # tokens per second
+        self.max_clients = max_clients
+        self.clock = clock
+        self._buckets: OrderedDict[Hashable, _Bucket] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def take(self, client: Hashable) -> int:
+        """Take a token for ``client``: the whole tokens left, or -1 when there was none."""
+        now = self.clock()
+        bucket = self._buckets.get(client)
+        if bucket is None:
+            if len(self._buckets) >= self.max_clients:
+                self._buckets.popitem(last=False)
+            bucket = self._buckets[client] = _Bucket(self.size, now)
+        else:
+            self._buckets.move_to_end(client)
+            bucket.tokens = min(self.size, bucket.tokens + (now - bucket.stamp) * self.rate)
+            bucket.stamp = now
+        if bucket.tokens < 1.0:
+            return -1
+        bucket.tokens -= 1.0
+        return int(bucket.tokens)
+
+    def retry_after(self, client: Hashable) -> int:
+        """Whole seconds (at least 1) until ``client``'s next token, after a refused take."""
+        bucket = self._buckets[client]
+        return max(1, math.ceil((1.0 - bucket.tokens) / self.rate))
+
+
+class RateLimit:
+    """ASGI middleware: a request whose client's bucket is empty gets a 429
+    (``rate_limit_exceeded``) with ``Retry-After``; every answer carries OpenAI's
+    ``x-ratelimit-limit-requests`` and ``x-ratelimit-remaining-requests``. The client is
+    the API key when keys are required, else the address (after ``trusted_proxies``)."""
+
+    def __init__(self, app: ASGIApp, buckets: TokenBuckets, keys: Keys) -> None:
+        self.app = app
+        self.buckets = buckets
+        self.by_key = keys.required
+        self.limit_header = (b"x-ratelimit-limit-requests", str(buckets.per_minute).encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        client: Hashable = (presented_key(scope) if self.by_key else None) or _address(scope)
+        left = self.buckets.take(client)
+        if left < 0:
+            wait = self.buckets.retry_after(client)
+            await send_error(send, APIError(
+                f"rate limit of {self.buckets.per_minute} requests per minute reached; "
+                f"retry in {wait} s", status=429, type="rate_limit_error",
+                code="rate_limit_exceeded"),
+                [(b"retry-after", str(wait).encode()), self.limit_header,
+                 (b"x-ratelimit-remaining-requests", b"0")])
+            return
+        remaining = (b"x-ratelimit-remaining-requests", str(left).encode())
+
+        async def send_counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), self.limit_header,
+                                      remaining]
+            await send(message)
+
+        await self.app(scope, receive, send_counted)
+
+
+def _address(scope: Scope) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else ""  # no peer address: a unix socket, one client
+
+
+class ConnectionCap:
+    """ASGI middleware: at most ``max_connections`` requests in flight (``/health`` aside);
+    more get a 503 (``server_overloaded``) with ``Retry-After`` at once. A request counts
+    until its handler returns, which for a stream is after its last byte."""
+
+    def __init__(self, app: ASGIApp, max_connections: int) -> None:
+        self.app = app
+        self.max_connections = max_connections
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_connections:
+            await send_error(send, APIError(
+                f"the server is serving its maximum of {self.max_connections} requests; "
+                "retry shortly", status=503, type="server_error", code="server_overloaded"),
+                [(b"retry-after", b"1")])
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+class BodyDeadline:
+    """ASGI middleware: the whole request body must arrive within ``seconds`` of the
+    request's start, or the handler reading it gets a 408 (``request_timeout``) and the
+    connection is closed, so a client trickling its body cannot hold a connection.
+
+    The 408 is raised from ``receive`` as an ``APIError``: the handler is inside
+    ``read_body`` then, and the app's error handler answers it like any other.
+    """
+
+    def __init__(self, app: ASGIApp, seconds: float) -> None:
+        self.app = app
+        self.seconds = seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.seconds
+        body_done = late = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done, late
+            if body_done:  # later reads only wait for a disconnect: no deadline
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                late = True
+                raise APIError(f"the request body did not arrive within {self.seconds:g} s",
+                               status=408, type="invalid_request_error",
+                               code="request_timeout") from None
+            body_done = message["type"] != "http.request" or not message.get("more_body")
+            return message
+
+        async def closing_send(message: Message) -> None:
+            if late and message["type"] == "http.response.start":  # the rest may never come
+                message["headers"] = [*message.get("headers", ()), (b"connection", b"close")]
+            await send(message)
+
+        await self.app(scope, timed_receive, closing_send)
