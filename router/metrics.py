@@ -74,6 +74,9 @@ class _ModelCollector:
                                        "Starts after a crash or a failed start", labels=["model"])
         evictions = CounterMetricFamily("modelyard_model_evictions",
                                         "Stops to make room for another model", labels=["model"])
+        engine = GaugeMetricFamily("modelyard_model_engine_in_flight", "Requests the engine "
+                                   "itself still holds (vLLM's own count, read at the scrape)",
+                                   labels=["model"])
         for entry in self.models:
             for name in STATES:
                 state.add_metric([entry.id, name], 1.0 if entry.state == name else 0.0)
@@ -83,7 +86,9 @@ class _ModelCollector:
                 load.add_metric([entry.id], entry.load_seconds)
             restarts.add_metric([entry.id], entry.restarts)
             evictions.add_metric([entry.id], entry.evictions)
-        yield from (state, in_flight, queued, load, restarts, evictions)
+            if entry.engine_in_flight is not None and entry.state == "ready":
+                engine.add_metric([entry.id], entry.engine_in_flight)
+        yield from (state, in_flight, queued, load, restarts, evictions, engine)
 
 
 class _Series:

@@ -40,6 +40,8 @@ class ModelEntry:
     failures: int = 0
     """Consecutive failed starts or crashes; drives the restart backoff."""
     failed_at: float = 0.0
+    engine_in_flight: int | None = None
+    """Requests vLLM itself still holds, as the worker last reported (``Pong``)."""
     restarts: int = 0
     """Starts after a crash or a failed start."""
     evictions: int = 0

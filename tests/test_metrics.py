@@ -303,10 +303,13 @@ def test_counters_equal_the_requests_sent(router: Any, client: Any) -> None:
                  endpoint="completions") == 1
     assert value(after, "modelyard_model_state", model="smollm2", state="ready") == 1
     assert value(after, "modelyard_model_in_flight", model="smollm2") == 0
+    # vLLM's own count, asked at the scrape: nothing left running in the engine
+    assert value(after, "modelyard_model_engine_in_flight", model="smollm2") == 0
 
     # /v1/metrics, read right after, agrees with the exposition
     smol = body["models"]["smollm2"]
     assert smol["state"] == "ready" and smol["in_flight"] == 0 and smol["queued"] == 0
+    assert smol["engine_in_flight"] == 0
     assert smol["requests"]["chat"]["200"] == value(
         after, "modelyard_requests_total", model="smollm2", endpoint="chat", status="200")
     assert smol["tokens"]["completion"] == value(after, "modelyard_completion_tokens_total",

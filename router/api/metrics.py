@@ -5,6 +5,7 @@ protocol route refuses before they reach the relay.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 from prometheus_client.exposition import choose_encoder
@@ -13,7 +14,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.api.wire import JSONResponse
+from router.errors import APIError
+from router.link import WorkerLink
 from router.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request
+from router.registry import ModelEntry
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -35,12 +39,28 @@ class MetricsAPI:
         ]
 
     async def exposition(self, request: Request) -> Response:
+        await self.ask_engines()
         # prometheus_client picks the format: OpenMetrics if the scraper asks, else text
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encode(self.metrics.registry), media_type=content_type)
 
     async def snapshot(self, request: Request) -> Response:
+        await self.ask_engines()
         return JSONResponse(self.metrics.snapshot())
+
+    async def ask_engines(self) -> None:
+        """The engines' own figures, from every ready worker at once (a ping, which is not
+        work: it keeps no model from its idle stop); a worker that does not answer within
+        a second is left out of this scrape."""
+
+        async def ask(entry: ModelEntry, link: WorkerLink) -> None:
+            try:
+                entry.engine_in_flight = (await asyncio.wait_for(link.ping(), 1)).in_flight
+            except (APIError, TimeoutError):
+                entry.engine_in_flight = None
+
+        await asyncio.gather(*(ask(e, e.link) for e in self.metrics.models
+                               if e.state == "ready" and e.link is not None))
 
     def counted(self, routes: list[Route]) -> list[Route]:
         """``routes`` whose refusals before the relay (a body that does not decode, a bad

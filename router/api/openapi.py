@@ -139,13 +139,16 @@ _ERRORS = {
     "400": "The body, a field or a value is wrong (the error's `param` names it)",
     "404": "No such model (or path)",
     "405": "Method not allowed on this path",
+    "408": "The body did not arrive within `read_timeout`",
     "413": "The body exceeds `max_body_bytes`",
     "415": "The Content-Type is not application/json",
-    "429": "The model's wait queue is full (see Retry-After)",
+    "429": "The model's wait queue is full, or the client's rate limit is spent (see "
+           "Retry-After)",
     "502": "The worker died while serving the request",
-    "503": "The model could not be started or loaded in time (see Retry-After)",
+    "503": "The model could not be started or loaded in time, or the server is at "
+           "`max_connections` (see Retry-After)",
 }
-_BODY_ERRORS = {"413", "415"}
+_BODY_ERRORS = {"408", "413", "415"}
 _AUTH_ERRORS = {"401": "Missing or invalid API key",
                 "403": "This endpoint needs an admin key"}
 
