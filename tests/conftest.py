@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -94,6 +95,25 @@ class RouterProcess:
                 self.proc.wait()
         self.log.close()
         self.client.close()
+
+
+async def connected_peer(ctx: Any, link: Any, endpoint: str) -> Any:
+    """A worker's end of ``link`` (a ``WorkerLink``): it knows the CURVE key, as a worker
+    learns it over stdin, and has said ``Ready``, so the handshake is done."""
+    import asyncio
+
+    import zmq
+
+    from shared.protocol import Codec, Ready, ToRouter
+
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.curve_serverkey = link.key.encode()
+    peer.curve_publickey, peer.curve_secretkey = zmq.curve_keypair()
+    peer.connect(endpoint)
+    peer.send(Codec(ToRouter).encode(Ready(model=link.model, max_model_len=1, pid=1)))
+    await asyncio.wait_for(link.wait_ready(), 10)
+    return peer
 
 
 @contextlib.contextmanager

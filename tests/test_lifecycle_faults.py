@@ -28,7 +28,7 @@ from router.registry import ModelRegistry
 from router.supervisor import Supervisor
 from shared.config import build_preset
 from shared.protocol import Codec, Generate, Ready, SamplingSpec, ToRouter, worker_codec
-from tests.conftest import running_router
+from tests.conftest import connected_peer, running_router
 
 
 def supervisor(tmp_path: Path, server: dict[str, Any] | None = None,
@@ -47,17 +47,6 @@ def run(sup: Supervisor, scenario: Callable[[], Awaitable[None]]) -> None:
             await sup.stop_all()
 
     asyncio.run(main())
-
-
-def keyed_peer(ctx: zmq.Context[zmq.Socket[bytes]], link: WorkerLink,
-               endpoint: str) -> zmq.Socket[bytes]:
-    """A worker's end of ``link``: it knows the key, as a worker learns it over stdin."""
-    peer = ctx.socket(zmq.DEALER)
-    peer.setsockopt(zmq.LINGER, 0)
-    peer.curve_serverkey = link.key.encode()
-    peer.curve_publickey, peer.curve_secretkey = zmq.curve_keypair()
-    peer.connect(endpoint)
-    return peer
 
 
 def gone(pid: int) -> bool:
@@ -278,10 +267,11 @@ def test_only_the_worker_with_the_key_can_reach_its_socket(tmp_path: Path) -> No
         impostor.connect(endpoint)
         await asyncio.sleep(0.2)  # time to connect, had it been let in
         with contextlib.suppress(zmq.Again):  # it has no connection to send on
-            impostor.send(Codec(ToRouter).encode(Ready(model="m", max_model_len=1, pid=1)),
+            impostor.send(Codec(ToRouter).encode(Ready(model="m", max_model_len=666, pid=1)),
                           zmq.NOBLOCK)
-        worker = keyed_peer(ctx, link, endpoint)  # the real worker's end, keyed by stdin
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.2)
+        assert not link._ready.done()  # its Ready was not believed
+        worker = await connected_peer(ctx, link, endpoint)  # the real worker's end
         for i in range(4):  # DEALER deals round-robin: any other peer would get some
             link.submit([Generate(id=f"secret-{i}", prompt="the prompt",
                                   sampling=SamplingSpec())])
@@ -298,7 +288,6 @@ def test_only_the_worker_with_the_key_can_reach_its_socket(tmp_path: Path) -> No
         assert got == [f"secret-{i}" for i in range(4)]
         with pytest.raises(zmq.Again):
             impostor.recv(zmq.NOBLOCK)  # no request reached it
-        assert not link._ready.done()  # and its Ready was not believed
         link.close()
         impostor.close(0)
         worker.close(0)
@@ -356,8 +345,7 @@ def test_a_stream_its_client_does_not_read_is_bounded(tmp_path: Path) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         endpoint = f"ipc://{tmp_path}/w.sock"
         link = WorkerLink(ctx, endpoint, "m")
-        worker = keyed_peer(ctx, link, endpoint)
-        await asyncio.sleep(0.2)
+        worker = await connected_peer(ctx, link, endpoint)
         stream = link.submit([Generate(id="g", prompt="hi", sampling=SamplingSpec())],
                              Usage())
         for _ in range(10_000):  # what the worker sends while the relay waits on a write

@@ -12,6 +12,7 @@ from router.placement import GIB, GpuMemory, Placer, fits, footprint
 from router.registry import ModelRegistry
 from router.supervisor import Supervisor, backoff_seconds
 from shared.config import ModelSpec, ServerConfig, build_preset
+from tests.conftest import connected_peer
 
 H100 = {i: GpuMemory(i, 80 * GIB, 79 * GIB) for i in range(4)}
 
@@ -199,11 +200,7 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
     async def scenario() -> list[object]:
         endpoint = f"ipc://{tmp_path}/w.sock"
         link = WorkerLink(sup._ctx, endpoint, "m")
-        peer = sup._ctx.socket(zmq.DEALER)  # stands for the worker's end of the socket
-        peer.setsockopt(zmq.LINGER, 0)
-        peer.curve_serverkey = link.key.encode()
-        peer.curve_publickey, peer.curve_secretkey = zmq.curve_keypair()
-        peer.connect(endpoint)
+        peer = await connected_peer(sup._ctx, link, endpoint)  # the worker's end
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", "import time; time.sleep(60)", start_new_session=True)
         entry = sup.registry.entries["m"]
