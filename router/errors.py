@@ -4,6 +4,7 @@
     ├── BadRequest           400  invalid_request_error (body, field or value is wrong)
     ├── ModelNotFound        404  invalid_request_error, code model_not_found
     ├── ClientTooSlow        408  the client did not read its stream (nobody sees it)
+    ├── ClientGone           499  the client disconnected first (nobody sees it)
     ├── PayloadTooLarge      413  invalid_request_error
     ├── TooManyRequests      429  a model's wait queue is full (Retry-After)
     ├── ModelUnavailable     503  the model could not be started / loaded in time
@@ -51,6 +52,15 @@ class ClientTooSlow(APIError):
     status = 408
     type = "timeout_error"
     default_code = "client_too_slow"
+
+
+class ClientGone(APIError):
+    status = 499
+    type = "invalid_request_error"
+    default_code = "client_closed"
+
+    def __init__(self, message: str = "the client closed the connection") -> None:
+        super().__init__(message)
 
 
 class PayloadTooLarge(APIError):

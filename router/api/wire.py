@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.errors import APIError, BadRequest, PayloadTooLarge
+from router.errors import APIError, BadRequest, ClientGone, PayloadTooLarge
 
 log = logging.getLogger("modelyard.router")
 T = TypeVar("T")
@@ -35,10 +35,6 @@ def request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):010x}"
 
 
-class ClientGone(Exception):
-    """The client disconnected before its non-streaming response was ready."""
-
-
 class JSONResponse(Response):
     media_type = "application/json"
 
@@ -48,7 +44,8 @@ class JSONResponse(Response):
 
 def error_response(err: APIError, body: Any = None) -> JSONResponse:
     """``err`` as a response; ``body`` replaces OpenAI's error shape for other protocols."""
-    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    headers = ({"Retry-After": "1"} if err.status in (429, 503) else
+               {"Connection": "close"} if err.status == 408 else None)  # a body never came
     return JSONResponse(err.body() if body is None else body, status_code=err.status,
                         headers=headers)
 
@@ -99,7 +96,8 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
         raise BadRequest("request body nests too deeply", code="invalid_json") from None
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
+    """Returns when the client has gone away (its body already read)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
@@ -109,7 +107,7 @@ async def _disconnected(request: Request) -> None:
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work`` but cancel it, raising ``ClientGone``, if the client goes away."""
     task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
+    watch = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
