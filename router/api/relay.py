@@ -80,11 +80,8 @@ class Relay:
                        shaper_for: Callable[[str], Shaper]) -> Response:
         """Relay ``gens`` (one client request) and answer as ``shaper_for(model id)`` shapes it."""
         usage = Usage()
-        try:
-            lease, link = await self._acquire(request, endpoint, model, "generate", streaming,
-                                              usage)
-        except ClientGone:
-            return Response(status_code=499)
+        lease, link = await self._acquire(request, endpoint, model, "generate", streaming,
+                                          usage)
         stream: RequestStream | None = None
         try:
             _refuse_oversized(lease.entry, gens)
@@ -99,10 +96,8 @@ class Relay:
             if stream is not None:
                 stream.close()
             lease.release()
-            if isinstance(err, APIError):
+            if isinstance(err, APIError):  # ClientGone too: a 499 nobody reads
                 self._log(endpoint, lease.entry.id, streaming, err.status, usage)
-            if isinstance(err, ClientGone):
-                return Response(status_code=499)
             raise
         if streaming:
             body = self._stream(stream, shaper, first, usage, lease, endpoint)
@@ -112,10 +107,7 @@ class Relay:
             shaper.add(first)
             if not stream.exhausted:  # long answer: stop generating if the client leaves
                 await unless_disconnected(request, self._drain(stream, shaper))
-        except ClientGone:
-            status = 499
-            return Response(status_code=499)
-        except APIError as err:
+        except APIError as err:  # ClientGone (499) included
             status = err.status
             raise
         finally:
@@ -134,10 +126,7 @@ class Relay:
                 return now
             waiting = self.supervisor.acquire(model, task)
             return await (waiting if request is None else unless_disconnected(request, waiting))
-        except ClientGone:
-            self._log(endpoint, model or "-", streaming, 499, usage)
-            raise
-        except APIError as err:  # unknown model, queue full, load failed: still one line
+        except APIError as err:  # unknown model, queue full, load failed, gone: one line
             self._log(endpoint, model or "-", streaming, err.status, usage)
             raise
 
