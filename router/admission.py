@@ -17,7 +17,7 @@ from pathlib import Path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.api.sse import encode_json
-from router.errors import APIError
+from router.errors import APIError, shaped
 from shared.config import ConfigError, ServerConfig
 
 OPEN_PATHS = frozenset({"/health"})
@@ -79,7 +79,7 @@ def presented_key(scope: Scope) -> bytes | None:
 
 class KeyGuard:
     """ASGI middleware: a request without a key that opens its path gets a 401 (or 403)
-    in OpenAI's error shape and never reaches a handler."""
+    in its protocol's error shape and never reaches a handler."""
 
     def __init__(self, app: ASGIApp, keys: Keys) -> None:
         self.app = app
@@ -99,14 +99,16 @@ class KeyGuard:
         await send_error(send, APIError(
             message, status=status, type="invalid_request_error",
             code="insufficient_permissions" if status == 403 else "invalid_api_key"),
-            [(b"www-authenticate", b"Bearer")])
+            scope["path"], [(b"www-authenticate", b"Bearer")])
 
 
-async def send_error(send: Send, err: APIError,
+async def send_error(send: Send, err: APIError, path: str,
                      headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    """Answer ``err`` in OpenAI's error shape from ASGI middleware, before any handler."""
-    body = encode_json(err.body())
-    await send({"type": "http.response.start", "status": err.status, "headers": [
+    """Answer ``err`` from ASGI middleware, before any handler, in the error shape of the
+    protocol serving ``path``."""
+    status, shape = shaped(err, path)
+    body = encode_json(shape)
+    await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})

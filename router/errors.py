@@ -11,9 +11,17 @@
     └── WorkerLost           502  the worker died while serving the request
 
 Everything else that escapes a handler is a bug and becomes a 500 ``server_error``.
+
+``shaped(err, path)`` draws an error as the protocol of ``path`` shows errors: OpenAI's
+object everywhere but Anthropic's Messages endpoints, which get Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` with its own error types (and 529
+``overloaded_error`` for a full queue). Middleware and handlers both answer through it, so
+a 401 or 413 on ``/v1/messages`` reads as the Anthropic SDK expects.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class APIError(Exception):
@@ -35,6 +43,30 @@ class APIError(Exception):
     def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type,
                           "param": self.param, "code": self.code}}
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+"""Paths under this answer errors in Anthropic's shape."""
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+                    413: "request_too_large", 429: "rate_limit_error",
+                    529: "overloaded_error"}
+
+
+def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
+    """``err``'s status and body as Anthropic's API would answer them."""
+    overloaded = isinstance(err, TooManyRequests) or err.code == "server_overloaded"
+    status = 529 if overloaded else err.status
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return status, {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def shaped(err: APIError, path: str) -> tuple[int, dict[str, Any]]:
+    """``err``'s status and body in the error shape of the protocol serving ``path``."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_error(err)
+    return err.status, err.body()
 
 
 class BadRequest(APIError):

@@ -171,7 +171,7 @@ class RateLimit:
             await send_error(send, APIError(
                 f"rate limit of {self.buckets.per_minute} requests per minute reached; "
                 f"retry in {wait} s", status=429, type="rate_limit_error",
-                code="rate_limit_exceeded"),
+                code="rate_limit_exceeded"), scope["path"],
                 [(b"retry-after", str(wait).encode()), self.limit_header,
                  (b"x-ratelimit-remaining-requests", b"0")])
             return
@@ -209,7 +209,7 @@ class ConnectionCap:
             await send_error(send, APIError(
                 f"the server is serving its maximum of {self.max_connections} requests; "
                 "retry shortly", status=503, type="server_error", code="server_overloaded"),
-                [(b"retry-after", b"1")])
+                scope["path"], [(b"retry-after", b"1")])
             return
         self.in_flight += 1
         try:

@@ -68,9 +68,10 @@ class Usage:
 
     def add(self, delta: Delta) -> None:
         self.completion += delta.tokens
-        if delta.finish_reason is not None:
+        if delta.prompt_tokens:  # a choice's first and last deltas
             self.prompt[delta.id] = delta.prompt_tokens
             self.cached[delta.id] = delta.cached_tokens
+        if delta.finish_reason is not None:
             self.finish.append(delta.finish_reason)
 
     @property

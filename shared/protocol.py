@@ -209,8 +209,9 @@ class ToolCallDelta(msgspec.Struct, **_WIRE):
 class Delta(msgspec.Struct, **_WIRE):
     """New output of one choice of one request since its previous delta.
 
-    ``finish_reason`` is set on the choice's last delta, which also carries the prompt's
-    token counts (needed for ``usage``). ``tokens`` counts the new token ids. ``text`` is
+    ``finish_reason`` is set on the choice's last delta. The choice's first and last
+    deltas carry the prompt's token counts (``usage``; a stream's start tells it, as
+    Anthropic's ``message_start`` does). ``tokens`` counts the new token ids. ``text`` is
     answer text only: reasoning and tool calls, parsed by the worker, travel apart.
     ``finish_reason`` is ``stop``, ``length``, ``tool_calls`` or ``abort``.
     """

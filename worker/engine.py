@@ -349,12 +349,17 @@ class VllmEngine:
         prompt = (tokens_input(ids) if media is None else
                   TokensPrompt(prompt_token_ids=ids, multi_modal_data=media))
         outputs = self._llm.generate(prompt, params, gen.id, priority=gen.priority)
+        counted: set[int] = set()  # choices whose first delta told the prompt's size
         try:
             async for out in outputs:
                 deltas: list[Delta] = []
                 for choice in out.outputs:
                     d = Delta(id=gen.id, index=choice.index, text=choice.text,
                               tokens=len(choice.token_ids))
+                    if choice.index not in counted:  # a stream's start reports it (Anthropic)
+                        counted.add(choice.index)
+                        d.prompt_tokens = len(out.prompt_token_ids or ids)
+                        d.cached_tokens = out.num_cached_tokens or 0
                     if make_parser is not None:
                         parser = parsers.get(choice.index)
                         if parser is None:

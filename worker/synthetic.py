@@ -81,7 +81,7 @@ class SyntheticEngine:
                 text = f"{time.monotonic_ns()} " if self._timestamps else "tok " * step
                 yield [Delta(id=gen.id, index=i, text=text, tokens=step,
                              finish_reason="length" if done else None,
-                             prompt_tokens=prompt_len if done else 0)
+                             prompt_tokens=prompt_len if done or sent == step else 0)
                        for i in range(gen.sampling.n)]
                 await asyncio.sleep(self._interval * step)
         finally:

@@ -12,6 +12,7 @@ knows nothing of any protocol's shapes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -52,20 +53,18 @@ class Shaper(Protocol):
         """Aggregate: the whole response."""
 
 
-ErrorBody = Callable[[APIError], dict[str, Any]]
-
-
 def protocol_route(path: str, handler: Callable[[Request], Awaitable[Response]],
-                   error_body: ErrorBody) -> Route:
-    """A POST route whose errors take the protocol's own error shape."""
+                   methods: tuple[str, ...] = ("POST",)) -> Route:
+    """A route whose errors take the error shape of the protocol serving ``path``
+    (``router.errors.shaped``)."""
 
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request)
         except APIError as err:
-            return error_response(err, error_body(err))
+            return error_response(err, request.scope["path"])
 
-    return Route(path, endpoint, methods=["POST"])
+    return Route(path, endpoint, methods=list(methods))
 
 
 class Relay:
@@ -75,30 +74,32 @@ class Relay:
         self.supervisor = supervisor
         self.metrics = metrics or Metrics(supervisor.registry)
 
+    keepalive_every = 5.0
+    """Seconds between keep-alive events on a stream that waits for a cold model."""
+
     async def generate(self, request: Request, endpoint: str, model: str | None,
                        gens: list[Generate], streaming: bool,
-                       shaper_for: Callable[[str], Shaper]) -> Response:
-        """Relay ``gens`` (one client request) and answer as ``shaper_for(model id)`` shapes it."""
+                       shaper_for: Callable[[str], Shaper], *,
+                       keepalive: bytes = b"") -> Response:
+        """Relay ``gens`` (one client request) and answer as ``shaper_for(model id)`` shapes it.
+
+        A stream for a model that is not ready yet begins at once when the protocol gives
+        a ``keepalive`` event (Anthropic's ``ping``): the client sees it every few seconds
+        while the model loads, and a failure to start then arrives in-band.
+        """
         usage = Usage()
-        lease, link = await self._acquire(request, endpoint, model, "generate", streaming,
-                                          usage)
-        stream: RequestStream | None = None
-        try:
-            _refuse_oversized(lease.entry, gens)
-            stream = link.submit(gens, usage)
-            shaper = shaper_for(lease.entry.id)
-            # Wait for the first output so that a refused request is a JSON 4xx, not a
-            # stream that starts 200 and then carries an error; a client that leaves
-            # meanwhile gives its place in the engine's queue back at once.
-            first = await _first_batch(request, stream)
-            usage.first_at = time.perf_counter()
-        except BaseException as err:
-            if stream is not None:
-                stream.close()
-            lease.release()
-            if isinstance(err, APIError):  # ClientGone too: a 499 nobody reads
-                self._log(endpoint, lease.entry.id, streaming, err.status, usage)
-            raise
+        if streaming and keepalive:
+            now = self._now(endpoint, model, "generate", True, usage)
+            if not isinstance(now, tuple):
+                body = self._cold_stream(now.id, model, gens, shaper_for(now.id), keepalive,
+                                         usage, endpoint)
+                return EventStream(body, self.supervisor.server.send_timeout)
+            lease, link = now
+        else:
+            lease, link = await self._acquire(request, endpoint, model, "generate", streaming,
+                                              usage)
+        stream, first = await self._start(lease, link, gens, usage, endpoint, streaming, request)
+        shaper = shaper_for(lease.entry.id)
         if streaming:
             body = self._stream(stream, shaper, first, usage, lease, endpoint)
             return EventStream(body, self.supervisor.server.send_timeout)
@@ -116,14 +117,89 @@ class Relay:
             self._log(endpoint, lease.entry.id, False, status, usage)
         return JSONResponse(shaper.body(usage))
 
+    async def _start(self, lease: Lease, link: WorkerLink, gens: list[Generate], usage: Usage,
+                     endpoint: str, streaming: bool, request: Request | None
+                     ) -> tuple[RequestStream, list[Delta]]:
+        """Submit ``gens`` and wait for the first output, so that a refused request is a
+        JSON 4xx, not a stream that starts 200 and then carries an error; a client that
+        leaves meanwhile (seen here when ``request`` is given) gives its place in the
+        engine's queue back at once. On failure the stream is closed, the lease released
+        and an ``APIError`` logged."""
+        stream: RequestStream | None = None
+        try:
+            _refuse_oversized(lease.entry, gens)
+            stream = link.submit(gens, usage)
+            first = await _first_batch(request, stream)
+            usage.first_at = time.perf_counter()
+            return stream, first
+        except BaseException as err:
+            if stream is not None:
+                stream.close()
+            lease.release()
+            if isinstance(err, APIError):  # ClientGone too: a 499 nobody reads
+                self._log(endpoint, lease.entry.id, streaming, err.status, usage)
+            raise
+
+    async def _cold_stream(self, model_id: str, model: str | None, gens: list[Generate],
+                           shaper: Shaper, keepalive: bytes, usage: Usage,
+                           endpoint: str) -> AsyncGenerator[bytes, None]:
+        """A stream that begins before its model is ready: ``keepalive`` until it is, then
+        as ``_stream``. A client that leaves meanwhile cancels the wait (and its place)."""
+        waiting = asyncio.ensure_future(self.supervisor.acquire(model, "generate"))
+        try:
+            while not waiting.done():
+                await asyncio.wait((waiting,), timeout=self.keepalive_every)
+                if not waiting.done():
+                    yield keepalive
+        except BaseException as err:  # gone, or too slow to read a keep-alive
+            if not waiting.cancel() and not waiting.cancelled() and waiting.exception() is None:
+                waiting.result()[0].release()  # the lease came as the client left
+            self._log(endpoint, model_id, True,
+                      err.status if isinstance(err, APIError) else 499, usage)
+            if isinstance(err, ClientTooSlow):
+                return
+            raise
+        try:
+            lease, link = waiting.result()
+        except APIError as err:  # the model could not be started: the stream has begun
+            self._log(endpoint, model_id, True, err.status, usage)
+            yield shaper.error_event(err)
+            return
+        try:
+            stream, first = await self._start(lease, link, gens, usage, endpoint, True, None)
+        except APIError as err:
+            yield shaper.error_event(err)
+            return
+        except BaseException:
+            self._log(endpoint, model_id, True, 499, usage)
+            raise
+        rest = self._stream(stream, shaper, first, usage, lease, endpoint)
+        try:
+            async for chunk in rest:
+                yield chunk
+        except ClientTooSlow as err:  # thrown in by EventStream: hand it to ``_stream``
+            with contextlib.suppress(StopAsyncIteration, ClientTooSlow):
+                await rest.athrow(err)
+        finally:
+            await rest.aclose()
+
+    def _now(self, endpoint: str, model: str | None, task: str, streaming: bool,
+             usage: Usage) -> tuple[Lease, WorkerLink] | ModelEntry:
+        """``Supervisor.acquire_now``, its refusal logged."""
+        try:
+            return self.supervisor.acquire_now(model, task)
+        except APIError as err:  # unknown model, wrong task
+            self._log(endpoint, model or "-", streaming, err.status, usage)
+            raise
+
     async def _acquire(self, request: Request | None, endpoint: str, model: str | None, task: str,
                        streaming: bool, usage: Usage) -> tuple[Lease, WorkerLink]:
         """The model's lease and link; a client that leaves while it waits (for a load or
         a slot) gives its place in the queue back at once (``ClientGone``)."""
+        now = self._now(endpoint, model, task, streaming, usage)
+        if isinstance(now, tuple):
+            return now
         try:
-            now = self.supervisor.acquire_now(model, task)
-            if isinstance(now, tuple):
-                return now
             waiting = self.supervisor.acquire(model, task)
             return await (waiting if request is None else unless_disconnected(request, waiting))
         except APIError as err:  # unknown model, queue full, load failed, gone: one line
@@ -191,10 +267,17 @@ class Relay:
             self._log(endpoint, lease.entry.id, False, status, usage)
 
 
-async def _first_batch(request: Request, stream: RequestStream) -> list[Delta]:
+async def _first_batch(request: Request | None, stream: RequestStream) -> list[Delta]:
     """The stream's first batch; ``ClientGone`` (its generation cancelled) if the client
-    leaves first. One watcher task, which ends the stream itself: cheaper than
-    ``unless_disconnected``'s two tasks on the path every request takes."""
+    (when ``request`` is given) leaves first. One watcher task, which ends the stream
+    itself: cheaper than ``unless_disconnected``'s two tasks on the path every request
+    takes."""
+    if request is None:
+        try:
+            return await stream.__anext__()
+        except StopAsyncIteration:
+            return []
+
     def left(watch: asyncio.Future[None]) -> None:
         if not watch.cancelled():
             stream._fail(ClientGone())

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.errors import APIError, BadRequest, ClientGone, PayloadTooLarge
+from router.errors import APIError, BadRequest, ClientGone, PayloadTooLarge, shaped
 
 log = logging.getLogger("modelyard.router")
 T = TypeVar("T")
@@ -42,12 +42,12 @@ class JSONResponse(Response):
         return _json.encode(content)
 
 
-def error_response(err: APIError, body: Any = None) -> JSONResponse:
-    """``err`` as a response; ``body`` replaces OpenAI's error shape for other protocols."""
-    headers = ({"Retry-After": "1"} if err.status in (429, 503) else
-               {"Connection": "close"} if err.status == 408 else None)  # a body never came
-    return JSONResponse(err.body() if body is None else body, status_code=err.status,
-                        headers=headers)
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    """``err`` as a response, in the error shape of the protocol serving ``path``."""
+    status, body = shaped(err, path)
+    headers = ({"Retry-After": "1"} if status in (429, 503, 529) else
+               {"Connection": "close"} if status == 408 else None)  # a body never came
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _param_of(message: str) -> str | None:
@@ -121,7 +121,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:
@@ -129,11 +129,11 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     err = APIError(f"{request.method} {request.url.path}: {exc.detail}", status=exc.status_code,
                    type="invalid_request_error", code=code)
-    response = error_response(err)
+    response = error_response(err, request.url.path)
     response.headers.update(exc.headers or {})  # a 405 says what is Allow-ed
     return response
 
 
 async def server_error_handler(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_response(APIError(f"internal error: {type(exc).__name__}"))
+    return error_response(APIError(f"internal error: {type(exc).__name__}"), request.url.path)

@@ -8,7 +8,7 @@ them to the relay with its shaper (``chat``, ``completions``); errors keep OpenA
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -19,13 +19,8 @@ from router.api.openai.completions import completions
 from router.api.openai.embeddings import embeddings
 from router.api.openai.tokens import detokenize, tokenize
 from router.api.relay import Relay, protocol_route
-from router.errors import APIError
 
 Handler = Callable[[Relay, Request, int], Awaitable[Response]]
-
-
-def _error_body(err: APIError) -> dict[str, Any]:
-    return err.body()
 
 
 class OpenAIAPI:
@@ -49,5 +44,5 @@ class OpenAIAPI:
         return endpoint
 
     def routes(self) -> list[Route]:
-        return [protocol_route(path, self._bind(h), _error_body)
+        return [protocol_route(path, self._bind(h))
                 for path, h in self.ENDPOINTS.items()]
