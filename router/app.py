@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from router.admission import Keys
 from router.api.admin import AdminAPI
+from router.api.anthropic import AnthropicAPI
 from router.api.metrics import MetricsAPI
 from router.api.openai import OpenAIAPI
 from router.api.openapi import OpenAPIDocument
@@ -57,7 +58,9 @@ def build_app(preset: Preset) -> Starlette:
     check_runtime_dir(runtime_dir, preset.source)
     supervisor = Supervisor(registry, server, runtime_dir, placer)
     metrics = MetricsAPI(Metrics(registry))
-    openai = OpenAIAPI(Relay(supervisor, metrics.metrics), server.max_body_bytes)
+    relay = Relay(supervisor, metrics.metrics)
+    openai = OpenAIAPI(relay, server.max_body_bytes)
+    anthropic = AnthropicAPI(relay, server.max_body_bytes)
     admin = AdminAPI(supervisor, server.max_body_bytes)
 
     @contextlib.asynccontextmanager
@@ -74,8 +77,8 @@ def build_app(preset: Preset) -> Starlette:
                 shutil.rmtree(runtime_dir, ignore_errors=True)
 
     app = Starlette(
-        routes=(metrics.counted(openai.routes()) + admin.routes() + metrics.routes()
-                + OpenAPIDocument(keys.required).routes()),
+        routes=(metrics.counted(openai.routes() + anthropic.routes())
+                + admin.routes() + metrics.routes() + OpenAPIDocument(keys.required).routes()),
         lifespan=lifespan,
         middleware=middleware_stack(server, keys),
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,

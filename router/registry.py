@@ -1,7 +1,9 @@
 """``ModelRegistry``: the models a preset declares, their runtime state, and name resolution.
 
 Resolution order: exact id, exact alias, case-insensitive id or alias, unique
-case-insensitive substring of an id or alias, then the server's ``default_model``.
+case-insensitive substring of an id or alias, the longest id or alias the name begins
+with (so ``claude-sonnet-4-5-20250929`` reaches an alias ``claude-sonnet``), then the
+server's ``default_model``.
 """
 
 from __future__ import annotations
@@ -108,6 +110,10 @@ class ModelRegistry:
             raise ModelNotFound(f"The model name '{name}' is ambiguous: it matches "
                                 f"{', '.join(sorted(hits))}", param="model",
                                 code="model_ambiguous")
+        if not hits:  # a versioned name (claude-sonnet-4-5-2025…) reaches its family's alias
+            prefixes = [key for key in self._folded if folded.startswith(key)]
+            if prefixes:
+                return self._folded[max(prefixes, key=len)]
         return None
 
 

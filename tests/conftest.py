@@ -139,7 +139,7 @@ server:
 models:
   smollm2:
     model: "builtin:smollm2"
-    aliases: [smol, Tiny-Chat]
+    aliases: [smol, Tiny-Chat, claude-sonnet]
     cpu_cores: "0"
     max_model_len: 2048
     load_on_startup: true

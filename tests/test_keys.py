@@ -85,6 +85,27 @@ def test_either_header_and_every_key_source_opens_the_api(keyed: RouterProcess) 
         bad.models.list()
 
 
+def test_anthropics_endpoints_answer_anthropics_401(keyed: RouterProcess) -> None:
+    import anthropic
+
+    for path in ("/v1/messages", "/v1/messages?beta=true", "/v1/messages/count_tokens"):
+        r = call(keyed, "POST", path, {"model": "smollm2", "messages": []},
+                 {"x-api-key": "wrong", "anthropic-version": "2023-06-01"})
+        assert r.status_code == 401, (path, r.text)
+        assert r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "authentication_error"
+    with anthropic.Anthropic(base_url=keyed.url, api_key="nope", max_retries=0) as bad, \
+            pytest.raises(anthropic.AuthenticationError):
+        bad.messages.create(model="smollm2", max_tokens=4,
+                            messages=[{"role": "user", "content": "hi"}])
+    # The right key in x-api-key (the SDK's header) reaches the handler: an empty
+    # conversation is refused there, in Anthropic's shape, before any model is touched.
+    with anthropic.Anthropic(base_url=keyed.url, api_key=USER, max_retries=0) as good, \
+            pytest.raises(anthropic.BadRequestError) as info:
+        good.messages.create(model="smollm2", max_tokens=4, messages=[])
+    assert info.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+
+
 def test_loading_and_unloading_need_an_admin_key(keyed: RouterProcess) -> None:
     body = {"model": "smollm2"}
     r = call(keyed, "POST", "/v1/models/unload", body, {"Authorization": f"Bearer {USER}"})

@@ -19,7 +19,7 @@ def test_models_list_conforms(base_url: str) -> None:
     validate("ListModelsResponse", body)
     ids = {m["id"]: m for m in body["data"]}
     assert set(ids) == {"smollm2", "smollm2-b", "smollm2-embed", "tiny-vlm"}
-    assert ids["smollm2"]["aliases"] == ["smol", "Tiny-Chat"]
+    assert ids["smollm2"]["aliases"] == ["smol", "Tiny-Chat", "claude-sonnet"]
     assert ids["smollm2"]["state"] == "ready"
     one = httpx.get(f"{base_url}/models/smollm2").json()
     validate("Model", one)

@@ -27,6 +27,8 @@ def registry(default: str | None = None) -> ModelRegistry:
     ("chat", "llama-3.1-8b"),           # case-insensitive alias
     ("70b", "llama-3.1-70b"),           # unique substring
     ("-awq", "qwen3-32b-awq"),
+    ("Qwen-Max-2025", "qwen3-32b"),     # begins with an alias: a versioned family name
+    ("qwen3-32b-awq-v2", "qwen3-32b-awq"),  # the longest id or alias it begins with
 ])
 def test_resolution_order(name: str, expected: str) -> None:
     assert registry().resolve(name).id == expected
