@@ -28,9 +28,11 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from router.api.openapi import build_document
 from router.app import build_app
+from router.errors import ANTHROPIC_PREFIX
 from shared.config import build_preset, parse_yaml
 from tests.conformance import validate
 from tests.conftest import RouterProcess, running_router
+from tests.test_anthropic_units import check_grammar
 
 SYNTH_PRESET = """
 server:
@@ -65,8 +67,28 @@ _SCHEMAS = {"/v1/chat/completions": ("CreateChatCompletionResponse",
             "/v1/models/{model_id}": ("Model", None)}
 
 
+def check_anthropic_shapes(response: schemathesis.Response) -> None:
+    """An Anthropic answer: its error shape, or a stream in the documented grammar."""
+    content_type = response.headers.get("content-type", [""])[0]
+    if response.status_code >= 400:
+        body = json.loads(response.content)
+        assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    elif content_type.startswith("text/event-stream") and not response.stream_cut_short:
+        events = []
+        for frame in response.content.decode().split("\n\n"):
+            if frame:
+                head, data = frame.split("\n")
+                events.append((head.removeprefix("event: "),
+                               json.loads(data.removeprefix("data: "))))
+        if events[-1][0] != "error":
+            check_grammar(events)
+
+
 def check_openai_shapes(path: str, response: schemathesis.Response) -> None:
     """``response`` against OpenAI's official schemas, where one describes it."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        check_anthropic_shapes(response)
+        return
     content_type = response.headers.get("content-type", [""])[0]
     if response.status_code >= 400:
         validate("ErrorResponse", json.loads(response.content))
@@ -115,11 +137,12 @@ def call_and_check(case: schemathesis.Case[Any], base_url: str, *,
         body = case.body
         if not isinstance(body, dict):
             return
-        if response.status_code == 200 and _SCHEMAS.get(case.operation.path, ("", None))[1] \
-                and body.get("stream") is not True:  # the same answer, streamed
+        streams = _SCHEMAS.get(case.operation.path, ("", None))[1] or \
+            case.operation.path == "/v1/messages"
+        if response.status_code == 200 and streams and body.get("stream") is not True:
             body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         elif response.status_code in (400, 404):
-            fixed = _repaired(body, json.loads(response.content)["error"]["param"])
+            fixed = _repaired(body, json.loads(response.content)["error"].get("param"))
             if fixed is None:
                 return
             body = fixed

@@ -19,6 +19,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from router.api.admin import ModelAction
+from router.api.anthropic.schema import CountTokensRequest, MessagesRequest
 from router.api.openai.embeddings import EmbeddingRequest
 from router.api.openai.schema import ChatCompletionRequest, CompletionRequest
 from router.api.openai.tokens import DetokenizeRequest, TokenizeRequest
@@ -130,6 +131,24 @@ RESPONSES: dict[str, Schema] = {
                    "loaded_at": _INT, "idle_seconds": _NUM, "placement": {"type": "object"},
                    "exit_code": _INT, "error": _STR, "worker_in_flight": _INT}),
     "ModelList": _obj({"object": _const("list"), "data": _array(_ref("Model"))}),
+    "AnthropicError": _obj({"type": _const("error"),
+                            "error": _obj({"type": _STR, "message": _STR})}),
+    "AnthropicMessage": _obj({
+        "id": _STR, "type": _const("message"), "role": _const("assistant"), "model": _STR,
+        "content": _array(_obj({"type": {"type": "string", "enum": [
+            "text", "thinking", "tool_use"]}}, {
+            "text": _STR, "thinking": _STR, "signature": _STR, "id": _STR, "name": _STR,
+            "input": {"type": "object"}})),
+        "stop_reason": _nullable({"type": "string", "enum": [
+            "end_turn", "max_tokens", "stop_sequence", "tool_use"]}),
+        "stop_sequence": _nullable(_STR),
+        "usage": _obj({"input_tokens": _INT, "output_tokens": _INT},
+                      {"cache_read_input_tokens": _INT, "cache_creation_input_tokens": _INT}),
+    }),
+    "AnthropicStreamEvent": _obj({"type": {"type": "string", "enum": [
+        "message_start", "content_block_start", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop", "ping", "error"]}}),
+    "AnthropicTokenCount": _obj({"input_tokens": _INT}),
     "Health": _obj({"status": _STR,
                     "models": {"type": "object", "additionalProperties": _STR},
                     "tasks": _INT}),
@@ -149,13 +168,20 @@ _ERRORS = {
            "`max_connections` (see Retry-After)",
 }
 _BODY_ERRORS = {"408", "413", "415"}
+_ANTHROPIC_ERRORS = {"529": "The model's wait queue is full, or the server is at "
+                            "`max_connections` (Anthropic's `overloaded_error`)"}
 _AUTH_ERRORS = {"401": "Missing or invalid API key",
                 "403": "This endpoint needs an admin key"}
 
 
-def _event(chunk: str) -> Schema:
+def _event(chunk: str, anthropic: bool = False) -> Schema:
     """One server-sent event of a stream of ``chunk``s: a chunk, an in-band error (the
-    worker failed mid-stream), or the closing ``[DONE]``."""
+    worker failed mid-stream), or the closing ``[DONE]`` (Anthropic's events are named
+    and end with ``message_stop``)."""
+    if anthropic:
+        payload = {"type": "string", "contentMediaType": "application/json",
+                   "contentSchema": _ref(chunk)}
+        return _obj({"event": _STR, "data": payload})
     payload = {"type": "string", "contentMediaType": "application/json",
                "contentSchema": {"anyOf": [_ref(chunk), _ref("ErrorResponse")]}}
     return _obj({"data": {"anyOf": [{"const": "[DONE]"}, payload]}})
@@ -170,6 +196,7 @@ class Operation(msgspec.Struct, frozen=True):
     streams: str | None = None  # 200 may be text/event-stream of these chunks
     accepted: bool = False  # 202 when asked not to wait
     text: bool = False  # 200 is text/plain (Prometheus exposition)
+    anthropic: bool = False  # errors in Anthropic's shape; a full queue is 529
 
 
 _GENERATE = ("Generation: the model's worker runs it; `\"stream\": true` answers with "
@@ -187,6 +214,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         TokenizeRequest, "TokenizeResult"),
     ("POST", "/v1/detokenize"): Operation(
         "Text of token ids", DetokenizeRequest, "DetokenizeResult"),
+    ("POST", "/v1/messages"): Operation(
+        "Anthropic Messages (also as `?beta=true`); `\"stream\": true` answers with "
+        "Anthropic's named server-sent events", MessagesRequest, "AnthropicMessage",
+        "AnthropicStreamEvent", anthropic=True),
+    ("POST", "/v1/messages/count_tokens"): Operation(
+        "Anthropic's token count of a conversation, from the model's template and tokenizer",
+        CountTokensRequest, "AnthropicTokenCount", anthropic=True),
     ("GET", "/v1/models"): Operation("Every configured model and its state", None,
                                      "ModelList"),
     ("GET", "/v1/models/{model_id}"): Operation(
@@ -226,7 +260,7 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
     elif op.ok is not None:
         ok["content"] = _json(_ref(op.ok))
         if op.streams is not None:
-            ok["content"]["text/event-stream"] = {"schema": _event(op.streams)}
+            ok["content"]["text/event-stream"] = {"schema": _event(op.streams, op.anthropic)}
     else:
         ok["content"] = _json({"type": "object"})
     responses: dict[str, Any] = {"200": ok}
@@ -236,8 +270,11 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
     errors = {k: v for k, v in _ERRORS.items() if op.body is not None or k not in _BODY_ERRORS}
     if auth and path != "/health":
         errors.update(_AUTH_ERRORS)
+    if op.anthropic:
+        errors.update(_ANTHROPIC_ERRORS)
+    error = "AnthropicError" if op.anthropic else "ErrorResponse"
     for status, description in sorted(errors.items()):
-        responses[status] = {"description": description, "content": _json(_ref("ErrorResponse"))}
+        responses[status] = {"description": description, "content": _json(_ref(error))}
     out: dict[str, Any] = {"summary": op.summary, "responses": responses}
     if op.body is not None:
         out["requestBody"] = {"required": True, "content": _json(_ref(op.body.__name__))}
