@@ -240,9 +240,19 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
+def basic_sampling(temperature: float | None, top_p: float | None, max_tokens: int | None,
+                   max_param: str = "max_tokens") -> SamplingSpec:
+    """The sampling fields every protocol has, checked: ``max_param`` names the token cap
+    as the protocol calls it."""
+    _range(temperature, 0, 2, "temperature")
+    _check(top_p is None or 0 < top_p <= 1, "'top_p' must be in (0, 1]", "top_p")
+    _check(max_tokens is None or max_tokens >= 1,
+           f"'{max_param}' must be at least 1, got {max_tokens}", max_param)
+    return SamplingSpec(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+
+
 def _common(req: _Sampling, max_tokens: int | None) -> SamplingSpec:
-    _range(req.temperature, 0, 2, "temperature")
-    _check(req.top_p is None or 0 < req.top_p <= 1, "'top_p' must be in (0, 1]", "top_p")
+    spec = basic_sampling(req.temperature, req.top_p, max_tokens)
     _check(1 <= req.n <= 128, f"'n' must be between 1 and 128, got {req.n}", "n")
     _range(req.presence_penalty, -2, 2, "presence_penalty")
     _range(req.frequency_penalty, -2, 2, "frequency_penalty")
@@ -251,19 +261,17 @@ def _common(req: _Sampling, max_tokens: int | None) -> SamplingSpec:
            "'repetition_penalty' must be > 0", "repetition_penalty")
     _check(req.top_k is None or req.top_k == -1 or req.top_k >= 0,
            "'top_k' must be -1, 0 or positive", "top_k")
-    _check(max_tokens is None or max_tokens >= 1,
-           f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
     _check(req.min_tokens >= 0, "'min_tokens' must be >= 0", "min_tokens")
     _check(max_tokens is None or req.min_tokens <= max_tokens,
            f"'min_tokens' ({req.min_tokens}) must not exceed 'max_tokens' ({max_tokens})",
            "min_tokens")
-    return SamplingSpec(
-        max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-        top_k=req.top_k, min_p=req.min_p, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
-        seed=req.seed, stop=_stop_list(req.stop), stop_token_ids=req.stop_token_ids or [],
-        n=req.n, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-        logit_bias=_logit_bias(req.logit_bias))
+    spec.top_k, spec.min_p, spec.seed = req.top_k, req.min_p, req.seed
+    spec.presence_penalty, spec.frequency_penalty = req.presence_penalty, req.frequency_penalty
+    spec.repetition_penalty = req.repetition_penalty
+    spec.stop, spec.stop_token_ids = _stop_list(req.stop), req.stop_token_ids or []
+    spec.n, spec.ignore_eos, spec.min_tokens = req.n, req.ignore_eos, req.min_tokens
+    spec.logit_bias = _logit_bias(req.logit_bias)
+    return spec
 
 
 def flatten_message(message: RequestMessage, i: int) -> ChatMessage:
@@ -321,34 +329,43 @@ def _tools(req: ChatCompletionRequest, gen: Generate) -> None:
     if req.functions is not None and req.tools is not None:
         raise BadRequest("give 'tools' or the legacy 'functions', not both", param="functions")
     legacy = req.functions is not None
-    defs = req.functions if legacy else [t.function for t in req.tools or []]
     for k, t in enumerate(req.tools or []):
         if t.type != "function":
             raise BadRequest(f"tool type '{t.type}' is not supported (function only)",
                              param=f"tools[{k}].type", code="unsupported_parameter")
-    names = [d.name for d in defs or []]
+    defs = ([(f"functions[{k}].parameters", d) for k, d in enumerate(req.functions or [])]
+            if legacy else [(f"tools[{k}].function.parameters", t.function)
+                            for k, t in enumerate(req.tools or [])])
+    choice = req.function_call if legacy else req.tool_choice
+    named = (None if choice is None or isinstance(choice, str) else
+             choice.function.name if isinstance(choice, NamedToolChoice) else choice.name)
+    set_tools(gen, defs, choice if isinstance(choice, str) else None, named,
+              req.parallel_tool_calls, "function_call" if legacy else "tool_choice")
+
+
+def set_tools(gen: Generate, defs: list[tuple[str, FunctionDefinition]], choice: str | None,
+              named: str | None, parallel: bool | None, param: str) -> None:
+    """Set ``gen``'s tools (each definition with the field its ``parameters`` came from),
+    tool choice (``choice``, or the function ``named``) and ``parallel_tool_calls``;
+    ``param`` is the field that holds the choice."""
+    names = [d.name for _, d in defs]
     if len(set(names)) != len(names):
         raise BadRequest("tool names must be unique", param="tools")
-    for k, d in enumerate(defs or []):
-        check_free_json(d.parameters, f"functions[{k}].parameters" if legacy
-                        else f"tools[{k}].function.parameters")
+    for where, d in defs:
+        check_free_json(d.parameters, where)
     tools = [Tool(name=d.name, description=d.description, parameters=d.parameters)
-             for d in defs or []] or None
-    choice: str | NamedToolChoice | FunctionName | None = (
-        req.function_call if legacy else req.tool_choice)
+             for _, d in defs] or None
     gen.tools = tools
-    gen.parallel_tool_calls = req.parallel_tool_calls is not False
-    param = "function_call" if legacy else "tool_choice"
-    if choice is None:
+    gen.parallel_tool_calls = parallel is not False
+    if named is not None:
+        _check(named in names, f"'{param}' names '{named}', which is not among the tools", param)
+        gen.tool_choice, gen.tool_name = "function", named
+    elif choice is None:
         gen.tool_choice = "auto" if tools else "none"
-    elif isinstance(choice, str):
+    else:
         _check(choice in ("auto", "none", "required"), f"'{param}' must be 'auto', 'none', "
                f"'required' or a named function, got '{choice}'", param)
         gen.tool_choice = choice
-    else:
-        name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.name
-        _check(name in names, f"'{param}' names '{name}', which is not among the tools", param)
-        gen.tool_choice, gen.tool_name = "function", name
     if not tools and gen.tool_choice not in ("none", "auto"):  # as OpenAI
         raise BadRequest(f"'{param}' requires 'tools'", param=param, code="invalid_value")
 
@@ -359,15 +376,27 @@ def _constraint(req: ChatCompletionRequest) -> Constraint | None:
         if so is not None:
             raise BadRequest("give 'response_format' or 'structured_outputs', not both",
                              param="structured_outputs")
-        if rf.type == "json_object":
-            return Constraint(json_object=True)
-        if rf.type == "json_schema":
-            schema = rf.json_schema.schema if rf.json_schema else None
-            _check(isinstance(schema, dict), "'response_format.json_schema.schema' must be "
-                   "a JSON schema object", "response_format")
-            return Constraint(json=schema)
-        raise BadRequest(f"unknown response_format type '{rf.type}'",
-                         param="response_format", code="invalid_value")
+        return format_constraint(rf.type, rf.json_schema.schema if rf.json_schema else None,
+                                 "response_format", "response_format.json_schema.schema")
+    return structured_constraint(so)
+
+
+def format_constraint(kind: str, schema: dict[str, Any] | None, param: str,
+                      schema_field: str) -> Constraint | None:
+    """OpenAI's output format (``text``, ``json_object``, ``json_schema`` with the schema
+    at ``schema_field``) as a constraint; ``param`` is the field that holds it."""
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint(json_object=True, param=param)
+    if kind == "json_schema":
+        _check(isinstance(schema, dict), f"'{schema_field}' must be a JSON schema object", param)
+        return Constraint(json=schema, param=param)
+    raise BadRequest(f"unknown {param} type '{kind}'", param=param, code="invalid_value")
+
+
+def structured_constraint(so: StructuredOutputs | None) -> Constraint | None:
+    """vLLM's ``structured_outputs`` extension: exactly one kind of constraint."""
     if so is None:
         return None
     c = Constraint(json=so.json, json_object=bool(so.json_object), regex=so.regex,
