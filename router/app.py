@@ -21,6 +21,7 @@ from router.api.metrics import MetricsAPI
 from router.api.openai import OpenAIAPI
 from router.api.openapi import OpenAPIDocument
 from router.api.relay import Relay
+from router.api.responses import ResponsesAPI
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
 from router.errors import APIError
 from router.limits import middleware_stack
@@ -61,6 +62,7 @@ def build_app(preset: Preset) -> Starlette:
     relay = Relay(supervisor, metrics.metrics)
     openai = OpenAIAPI(relay, server.max_body_bytes)
     anthropic = AnthropicAPI(relay, server.max_body_bytes)
+    responses = ResponsesAPI(relay, server.max_body_bytes)
     admin = AdminAPI(supervisor, server.max_body_bytes)
 
     @contextlib.asynccontextmanager
@@ -77,7 +79,7 @@ def build_app(preset: Preset) -> Starlette:
                 shutil.rmtree(runtime_dir, ignore_errors=True)
 
     app = Starlette(
-        routes=(metrics.counted(openai.routes() + anthropic.routes())
+        routes=(metrics.counted(openai.routes() + anthropic.routes() + responses.routes())
                 + admin.routes() + metrics.routes() + OpenAPIDocument(keys.required).routes()),
         lifespan=lifespan,
         middleware=middleware_stack(server, keys),

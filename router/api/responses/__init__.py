@@ -1,0 +1,223 @@
+"""OpenAI's Responses API on the relay.
+
+    POST   /v1/responses                      create (JSON, SSE, or background: true)
+    GET    /v1/responses/{id}                 a stored response
+    DELETE /v1/responses/{id}                 forget it (cancelling it if it runs)
+    GET    /v1/responses/{id}/input_items     its conversation's input items, paged
+    POST   /v1/responses/{id}/cancel          cancel a background response
+    POST   /v1/responses/input_tokens         what a create would report as input_tokens
+
+A create decodes its body (``schema``) into one ``Generate`` and hands it to the relay
+with a ``ResponseShaper`` (``shaper``), which calls back with the final Response object;
+unless ``store`` is false, that object and the conversation's items go to the bounded
+``ResponseStore`` (``store``), where ``previous_response_id`` finds them. A background
+response runs through the relay as a request whose client leaves only when it is
+cancelled (``background``). Errors keep OpenAI's ``{"error": {...}}`` shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from router.api.relay import Relay, protocol_route
+from router.api.responses.background import BackgroundRuns
+from router.api.responses.schema import (
+    CreateResponseRequest,
+    ResponseInput,
+    ResponseItem,
+    create_generate,
+    echo,
+    prompt_generate,
+)
+from router.api.responses.shaper import ResponseShaper
+from router.api.responses.store import ResponseStore, StoreCollector, Stored, encode_items
+from router.api.wire import JSONResponse, read_body, request_id
+from router.errors import APIError, BadRequest, ClientGone
+from router.link import WorkerLink
+from shared.protocol import Generate, Tokenize
+
+log = logging.getLogger("modelyard.router")
+
+ENDPOINT = "responses"
+"""The relay's name for these requests (logs and metrics)."""
+
+
+def _not_found(rid: str, param: str | None = None,
+               code: str | None = None) -> APIError:
+    return APIError(f"Response with id '{rid}' not found.", status=404,
+                    type="invalid_request_error", param=param, code=code)
+
+
+def _query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not lo <= int(raw) <= hi:
+        raise BadRequest(f"'{name}' must be an integer between {lo} and {hi}, got '{raw}'",
+                         param=name, code="invalid_value")
+    return int(raw)
+
+
+class ResponsesAPI:
+    """The Responses endpoints, bound to one relay and one store (whose figures it adds to
+    the relay's metrics registry)."""
+
+    def __init__(self, relay: Relay, max_body_bytes: int,
+                 store: ResponseStore | None = None) -> None:
+        self.relay = relay
+        self.max_body_bytes = max_body_bytes
+        self.store = store or ResponseStore()
+        self.background = BackgroundRuns()
+        relay.metrics.registry.register(StoreCollector(self.store))
+
+    def routes(self) -> list[Route]:
+        return [
+            protocol_route("/v1/responses", self.create),
+            protocol_route("/v1/responses/input_tokens", self.input_tokens),
+            # one route for both methods, so that a 405 lists them both in Allow
+            protocol_route("/v1/responses/{response_id}", self.by_id, methods=("GET", "DELETE")),
+            protocol_route("/v1/responses/{response_id}/input_items", self.input_items,
+                           methods=("GET",)),
+            protocol_route("/v1/responses/{response_id}/cancel", self.cancel),
+        ]
+
+    def _prior(self, previous_response_id: str | None) -> list[ResponseItem]:
+        """The conversation ``previous_response_id`` ended with (its items and output)."""
+        if previous_response_id is None:
+            return []
+        stored = self.store.get(previous_response_id)
+        if stored is None:
+            raise APIError(f"Previous response with id '{previous_response_id}' not found.",
+                           status=404, type="invalid_request_error",
+                           param="previous_response_id", code="previous_response_not_found")
+        if stored.head().status in ("queued", "in_progress"):
+            raise BadRequest(f"Previous response with id '{previous_response_id}' is still "
+                             "in progress.", param="previous_response_id")
+        return stored.conversation()
+
+    async def create(self, request: Request) -> Response:
+        req = await read_body(request, CreateResponseRequest, self.max_body_bytes)
+        rid = f"resp_{request_id()}"
+        gen, items = create_generate(req, rid, self._prior(req.previous_response_id))
+        store = req.store is not False
+        kept = encode_items(items) if store else b""
+
+        def done(response: dict[str, Any]) -> None:
+            if store:
+                self.store.put(rid, response, kept)
+
+        shaper = ResponseShaper(rid, echo(req, gen), streaming=req.stream,
+                                logprobs=gen.sampling.logprobs, on_done=done)
+        if req.background:
+            return self._start_background(req.model, gen, shaper, kept)
+        return await self.relay.generate(request, ENDPOINT, req.model, [gen], req.stream,
+                                         shaper.bind)
+
+    def _start_background(self, model: str | None, gen: Generate, shaper: ResponseShaper,
+                          items: bytes) -> Response:
+        """Answer ``queued`` at once and run the response without its client."""
+        rid = shaper.rid
+        shaper.bind(self.relay.supervisor.registry.resolve(model).id)  # unknown: 404 now
+        queued = shaper.response("queued")
+        self.store.put(rid, queued, items)
+
+        async def run(request: Request) -> None:
+            self.store.put(rid, shaper.response("in_progress"), items)
+            try:  # the shaper stores the final object itself (``on_done``)
+                await self.relay.generate(request, ENDPOINT, model, [gen], False, shaper.bind)
+            except ClientGone:  # cancelled: the relay has stopped the generation
+                self.store.put(rid, shaper.response("cancelled"), items)
+            except APIError as err:
+                self.store.put(rid, shaper.response("failed", error=err), items)
+            except Exception as err:  # a bug, and no caller to answer: record it and log it
+                log.exception("background response %s failed", rid)
+                failure = APIError(f"internal error: {type(err).__name__}")
+                self.store.put(rid, shaper.response("failed", error=failure), items)
+
+        self.background.start(rid, run)
+        return JSONResponse(queued)
+
+    def _stored(self, request: Request) -> tuple[str, Stored]:
+        rid = request.path_params["response_id"]
+        stored = self.store.get(rid)
+        if stored is None:
+            raise _not_found(rid)
+        return rid, stored
+
+    async def by_id(self, request: Request) -> Response:
+        if request.method == "DELETE":
+            return await self.delete(request)
+        return await self.retrieve(request)
+
+    async def retrieve(self, request: Request) -> Response:
+        _, stored = self._stored(request)
+        if request.query_params.get("stream", "false").lower() != "false":
+            raise BadRequest("streaming a stored response again is not supported",
+                             param="stream", code="unsupported_parameter")
+        return Response(stored.response, media_type="application/json")
+
+    async def delete(self, request: Request) -> Response:
+        rid, _ = self._stored(request)
+        await self.background.cancel(rid)
+        self.store.delete(rid)
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})
+
+    async def cancel(self, request: Request) -> Response:
+        rid, stored = self._stored(request)
+        if not stored.head().background:
+            raise BadRequest("Cannot cancel a synchronous response.", param="response_id")
+        await self.background.cancel(rid)  # a finished one is answered as it is
+        final = self.store.get(rid)
+        if final is None:
+            raise _not_found(rid)
+        return Response(final.response, media_type="application/json")
+
+    async def input_items(self, request: Request) -> Response:
+        """The conversation's input items (earlier turns included), newest first unless
+        ``order=asc``; ``limit`` (1-100, default 20), ``after`` and ``before`` page."""
+        _, stored = self._stored(request)
+        limit = _query_int(request, "limit", 20, 1, 100)
+        order = request.query_params.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise BadRequest(f"'order' must be 'asc' or 'desc', got '{order}'", param="order",
+                             code="invalid_value")
+        items = stored.input_items()
+        if order == "desc":
+            items.reverse()
+        ids = [item.id for item in items]
+        for name in ("after", "before"):
+            at = request.query_params.get(name)
+            if at is not None and at not in ids:
+                raise BadRequest(f"'{name}' names no item of this response: '{at}'",
+                                 param=name, code="invalid_value")
+        after, before = request.query_params.get("after"), request.query_params.get("before")
+        start = ids.index(after) + 1 if after is not None else 0
+        end = ids.index(before) if before is not None else len(items)
+        page = items[start:min(end, start + limit)]
+        data = msgspec.to_builtins(page)
+        return JSONResponse({"object": "list", "data": data,
+                             "first_id": data[0]["id"] if data else "",
+                             "last_id": data[-1]["id"] if data else "",
+                             "has_more": start + limit < end})
+
+    async def input_tokens(self, request: Request) -> Response:
+        """The prompt's token count as the model's template renders this input with its
+        tools: what a create with the same fields reports as ``usage.input_tokens``."""
+        body = await read_body(request, ResponseInput, self.max_body_bytes)
+        gen, _ = prompt_generate(body, f"count-{request_id()}",
+                                 self._prior(body.previous_response_id))
+        message = Tokenize(id=gen.id, messages=gen.messages, tools=gen.tools,
+                           template_kwargs=gen.template_kwargs, add_generation_prompt=True)
+
+        async def work(link: WorkerLink) -> Any:
+            return await link.tokenize(message)
+
+        _, result = await self.relay.call(ENDPOINT, body.model, "generate", work)
+        return JSONResponse({"object": "response.input_tokens",
+                             "input_tokens": len(result.token_ids)})
