@@ -30,7 +30,7 @@ from router.api.openapi import build_document
 from router.app import build_app
 from router.errors import ANTHROPIC_PREFIX
 from shared.config import build_preset, parse_yaml
-from tests.conformance import validate
+from tests.conformance import validate, validate_responses
 from tests.conftest import RouterProcess, running_router
 from tests.test_anthropic_units import check_grammar
 
@@ -84,10 +84,38 @@ def check_anthropic_shapes(response: schemathesis.Response) -> None:
             check_grammar(events)
 
 
+_RESPONSES_API = {"/v1/responses": "Response", "/v1/responses/{response_id}": "Response",
+                  "/v1/responses/{response_id}/cancel": "Response",
+                  "/v1/responses/{response_id}/input_items": "ResponseItemList",
+                  "/v1/responses/input_tokens": "TokenCountsResource"}
+
+
+def check_responses_shapes(path: str, response: schemathesis.Response) -> None:
+    """A Responses API answer against OpenAI's Responses schemas: each named stream event
+    (numbered from 0), or the JSON body."""
+    content_type = response.headers.get("content-type", [""])[0]
+    if response.status_code >= 400:
+        validate_responses("ErrorResponse", json.loads(response.content))
+    elif content_type.startswith("text/event-stream"):
+        frames = [f for f in response.content.decode().split("\n\n") if f]
+        if response.stream_cut_short:  # schemathesis stopped reading: the tail is partial
+            frames = frames[:-1]
+        for n, frame in enumerate(frames):
+            head, data = frame.split("\n")
+            event = json.loads(data.removeprefix("data: "))
+            assert head == f"event: {event['type']}" and event["sequence_number"] == n
+            validate_responses("ResponseStreamEvent", event)
+    elif path in _RESPONSES_API:
+        validate_responses(_RESPONSES_API[path], json.loads(response.content))
+
+
 def check_openai_shapes(path: str, response: schemathesis.Response) -> None:
     """``response`` against OpenAI's official schemas, where one describes it."""
     if path.startswith(ANTHROPIC_PREFIX):
         check_anthropic_shapes(response)
+        return
+    if path.startswith("/v1/responses"):
+        check_responses_shapes(path, response)
         return
     content_type = response.headers.get("content-type", [""])[0]
     if response.status_code >= 400:
@@ -138,7 +166,7 @@ def call_and_check(case: schemathesis.Case[Any], base_url: str, *,
         if not isinstance(body, dict):
             return
         streams = _SCHEMAS.get(case.operation.path, ("", None))[1] or \
-            case.operation.path == "/v1/messages"
+            case.operation.path in ("/v1/messages", "/v1/responses")
         if response.status_code == 200 and streams and body.get("stream") is not True:
             body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         elif response.status_code in (400, 404):

@@ -23,6 +23,7 @@ from router.api.anthropic.schema import CountTokensRequest, MessagesRequest
 from router.api.openai.embeddings import EmbeddingRequest
 from router.api.openai.schema import ChatCompletionRequest, CompletionRequest
 from router.api.openai.tokens import DetokenizeRequest, TokenizeRequest
+from router.api.responses.schema import CreateResponseRequest, ResponseInput
 
 Schema = dict[str, Any]
 _REF = "#/components/schemas/{name}"
@@ -149,6 +150,32 @@ RESPONSES: dict[str, Schema] = {
         "message_start", "content_block_start", "content_block_delta", "content_block_stop",
         "message_delta", "message_stop", "ping", "error"]}}),
     "AnthropicTokenCount": _obj({"input_tokens": _INT}),
+    "Response": _obj({
+        "id": _STR, "object": _const("response"), "created_at": _INT,
+        "status": {"type": "string", "enum": [
+            "completed", "failed", "in_progress", "cancelled", "queued", "incomplete"]},
+        "model": _STR, "error": _nullable(_obj({"code": _STR, "message": _STR})),
+        "incomplete_details": _nullable(_obj({"reason": _STR})),
+        "instructions": _nullable(_STR), "metadata": {"type": "object"},
+        "output": _array(_obj({"id": _STR, "type": {"type": "string", "enum": [
+            "message", "reasoning", "function_call"]}})),
+        "tools": _array({"type": "object"}),
+        "tool_choice": {"anyOf": [_STR, {"type": "object"}]},
+        "parallel_tool_calls": {"type": "boolean"},
+        "temperature": _nullable(_NUM), "top_p": _nullable(_NUM),
+    }, {"usage": _obj({"input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT}),
+        "completed_at": _nullable(_INT), "previous_response_id": _nullable(_STR),
+        "max_output_tokens": _nullable(_INT), "store": {"type": "boolean"},
+        "background": {"type": "boolean"}, "text": {"type": "object"},
+        "reasoning": _nullable({"type": "object"}), "truncation": _STR}),
+    "ResponseStreamEvent": _obj({"type": _STR, "sequence_number": _INT}),
+    "ResponseItemList": _obj({"object": _const("list"), "data": _array(_obj({"id": _STR})),
+                              "first_id": _STR, "last_id": _STR,
+                              "has_more": {"type": "boolean"}}),
+    "ResponseTokenCount": _obj({"object": _const("response.input_tokens"),
+                                "input_tokens": _INT}),
+    "ResponseDeleted": _obj({"id": _STR, "object": _const("response"),
+                             "deleted": {"type": "boolean"}}),
     "Health": _obj({"status": _STR,
                     "models": {"type": "object", "additionalProperties": _STR},
                     "tasks": _INT}),
@@ -197,6 +224,7 @@ class Operation(msgspec.Struct, frozen=True):
     accepted: bool = False  # 202 when asked not to wait
     text: bool = False  # 200 is text/plain (Prometheus exposition)
     anthropic: bool = False  # errors in Anthropic's shape; a full queue is 529
+    named_events: bool = False  # a stream of named events (OpenAI Responses), no [DONE]
 
 
 _GENERATE = ("Generation: the model's worker runs it; `\"stream\": true` answers with "
@@ -221,6 +249,22 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/messages/count_tokens"): Operation(
         "Anthropic's token count of a conversation, from the model's template and tokenizer",
         CountTokensRequest, "AnthropicTokenCount", anthropic=True),
+    ("POST", "/v1/responses"): Operation(
+        "OpenAI Responses; `\"stream\": true` answers with named server-sent events, "
+        "`\"background\": true` with a `queued` response to poll", CreateResponseRequest,
+        "Response", "ResponseStreamEvent", named_events=True),
+    ("POST", "/v1/responses/input_tokens"): Operation(
+        "The input tokens a response to this input would count, from the model's template",
+        ResponseInput, "ResponseTokenCount"),
+    ("GET", "/v1/responses/{response_id}"): Operation("A stored response", None, "Response"),
+    ("DELETE", "/v1/responses/{response_id}"): Operation(
+        "Forget a stored response (cancelling it if it runs in the background)", None,
+        "ResponseDeleted"),
+    ("GET", "/v1/responses/{response_id}/input_items"): Operation(
+        "A stored response's input items, earlier turns included (`limit`, `order`, "
+        "`after`, `before`)", None, "ResponseItemList"),
+    ("POST", "/v1/responses/{response_id}/cancel"): Operation(
+        "Cancel a background response", None, "Response"),
     ("GET", "/v1/models"): Operation("Every configured model and its state", None,
                                      "ModelList"),
     ("GET", "/v1/models/{model_id}"): Operation(
@@ -260,7 +304,8 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
     elif op.ok is not None:
         ok["content"] = _json(_ref(op.ok))
         if op.streams is not None:
-            ok["content"]["text/event-stream"] = {"schema": _event(op.streams, op.anthropic)}
+            ok["content"]["text/event-stream"] = {
+                "schema": _event(op.streams, op.anthropic or op.named_events)}
     else:
         ok["content"] = _json({"type": "object"})
     responses: dict[str, Any] = {"200": ok}
