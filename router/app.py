@@ -22,6 +22,7 @@ from router.api.openai import OpenAIAPI
 from router.api.openapi import OpenAPIDocument
 from router.api.relay import Relay
 from router.api.responses import ResponsesAPI
+from router.api.responses.store import ResponseStore
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
 from router.errors import APIError
 from router.limits import middleware_stack
@@ -62,7 +63,9 @@ def build_app(preset: Preset) -> Starlette:
     relay = Relay(supervisor, metrics.metrics)
     openai = OpenAIAPI(relay, server.max_body_bytes)
     anthropic = AnthropicAPI(relay, server.max_body_bytes)
-    responses = ResponsesAPI(relay, server.max_body_bytes)
+    responses = ResponsesAPI(relay, server.max_body_bytes, ResponseStore(
+        server.responses_store_items, int(server.responses_store_mib * 2**20),
+        server.responses_store_ttl))
     admin = AdminAPI(supervisor, server.max_body_bytes)
 
     @contextlib.asynccontextmanager
@@ -74,6 +77,7 @@ def build_app(preset: Preset) -> Starlette:
         try:
             yield
         finally:
+            await responses.background.cancel_all()
             await supervisor.stop_all()
             if own_runtime_dir:
                 shutil.rmtree(runtime_dir, ignore_errors=True)

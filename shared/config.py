@@ -110,6 +110,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     read_timeout: Annotated[float, msgspec.Meta(ge=0)] = 30.0
     """Seconds a request's headers, and then its body, may take to arrive; a late body gets
     a 408, and either way the connection is closed. 0: no deadline."""
+    responses_store_items: Annotated[int, msgspec.Meta(ge=0)] = 10_000
+    """Responses (``/v1/responses`` with ``store``) kept for ``previous_response_id`` and
+    ``GET``; the oldest go first. 0: none are kept."""
+    responses_store_mib: Annotated[float, msgspec.Meta(ge=0)] = 64.0
+    """The stored responses' JSON, at most; the oldest go first."""
+    responses_store_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
+    """Seconds a stored response is kept after its last write."""
 
 
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

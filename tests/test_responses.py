@@ -258,6 +258,7 @@ def test_tools_of_other_types_are_ignored(client) -> None:  # type: ignore[no-un
     ({"input": "hi", "background": True, "stream": True}, 400, "background"),
     ({"input": "hi", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
     ({"input": "hi", "model": "smollm2-embed"}, 400, "model"),
+    ({"input": "word " * 4000}, 400, "input"),  # past the context: the worker's refusal
 ])
 def test_bad_fields_are_errors_naming_them(base_url: str, body: dict[str, Any], status: int,
                                            param: str) -> None:

@@ -54,6 +54,14 @@ def _not_found(rid: str, param: str | None = None,
                     type="invalid_request_error", param=param, code=code)
 
 
+def _as_input(err: APIError) -> APIError:
+    """The relay and the worker name a chat's field ``messages`` (too long for the
+    context, refused by the template); here the client sent it as ``input``."""
+    if err.param is not None and err.param.startswith("messages"):
+        err.param = "input"
+    return err
+
+
 def _query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
     raw = request.query_params.get(name)
     if raw is None:
@@ -116,8 +124,11 @@ class ResponsesAPI:
                                 logprobs=gen.sampling.logprobs, on_done=done)
         if req.background:
             return self._start_background(req.model, gen, shaper, kept)
-        return await self.relay.generate(request, ENDPOINT, req.model, [gen], req.stream,
-                                         shaper.bind)
+        try:
+            return await self.relay.generate(request, ENDPOINT, req.model, [gen], req.stream,
+                                             shaper.bind)
+        except APIError as err:
+            raise _as_input(err) from None
 
     def _start_background(self, model: str | None, gen: Generate, shaper: ResponseShaper,
                           items: bytes) -> Response:
@@ -218,6 +229,9 @@ class ResponsesAPI:
         async def work(link: WorkerLink) -> Any:
             return await link.tokenize(message)
 
-        _, result = await self.relay.call(ENDPOINT, body.model, "generate", work)
+        try:
+            _, result = await self.relay.call(ENDPOINT, body.model, "generate", work)
+        except APIError as err:
+            raise _as_input(err) from None
         return JSONResponse({"object": "response.input_tokens",
                              "input_tokens": len(result.token_ids)})

@@ -56,3 +56,7 @@ class BackgroundRuns:
             return
         run.gone.set()
         await asyncio.wait({run.task})  # a canceller that leaves does not cancel the run
+
+    async def cancel_all(self) -> None:
+        """Cancel every run (the server is stopping) and wait until they have ended."""
+        await asyncio.gather(*(self.cancel(rid) for rid in list(self._runs)))
