@@ -32,6 +32,7 @@ class ModelEntry:
     last_used: float = 0.0
     loaded_at: float | None = None
     load_seconds: float | None = None
+    load_phases: dict[str, float] = field(default_factory=dict)
     max_model_len: int | None = None
     max_prompt_chars: int = 0
     """From the worker: a longer prompt cannot fit, so it is refused before sending."""

@@ -99,15 +99,53 @@ def group_members(pgid: int, born_after: float, born_before: float) -> list[psut
     return found
 
 
+SPARE_ENV_OK = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
+"""Variables of a model's ``env`` that a spare still honours: its libraries read them when
+they use them. Others (``HF_HOME``, ``HF_HUB_OFFLINE`` ...) may be read at import, which a
+spare did before it knew its model, so such a model gets a fresh process."""
+SPARE_FAILURES_MAX = 3  # spares that die unused before any more are started
+
+_ENGINE_LINES = (
+    ("weights", re.compile(rb"Loading weights took ([\d.]+) s")),
+    ("kv_cache_and_warmup",
+     re.compile(rb"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")),
+)
+
+
+def engine_phases(log_path: Path, offset: int) -> dict[str, float]:
+    """The engine's own timings of a start, from what vLLM logged after ``offset``."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read(8 << 20)
+    except OSError:
+        return {}
+    found = {}
+    for name, pattern in _ENGINE_LINES:
+        match = pattern.search(text)
+        if match:
+            found[name] = float(match.group(1))
+    return found
+
+
+class _Spare:
+    """A started worker process with vLLM imported, waiting on stdin for its model."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path) -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self.started_at = time.time()
+
+
 class _Worker:
     """What the supervisor keeps per running worker process."""
 
     def __init__(self, proc: asyncio.subprocess.Process, link: WorkerLink,
-                 log_path: Path) -> None:
+                 log_path: Path, started_at: float | None = None) -> None:
         self.proc = proc
         self.link = link
         self.log_path = log_path
-        self.started_at = time.time()
+        self.started_at = started_at or time.time()
         self.descendants: list[psutil.Process] = []
         self.watcher: asyncio.Task[None] | None = None
 
@@ -125,6 +163,10 @@ class Supervisor:
         self._wakes: dict[str, asyncio.Task[None]] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._spares: list[_Spare] = []
+        self._spare_starting = False
+        self._spare_failures = 0
+        self._closing = False
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -134,6 +176,7 @@ class Supervisor:
     def start(self) -> None:
         """Begin idle reaping and start the ``load_on_startup`` models."""
         self._reaper = asyncio.create_task(self._reap_idle(), name="reaper")
+        self._replenish()  # first: a load_on_startup model takes it as it is
         for entry in self.registry:
             if entry.spec.load_on_startup:
                 self.start_loading(entry)
@@ -246,35 +289,113 @@ class Supervisor:
             task.exception()  # retrieved here: a load nobody awaits still ends quietly
 
     # -- starting ----------------------------------------------------------------------
-    def _command(self, endpoint: str) -> list[str]:
+    def _command(self, spare: bool = False) -> list[str]:
         """The worker's command line: nothing secret, since every user can read it in ``ps``
         (the model's spec goes over the worker's stdin: ``worker_boot``)."""
-        cmd = [sys.executable, "-m", "worker", "--endpoint", endpoint,
-               "--log-level", self.server.log_level]
+        cmd = [sys.executable, "-m", "worker", "--log-level", self.server.log_level]
+        if spare:
+            cmd.append("--spare")
         if self.server.cache_dir:
             cmd += ["--cache-dir", self.server.cache_dir]
         return cmd
 
-    def worker_boot(self, entry: ModelEntry, link: WorkerLink) -> bytes:
-        """What the worker reads from stdin: its spec (whose ``env`` is already its
-        environment) and its link's key."""
+    def worker_boot(self, entry: ModelEntry, link: WorkerLink, endpoint: str,
+                    log_path: str = "") -> bytes:
+        """What the worker reads from stdin: its spec (``env`` apart), its link's address
+        and key, the environment its model adds (its ``env`` and placement), and for a
+        spare, where its output goes now."""
         spec = msgspec.structs.replace(entry.spec, env={})
         fraction = self.placer.gpu_memory_utilization(spec)
         if fraction != spec.gpu_memory_utilization:
             spec = msgspec.structs.replace(spec, gpu_memory_utilization=fraction)
-        return msgspec.json.encode(WorkerBoot(spec=spec, router_key=link.key))
+        return msgspec.json.encode(WorkerBoot(
+            spec=spec, router_key=link.key, endpoint=endpoint,
+            env={**entry.spec.env, **entry.placement}, log_path=log_path))
 
-    def worker_env(self, entry: ModelEntry) -> dict[str, str]:
-        """The full environment a worker starts with: ours, offline hub, the model's
-        ``env``, its placement (the only part shown in ``/v1/models`` and logs)."""
+    @staticmethod
+    def base_env() -> dict[str, str]:
+        """Every worker's environment before its model's: ours, and an offline hub."""
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub unless asked
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env.update(entry.spec.env)
-        placement = self.placer.place(entry.spec)
-        entry.placement = placement
-        env.update(placement)
         return env
+
+    def worker_env(self, entry: ModelEntry) -> dict[str, str]:
+        """The full environment a fresh worker starts with: ours, offline hub, the model's
+        ``env``, its placement (the only part shown in ``/v1/models`` and logs)."""
+        return {**self.base_env(), **entry.spec.env, **entry.placement}
+
+    # -- spares ------------------------------------------------------------------------
+    def _replenish(self) -> None:
+        """Keep ``spare_workers`` spares, started one at a time in the background."""
+        if (self._spare_starting or self._closing
+                or len(self._spares) >= self.server.spare_workers
+                or self._spare_failures >= SPARE_FAILURES_MAX
+                or not any(self._spare_fits(e) for e in self.registry)):
+            return
+        self._spare_starting = True
+        self._spawn_task(self._start_spare())
+
+    async def _start_spare(self) -> None:
+        log_path = self.runtime_dir / f"spare{next(_generation)}.log"
+        try:
+            with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append: no wait
+                proc = await asyncio.create_subprocess_exec(
+                    *self._command(spare=True), stdin=asyncio.subprocess.PIPE,
+                    stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=self.base_env(),
+                    start_new_session=True)
+        except (OSError, ValueError) as err:
+            self._spare_failures += 1
+            log.error("could not start a spare worker: %s: %s", type(err).__name__, err)
+            return
+        finally:
+            self._spare_starting = False
+        spare = _Spare(proc, log_path)
+        self._spares.append(spare)
+        log.info("spare worker pid %d starting", proc.pid)
+        self._spawn_task(self._watch_spare(spare))
+        self._replenish()
+
+    async def _watch_spare(self, spare: _Spare) -> None:
+        code = await spare.proc.wait()
+        if spare not in self._spares:
+            return  # it became a worker, or it was stopped
+        self._spares.remove(spare)
+        self._spare_failures += 1
+        tail = await asyncio.to_thread(_tail, spare.log_path, 5)
+        log.error("spare worker pid %d exited unused with code %s%s\n%s", spare.proc.pid, code,
+                  "; no more spares are started" if self._spare_failures >= SPARE_FAILURES_MAX
+                  else "", tail)
+        await asyncio.to_thread(self._kill_leftovers, spare.proc.pid, spare.started_at, [])
+        self._replenish()
+
+    @staticmethod
+    def _spare_fits(entry: ModelEntry) -> bool:
+        """A spare can become ``entry``'s worker: a vLLM model whose ``env`` holds nothing
+        a spare's earlier imports may have read."""
+        return entry.spec.engine == "vllm" and not set(entry.spec.env) - SPARE_ENV_OK
+
+    def _take_spare(self, entry: ModelEntry) -> _Spare | None:
+        """A live spare for ``entry``'s worker, if one fits it."""
+        if not self._spare_fits(entry):
+            return None
+        while self._spares:
+            spare = self._spares.pop(0)
+            if spare.proc.returncode is None:
+                return spare
+        return None
+
+    def spares(self) -> list[dict[str, Any]]:
+        """The spares' pids and resident memory (``/health``)."""
+        out = []
+        for spare in self._spares:
+            try:
+                rss = psutil.Process(spare.proc.pid).memory_info().rss
+            except psutil.Error:
+                continue
+            out.append({"pid": spare.proc.pid, "rss_mib": round(rss / 2**20, 1),
+                        "age_seconds": round(time.time() - spare.started_at, 1)})
+        return out
 
     async def _make_room(self, entry: ModelEntry) -> None:
         """Evict least-recently-used idle models until ``entry`` fits; wait if none is idle.
@@ -326,20 +447,27 @@ class Supervisor:
             raise
 
     async def _spawn(self, entry: ModelEntry) -> WorkerLink:
-        started = time.monotonic()
+        started, started_wall = time.monotonic(), time.time()
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", entry.id)[:100]
         # A socket path must fit in 107 bytes, so its name does not depend on the model's.
         endpoint = f"ipc://{self.runtime_dir}/w{next(_generation)}.sock"
         log_path = self.runtime_dir / f"{safe}.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
         link: WorkerLink | None = None
+        spare: _Spare | None = None
         try:
             link = WorkerLink(self._ctx, endpoint, entry.id)
-            env = self.worker_env(entry)
-            with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append: no wait
-                proc = await asyncio.create_subprocess_exec(
-                    *self._command(endpoint), stdin=asyncio.subprocess.PIPE,
-                    stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=env,
-                    start_new_session=True)
+            entry.placement = self.placer.place(entry.spec)
+            spare = self._take_spare(entry)
+            if spare is not None:  # already running, vLLM imported: give it the model
+                proc = spare.proc
+                spare.log_path.unlink(missing_ok=True)
+            else:
+                with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append
+                    proc = await asyncio.create_subprocess_exec(
+                        *self._command(), stdin=asyncio.subprocess.PIPE,
+                        stdout=log_file, stderr=asyncio.subprocess.STDOUT,
+                        env=self.worker_env(entry), start_new_session=True)
         except asyncio.CancelledError:  # an unload while the process started
             if link is not None:
                 link.close("load cancelled")
@@ -354,11 +482,16 @@ class Supervisor:
             log.error("model %s: %s", entry.id, reason)
             raise ModelUnavailable(f"model '{entry.id}' {reason}") from None
         assert proc.stdin is not None
-        proc.stdin.write(self.worker_boot(entry, link))
-        proc.stdin.close()  # the worker reads to the end: one JSON document
-        log.info("model %s: worker pid %d starting (%s)", entry.id, proc.pid,
+        try:
+            proc.stdin.write(self.worker_boot(entry, link, endpoint,
+                                              str(log_path) if spare else ""))
+            proc.stdin.close()  # the worker reads to the end: one JSON document
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died meanwhile: seen below as its exit
+        log.info("model %s: worker pid %d starting%s (%s)", entry.id, proc.pid,
+                 " from a spare" if spare else "",
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
-        worker = _Worker(proc, link, log_path)
+        worker = _Worker(proc, link, log_path, spare.started_at if spare else None)
         self._workers[entry.id] = worker
         entry.pid = proc.pid
         exited = asyncio.create_task(proc.wait())
@@ -374,15 +507,20 @@ class Supervisor:
             raise
         if ready.done() and not ready.cancelled() and ready.exception() is None:
             exited.cancel()
+            info = ready.result()
             entry.state, entry.link = "ready", link
-            entry.max_model_len = ready.result().max_model_len
-            entry.max_prompt_chars = ready.result().max_prompt_chars
+            entry.max_model_len = info.max_model_len
+            entry.max_prompt_chars = info.max_prompt_chars
             entry.loaded_at = time.time()
             entry.last_used = time.monotonic()
             entry.load_seconds = round(entry.last_used - started, 3)
+            phases = {("spare" if spare else "spawn"):
+                      round(max(0.0, info.booted_at - started_wall), 3)} if info.booted_at else {}
+            entry.load_phases = {**phases, **info.phases}
             worker.descendants = descendants(proc.pid)
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
-            log.info("model %s: ready in %.1f s (pid %d)", entry.id, entry.load_seconds, proc.pid)
+            self._spawn_task(self._log_ready(entry, worker, offset))
+            self._replenish()  # the spare's place, now that the start no longer needs the CPU
             return link
         ready.cancel()
         exited.cancel()
@@ -395,6 +533,15 @@ class Supervisor:
         self._failed(entry, reason, tail, proc.returncode)
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
+
+    async def _log_ready(self, entry: ModelEntry, worker: _Worker, offset: int) -> None:
+        """Add the engine's own timings (from its log) to the load's phases; log them."""
+        found = await asyncio.to_thread(engine_phases, worker.log_path, offset)
+        if self._workers.get(entry.id) is worker:
+            entry.load_phases = {**entry.load_phases, **found}
+        log.info("model %s: ready in %.1f s (pid %d): %s", entry.id, entry.load_seconds or 0,
+                 worker.proc.pid, ", ".join(f"{k} {v:.2f} s"
+                                            for k, v in entry.load_phases.items()))
 
     def _failed(self, entry: ModelEntry, reason: str, tail: str, code: int | None,
                 served: bool = False) -> None:
@@ -432,9 +579,8 @@ class Supervisor:
             kill_tree(worker.proc.pid, signal.SIGKILL)
             await worker.proc.wait()
         # EngineCore children may outlive the worker, in its group or out of it.
-        left = await asyncio.to_thread(group_members, worker.proc.pid, worker.started_at,
-                                       time.time())
-        signal_all(worker.descendants + left, signal.SIGKILL)
+        await asyncio.to_thread(self._kill_leftovers, worker.proc.pid, worker.started_at,
+                                worker.descendants)
         worker.link.close(reason)
         if self._workers.get(entry.id) is worker:
             del self._workers[entry.id]
@@ -443,6 +589,12 @@ class Supervisor:
             entry.link = None
         if entry.pid == worker.proc.pid:
             entry.pid = None
+
+    @staticmethod
+    def _kill_leftovers(pid: int, started_at: float, known: list[psutil.Process]) -> None:
+        """Kill what a dead worker (or spare) left: ``known`` descendants and members of
+        its process group born while it lived."""
+        signal_all(known + group_members(pid, started_at, time.time()), signal.SIGKILL)
 
     # -- idling ------------------------------------------------------------------------
     def _idle_expired(self, entry: ModelEntry, now: float) -> bool:
@@ -504,7 +656,7 @@ class Supervisor:
             await self.stop(entry)
 
     # -- stopping ----------------------------------------------------------------------
-    async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 10.0) -> None:
+    async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 1.0) -> None:
         """Stop a model's worker. In-flight requests finish first (up to
         ``drain_timeout``) unless ``force``, which ends them with a 503 at once. Requests
         that arrive meanwhile wait and start the model again."""
@@ -525,8 +677,11 @@ class Supervisor:
         await self._finish_stop(entry, worker, force, grace)
 
     async def _finish_stop(self, entry: ModelEntry, worker: _Worker, force: bool = False,
-                           grace: float = 10.0) -> None:
-        """The rest of a stop, once ``entry`` is marked ``stopping``."""
+                           grace: float = 1.0) -> None:
+        """The rest of a stop, once ``entry`` is marked ``stopping``: drain (unless
+        ``force``), then ``Shutdown`` (the worker kills its own process group at once),
+        and after ``grace`` seconds the group is killed from here."""
+        began = time.monotonic()
         if not force:
             deadline = time.monotonic() + self.server.drain_timeout
             while (worker.link.busy and worker.proc.returncode is None
@@ -545,18 +700,20 @@ class Supervisor:
                 worker.link.fail(ended)
             await asyncio.wait_for(worker.proc.wait(), grace)
         except (TimeoutError, APIError):
-            kill_tree(worker.proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(worker.proc.wait(), 5)
-            except TimeoutError:
-                log.warning("model %s: worker ignored SIGTERM; killing", entry.id)
-        await self._reap(entry, worker, "model unloaded")
+            log.warning("model %s: worker did not exit within %g s of Shutdown; killing",
+                        entry.id, grace)
+        await self._reap(entry, worker, "model unloaded")  # kills the group if it lives
         entry.state = "unloaded"
-        log.info("model %s: stopped", entry.id)
+        log.info("model %s: stopped in %.2f s", entry.id, time.monotonic() - began)
 
     async def stop_all(self) -> None:
+        self._closing = True
         if self._reaper is not None:
             self._reaper.cancel()
+        spares, self._spares = self._spares, []  # their watchers see them stopped, not dead
+        for spare in spares:
+            kill_tree(spare.proc.pid)
+        await asyncio.gather(*(spare.proc.wait() for spare in spares))
         for task in list(self._loads.values()):
             task.cancel()
         await asyncio.gather(*(self.stop(e) for e in self.registry

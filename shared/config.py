@@ -117,6 +117,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The stored responses' JSON, at most; the oldest go first."""
     responses_store_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     """Seconds a stored response is kept after its last write."""
+    spare_workers: Annotated[int, msgspec.Meta(ge=0, le=8)] = 1
+    """Worker processes kept started with vLLM and torch already imported and no model:
+    a load turns one into the model's worker (seconds sooner) and a new one is started
+    in the background once the model is ready. 0: every load starts a fresh process."""
 
 
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -141,6 +145,10 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_seqs: int | None = None
     enforce_eager: bool | None = None
     """Default: true on CPU (torch.compile there takes minutes), false on GPU."""
+    fork_engine: bool = True
+    """CPU: fork vLLM's EngineCore and executor from the worker, which has vLLM and torch
+    imported, instead of spawning them (vLLM's CPU default), which imports both again in
+    each; about 14 s of a start here. On GPU vLLM chooses by itself."""
     dtype: str = "auto"
     enable_prefix_caching: bool = True
     ttl: float | None = None
@@ -175,6 +183,13 @@ class WorkerBoot(msgspec.Struct, kw_only=True):
     spec: ModelSpec
     router_key: str
     """The CURVE public key of the router's socket for this worker (Z85)."""
+    endpoint: str
+    """The router's ZeroMQ address for this worker."""
+    env: dict[str, str] = {}
+    """Set in the worker's environment before its engine starts: its placement and the
+    model's ``env`` (a spare process was started before its model was known)."""
+    log_path: str = ""
+    """Where a spare process sends its output once it becomes this model's worker."""
 
 
 class Preset(msgspec.Struct, kw_only=True):

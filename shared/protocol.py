@@ -238,6 +238,12 @@ class Ready(msgspec.Struct, tag="ready", **_MSG):
     max_prompt_chars: int = 0
     """No prompt longer than this (in characters) can fit the context: the router refuses
     one without sending it (0: no bound known)."""
+    phases: dict[str, float] = {}
+    """Seconds each step of the worker's start took (``imports``, ``model_files``,
+    ``engine``), from when it learned its model."""
+    booted_at: float = 0.0
+    """Wall-clock time the worker learned its model (the router measures its spawn or a
+    spare's hand-over up to here)."""
 
 
 class Deltas(msgspec.Struct, tag="deltas", **_MSG):

@@ -72,6 +72,8 @@ def test_worker_env_for_cpu_and_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     }})
     sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path,
                      Placer(cores={0, 1}, gpus=H100))
+    for entry in sup.registry:  # as a load does, before the worker's environment
+        entry.placement = sup.placer.place(entry.spec)
     cpu_env = sup.worker_env(sup.registry.entries["cpu-a"])
     assert cpu_env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert cpu_env["VLLM_CPU_KVCACHE_SPACE"] == "2"
@@ -79,8 +81,9 @@ def test_worker_env_for_cpu_and_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     gpu_env = sup.worker_env(sup.registry.entries["gpu-b"])
     assert gpu_env["CUDA_VISIBLE_DEVICES"] == "2,3" and gpu_env["NCCL_DEBUG"] == "WARN"
     assert "VLLM_CPU_KVCACHE_SPACE" not in gpu_env
-    cmd = sup._command("ipc:///x")
-    assert cmd[1:3] == ["-m", "worker"] and "ipc:///x" in cmd
+    cmd = sup._command()
+    assert cmd[1:3] == ["-m", "worker"] and "--spare" not in cmd
+    assert "--spare" in sup._command(spare=True)
     assert "NCCL_DEBUG" not in " ".join(cmd)  # the spec and its env go over stdin
     assert sup.registry.entries["gpu-b"].placement == {"CUDA_VISIBLE_DEVICES": "2,3"}
 

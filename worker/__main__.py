@@ -1,8 +1,10 @@
 """``python -m worker``: one model's worker process, started by the router.
 
-Arguments: ``--endpoint`` (the router's ZeroMQ address), ``--cache-dir``; the model's
-spec comes as JSON on stdin, not on the command line, where every user could read it.
-vLLM spawns an EngineCore child, so everything runs under the ``__main__`` guard.
+What the worker serves comes as one JSON ``WorkerBoot`` on stdin (its model's spec, the
+router's address and key, its environment), never on the command line, where every user
+could read it. With ``--spare`` the process first imports vLLM and torch, then waits for
+its boot: the router keeps such a spare ready and turns it into the next model's worker.
+vLLM starts EngineCore children, so everything runs under the ``__main__`` guard.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import msgspec
 
@@ -47,10 +50,41 @@ def _end_group(*_: object) -> None:
     os._exit(1)
 
 
-async def _main(args: argparse.Namespace, boot: WorkerBoot) -> int:
+def _take_output(path: str) -> None:
+    """Send this process's stdout and stderr (and its children's) to ``path``."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+class Phases:
+    """Seconds each step of a start took, sent to the router in ``Ready``."""
+
+    def __init__(self, imported_at: float) -> None:
+        self.booted_at = time.time()  # when this process learned its model
+        self.imported_at = imported_at  # when vLLM and torch were imported (0: not yet)
+        self.mark = self.booted_at
+        self.seconds: dict[str, float] = {}
+
+    def done(self, name: str) -> None:
+        now = time.time()
+        self.seconds[name] = round(now - self.mark, 3)
+        self.mark = now
+
+
+def _import_vllm() -> float:
+    """Import what a vLLM engine needs (a spare does this before it has a model)."""
+    from worker.engine import preload
+
+    preload()
+    return time.time()
+
+
+async def _main(args: argparse.Namespace, boot: WorkerBoot, phases: Phases) -> int:
     spec = boot.spec
     parent = os.getppid()
-    server = WorkerServer(args.endpoint, spec.id, boot.router_key)
+    server = WorkerServer(boot.endpoint, spec.id, boot.router_key)
     signal.signal(signal.SIGTERM, _end_group)
     try:
         if spec.engine == "synthetic":
@@ -61,9 +95,16 @@ async def _main(args: argparse.Namespace, boot: WorkerBoot) -> int:
             from worker.engine import RequestError, VllmEngine
             from worker.materialize import resolve_model_path
 
+            if not phases.imported_at:
+                phases.imported_at = _import_vllm()
+            # imported before the boot came (a spare): none of this start's time
+            phases.seconds["imports"] = round(max(0.0, phases.imported_at - phases.mark), 3)
+            phases.mark = max(phases.mark, phases.imported_at)
             # Loading weights blocks; nothing else runs in this process until it is done.
             path = resolve_model_path(spec.model, args.cache_dir)
+            phases.done("model_files")
             engine, error = VllmEngine.start(spec, path), RequestError  # type: ignore[assignment]
+            phases.done("engine")
     except Exception as err:  # any start failure is reported to the router, then we exit
         log.exception("model %s failed to start", spec.id)
         server.fail(f"{type(err).__name__}: {err}")
@@ -74,8 +115,14 @@ async def _main(args: argparse.Namespace, boot: WorkerBoot) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.stop)
     try:
-        await server.serve(engine, error, parent)
+        await server.serve(engine, error, parent, phases.seconds, phases.booted_at)
     finally:
+        if spec.engine != "synthetic" and os.getpgid(0) == os.getpid():
+            # A fast stop: the router drained this worker before its Shutdown, so there is
+            # nothing to finish; the engine's processes die with the group at once (vLLM's
+            # own shutdown of them took ~6 s).
+            log.info("model %s: stopping", spec.id)
+            _end_group()
         watchdog = threading.Timer(SHUTDOWN_GRACE, _end_group)
         watchdog.daemon = True
         watchdog.start()
@@ -85,15 +132,21 @@ async def _main(args: argparse.Namespace, boot: WorkerBoot) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m worker")
-    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--spare", action="store_true",
+                        help="import vLLM and torch first, then wait for a model on stdin")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
+    imported_at = _import_vllm() if args.spare else 0.0
     boot = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerBoot)
-    sys.exit(asyncio.run(_main(args, boot)))
+    phases = Phases(imported_at)
+    if boot.log_path:
+        _take_output(boot.log_path)
+    os.environ.update(boot.env)  # before any engine reads it (placement, the model's env)
+    sys.exit(asyncio.run(_main(args, boot, phases)))
 
 
 if __name__ == "__main__":

@@ -103,6 +103,35 @@ def engine_args_for(spec: ModelSpec, model_path: str,
     return args
 
 
+def preload() -> None:
+    """Import what starting an engine needs, so that a spare worker has it done."""
+    import torch  # noqa: F401
+    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
+    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+
+
+def fork_engine_processes() -> None:
+    """Make vLLM fork its EngineCore and executor processes instead of spawning them.
+
+    vLLM's CPU platform forces ``spawn``, so each of the two children imports vLLM and
+    torch again (about 7 s each here). This worker has both imported and has run no
+    OpenMP region yet (a fork after one can deadlock in libgomp), and the children use
+    nothing of its own sockets or threads. Measured on this machine: the engine was
+    ready 7.8 s after ``from_engine_args`` instead of 22.1 s, with identical output.
+    """
+    import multiprocessing
+
+    import vllm.v1.engine.utils as engine_utils
+    import vllm.v1.executor.multiproc_executor as executor
+    from vllm.utils import system_utils
+
+    def fork_context() -> Any:
+        return multiprocessing.get_context("fork")
+
+    for module in (system_utils, engine_utils, executor):
+        module.get_mp_context = fork_context  # type: ignore[attr-defined]
+
+
 class VllmEngine:
     """One vLLM ``AsyncLLM`` serving one model (generation, or embeddings for ``task: embed``)."""
 
@@ -142,6 +171,8 @@ class VllmEngine:
             kwargs["structured_outputs_config"] = StructuredOutputsConfig(
                 **kwargs["structured_outputs_config"])
         args = AsyncEngineArgs(**kwargs)
+        if spec.device == "cpu" and spec.fork_engine:
+            fork_engine_processes()
         llm = AsyncLLM.from_engine_args(args)
         return cls(llm, spec)
 

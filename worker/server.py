@@ -198,8 +198,8 @@ class WorkerServer:
         """Tell the router that the engine could not start."""
         self._send(Error(id="", message=message, status=503, type="model_unavailable"))
 
-    async def serve(self, engine: Engine, request_error: type[Exception],
-                    parent_pid: int) -> None:
+    async def serve(self, engine: Engine, request_error: type[Exception], parent_pid: int,
+                    phases: dict[str, float] | None = None, booted_at: float = 0.0) -> None:
         """Announce ``Ready`` and serve until ``Shutdown``, a signal, or the router's death.
 
         ``request_error`` is the engine's exception for a refused request; it must carry
@@ -208,7 +208,8 @@ class WorkerServer:
         self._engine = engine
         self._request_error = request_error
         self._send(Ready(model=self._model, max_model_len=self._engine.max_model_len,
-                         pid=os.getpid(), max_prompt_chars=self._engine.max_prompt_chars))
+                         pid=os.getpid(), max_prompt_chars=self._engine.max_prompt_chars,
+                         phases=phases or {}, booted_at=booted_at))
         loop = asyncio.get_running_loop()
         fd = cast(int, self._sock.getsockopt(zmq.FD))
         loop.add_reader(fd, self._drain)

@@ -52,6 +52,7 @@ class AdminAPI:
             "pid": entry.pid, "in_flight": entry.leases, "queued": entry.queued,
             "ttl": self.supervisor.ttl(entry), "failures": entry.failures,
             "max_model_len": entry.max_model_len, "load_seconds": entry.load_seconds,
+            "load_phases": entry.load_phases or None,
             "loaded_at": int(entry.loaded_at) if entry.loaded_at else None,
             "idle_seconds": round(now - entry.last_used, 3) if entry.last_used else None,
             "placement": entry.placement or None, "exit_code": entry.exit_code,
@@ -98,4 +99,5 @@ class AdminAPI:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok",
                              "models": {e.id: e.state for e in self.registry},
+                             "spares": self.supervisor.spares(),
                              "tasks": len(asyncio.all_tasks())})

@@ -129,6 +129,7 @@ RESPONSES: dict[str, Schema] = {
                    "aliases": _array(_STR), "engine": _STR, "task": _STR, "device": _STR,
                    "pid": _INT, "in_flight": _INT, "queued": _INT, "ttl": _NUM,
                    "failures": _INT, "max_model_len": _INT, "load_seconds": _NUM,
+                   "load_phases": {"type": "object", "additionalProperties": _NUM},
                    "loaded_at": _INT, "idle_seconds": _NUM, "placement": {"type": "object"},
                    "exit_code": _INT, "error": _STR, "worker_in_flight": _INT}),
     "ModelList": _obj({"object": _const("list"), "data": _array(_ref("Model"))}),
@@ -178,6 +179,8 @@ RESPONSES: dict[str, Schema] = {
                              "deleted": {"type": "boolean"}}),
     "Health": _obj({"status": _STR,
                     "models": {"type": "object", "additionalProperties": _STR},
+                    "spares": _array(_obj({"pid": _INT, "rss_mib": _NUM,
+                                           "age_seconds": _NUM})),
                     "tasks": _INT}),
 }
 
