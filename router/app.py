@@ -24,7 +24,7 @@ from router.api.relay import Relay
 from router.api.responses import ResponsesAPI
 from router.api.responses.store import ResponseStore
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
-from router.errors import APIError
+from router.errors import APIError, ModelNotFound
 from router.limits import middleware_stack
 from router.metrics import Metrics
 from router.placement import Placer, check_budgets
@@ -51,6 +51,11 @@ def build_app(preset: Preset) -> Starlette:
     """A Starlette app serving ``preset``; workers start on demand and stop on shutdown."""
     server = preset.server
     registry = ModelRegistry(preset)
+    for name in server.preload:
+        try:
+            registry.resolve(name, use_default=False)
+        except ModelNotFound as err:
+            raise ConfigError(f"{preset.source}: [server]: key 'preload': {err.message}") from None
     keys = Keys.load(server, preset.source)
     placer = Placer()
     check_budgets(preset.models.values(), server, placer.gpus)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from shared.config import ConfigError, ModelSpec, ServerConfig, format_cores, parse_cores
@@ -68,20 +68,52 @@ def footprint(spec: ModelSpec, gpus: dict[int, GpuMemory]) -> dict[str, float]:
 
 
 def fits(spec: ModelSpec, loaded: Iterable[ModelSpec], server: ServerConfig,
-         gpus: dict[int, GpuMemory]) -> bool:
-    """May ``spec`` start while ``loaded`` run? (``max_loaded_models`` and budgets.)"""
+         gpus: dict[int, GpuMemory], held: dict[str, dict[str, float]] | None = None) -> bool:
+    """May ``spec`` start while ``loaded`` run? (``max_loaded_models`` and budgets.)
+    ``held`` replaces the footprint of some of them (sleeping models: what they still
+    hold)."""
     loaded = [m for m in loaded if m.id != spec.id]
     if server.max_loaded_models and len(loaded) >= server.max_loaded_models:
         return False
     need = footprint(spec, gpus)
+    held = held or {}
     for key, gib in need.items():
         budget = server.memory_budget_gib.get(key)
         if budget is None:
             continue
-        used = sum(footprint(m, gpus).get(key, 0.0) for m in loaded)
+        used = sum(held.get(m.id, footprint(m, gpus)).get(key, 0.0) for m in loaded)
         if used + gib > budget + 1e-9:
             return False
     return True
+
+
+ASLEEP_GIB = 1.0
+"""GPU memory a model asleep at level 1 is taken to hold per GPU (the CUDA context and
+vLLM's buffers; its weights went to CPU memory, its KV cache was freed) when NVML cannot
+say what its processes use."""
+
+
+def nvml_process_memory(pids: set[int]) -> dict[int, float]:
+    """GiB of each GPU that the processes ``pids`` use, as NVML reports it; empty without
+    NVML or a driver."""
+    try:
+        import pynvml  # nvidia-ml-py
+    except ImportError:
+        return {}
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001  # NVMLError: no driver / no GPU
+        return {}
+    try:
+        out: dict[int, float] = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid in pids and proc.usedGpuMemory:
+                    out[i] = out.get(i, 0.0) + proc.usedGpuMemory / GIB
+        return out
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def check_budgets(models: Iterable[ModelSpec], server: ServerConfig,
@@ -104,9 +136,12 @@ class Placer:
     """
 
     def __init__(self, cores: set[int] | None = None,
-                 gpus: dict[int, GpuMemory] | None = None) -> None:
+                 gpus: dict[int, GpuMemory] | None = None,
+                 process_memory: Callable[[set[int]], dict[int, float]] = nvml_process_memory,
+                 ) -> None:
         self.cores = cores if cores is not None else set(os.sched_getaffinity(0))
         self.gpus = gpus if gpus is not None else read_gpus()
+        self.process_memory = process_memory
         self._held: dict[str, set[int]] = {}
         self._gpu_locks: dict[int, asyncio.Lock] = {}
 
@@ -150,6 +185,13 @@ class Placer:
             return None
         per_gpu = spec.memory_gib / len(spec.gpus or [0])
         return round(min(0.95, per_gpu * GIB / min(totals)), 4)
+
+    def held_asleep(self, spec: ModelSpec, pids: set[int]) -> dict[str, float]:
+        """GiB a sleeping model still holds on each of its GPUs: what NVML says its
+        processes use there, else ``ASLEEP_GIB``."""
+        measured = self.process_memory(pids) if pids else {}
+        return {key: measured.get(int(key.split(":")[1]), ASLEEP_GIB)
+                for key in devices(spec) if key.startswith("cuda:")}
 
     def release(self, model_id: str) -> None:
         self._held.pop(model_id, None)

@@ -9,6 +9,7 @@ server's ``default_model``.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,6 +20,10 @@ from shared.config import ModelSpec, Preset
 
 if TYPE_CHECKING:
     from router.link import WorkerLink
+
+DEMAND_SECONDS = 300.0
+"""The window of a model's recent request rate (its eviction cost)."""
+
 
 @dataclass(eq=False)
 class ModelEntry:
@@ -49,7 +54,20 @@ class ModelEntry:
     """Starts after a crash or a failed start."""
     evictions: int = 0
     """Stops to make room for another model."""
+    loads: int = 0
+    """Starts that became ready."""
     placement: dict[str, str] = field(default_factory=dict)
+    keep_alive: float | None = None
+    """The last request's ``keep_alive`` in seconds (negative: forever; 0: stop when idle);
+    ``None``: the preset's ``ttl`` applies."""
+    yield_to: str | None = None
+    """The model this one makes room for after it waited ``swap_wait``: new requests wait
+    (they will load this one again later) and it stops once its requests are done."""
+    room_since: float | None = None
+    """When this model's load began to wait for room; the line for room goes by priority,
+    then by this."""
+    demand: float = 0.0
+    demand_at: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     slots: asyncio.Semaphore | None = None
     """``max_concurrent`` requests served at once; ``None``: no cap."""
@@ -61,6 +79,16 @@ class ModelEntry:
     @property
     def id(self) -> str:
         return self.spec.id
+
+    def note_request(self, now: float) -> None:
+        """Count a request in the model's decaying demand (``request_rate``)."""
+        self.demand = self.demand * math.exp((self.demand_at - now) / DEMAND_SECONDS) + 1.0
+        self.demand_at = now
+
+    def request_rate(self, now: float) -> float:
+        """Recent requests per second, an exponentially weighted average over about
+        ``DEMAND_SECONDS``."""
+        return self.demand * math.exp((self.demand_at - now) / DEMAND_SECONDS) / DEMAND_SECONDS
 
 
 class ModelRegistry:
@@ -135,6 +163,7 @@ class Lease:
         """Holds one of the model's ``max_concurrent`` slots (``Supervisor.acquire``)."""
         entry.leases += 1
         entry.last_used = time.monotonic()
+        entry.note_request(entry.last_used)
 
     def release(self) -> None:
         if self._held:

@@ -39,6 +39,11 @@ log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
 POLL = 0.05  # seconds between looks at state that has no event of its own
 BACKOFF_MAX = 30.0
+ACTIVE_GAP = 2.0
+"""A model used this recently still has clients coming: a model waiting for room does not
+evict it at once, but after ``swap_wait``."""
+UNKNOWN_LOAD_SECONDS = 30.0
+"""A model's load time before one was measured (its eviction cost)."""
 
 
 def _tail(path: Path, lines: int = 20) -> str:
@@ -129,12 +134,31 @@ def engine_phases(log_path: Path, offset: int) -> dict[str, float]:
 
 
 class _Spare:
-    """A started worker process with vLLM imported, waiting on stdin for its model."""
+    """A started worker process with vLLM imported, waiting on stdin for its model. It
+    writes one byte to ``ready_fd``'s pipe once its imports are done."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path, ready_fd: int) -> None:
         self.proc = proc
         self.log_path = log_path
         self.started_at = time.time()
+        self._ready_fd: int | None = ready_fd
+        self.ready = False
+
+    def poll_ready(self) -> bool:
+        """Whether its imports are done (it said so on its pipe)."""
+        if self._ready_fd is not None:
+            try:
+                said = os.read(self._ready_fd, 1)
+            except BlockingIOError:
+                return False
+            self.ready = said == b"1"
+            self.close()
+        return self.ready
+
+    def close(self) -> None:
+        if self._ready_fd is not None:
+            os.close(self._ready_fd)
+            self._ready_fd = None
 
 
 class _Worker:
@@ -177,12 +201,24 @@ class Supervisor:
         """Begin idle reaping and start the ``load_on_startup`` models."""
         self._reaper = asyncio.create_task(self._reap_idle(), name="reaper")
         self._replenish()  # first: a load_on_startup model takes it as it is
+        preload = {self.registry.resolve(name, use_default=False).id
+                   for name in self.server.preload}
         for entry in self.registry:
-            if entry.spec.load_on_startup:
+            if entry.spec.load_on_startup or entry.id in preload:
                 self.start_loading(entry)
 
     def ttl(self, entry: ModelEntry) -> float:
         return entry.spec.ttl if entry.spec.ttl is not None else self.server.ttl
+
+    def idle_limit(self, entry: ModelEntry) -> float | None:
+        """Seconds idle before the model is stopped (or put to sleep); ``None``: never.
+        A request's ``keep_alive`` overrides the preset's ``ttl``; a pinned model stays."""
+        if entry.spec.pinned:
+            return None
+        if entry.keep_alive is not None:
+            return None if entry.keep_alive < 0 else entry.keep_alive
+        ttl = self.ttl(entry)
+        return ttl if ttl > 0 else None
 
     # -- requests ----------------------------------------------------------------------
     async def acquire(self, name: str | None, task: str = "any") -> tuple[Lease, WorkerLink]:
@@ -194,6 +230,8 @@ class Supervisor:
         now = self.acquire_now(name, task)
         if isinstance(now, tuple):
             return now
+        while now.yield_to is not None:  # it makes room for another: wait, unleased
+            await asyncio.sleep(POLL)
         lease = Lease(now)  # before any await: from here on nothing reaps this model
         try:
             await self._take_slot(lease)
@@ -212,7 +250,7 @@ class Supervisor:
             raise BadRequest(f"model '{entry.id}' is {kind}; it cannot serve this endpoint",
                              param="model", code="wrong_model_task")
         slots = entry.slots
-        if (entry.state == "ready" and entry.link is not None
+        if (entry.state == "ready" and entry.link is not None and entry.yield_to is None
                 and (slots is None or not slots.locked())):
             lease = Lease(entry)
             if slots is not None:
@@ -338,19 +376,24 @@ class Supervisor:
 
     async def _start_spare(self) -> None:
         log_path = self.runtime_dir / f"spare{next(_generation)}.log"
+        ready_fd, told_fd = os.pipe()
+        os.set_blocking(ready_fd, False)
         try:
             with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append: no wait
                 proc = await asyncio.create_subprocess_exec(
-                    *self._command(spare=True), stdin=asyncio.subprocess.PIPE,
-                    stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=self.base_env(),
-                    start_new_session=True)
+                    *self._command(spare=True), "--ready-fd", str(told_fd),
+                    stdin=asyncio.subprocess.PIPE, stdout=log_file,
+                    stderr=asyncio.subprocess.STDOUT, env=self.base_env(),
+                    start_new_session=True, pass_fds=(told_fd,))
         except (OSError, ValueError) as err:
+            os.close(ready_fd)
             self._spare_failures += 1
             log.error("could not start a spare worker: %s: %s", type(err).__name__, err)
             return
         finally:
+            os.close(told_fd)
             self._spare_starting = False
-        spare = _Spare(proc, log_path)
+        spare = _Spare(proc, log_path, ready_fd)
         self._spares.append(spare)
         log.info("spare worker pid %d starting", proc.pid)
         self._spawn_task(self._watch_spare(spare))
@@ -361,6 +404,7 @@ class Supervisor:
         if spare not in self._spares:
             return  # it became a worker, or it was stopped
         self._spares.remove(spare)
+        spare.close()
         self._spare_failures += 1
         tail = await asyncio.to_thread(_tail, spare.log_path, 5)
         log.error("spare worker pid %d exited unused with code %s%s\n%s", spare.proc.pid, code,
@@ -375,12 +419,17 @@ class Supervisor:
         a spare's earlier imports may have read."""
         return entry.spec.engine == "vllm" and not set(entry.spec.env) - SPARE_ENV_OK
 
-    def _take_spare(self, entry: ModelEntry) -> _Spare | None:
-        """A live spare for ``entry``'s worker, if one fits it."""
+    async def _take_spare(self, entry: ModelEntry) -> _Spare | None:
+        """A live spare for ``entry``'s worker, if one fits it (one being started is
+        waited for: its process exists within milliseconds)."""
         if not self._spare_fits(entry):
             return None
+        while self._spare_starting and not self._spares:
+            await asyncio.sleep(0.01)
+        self._spares.sort(key=lambda spare: not spare.poll_ready())  # a ready one first
         while self._spares:
             spare = self._spares.pop(0)
+            spare.close()
             if spare.proc.returncode is None:
                 return spare
         return None
@@ -393,29 +442,110 @@ class Supervisor:
                 rss = psutil.Process(spare.proc.pid).memory_info().rss
             except psutil.Error:
                 continue
-            out.append({"pid": spare.proc.pid, "rss_mib": round(rss / 2**20, 1),
+            out.append({"pid": spare.proc.pid, "ready": spare.poll_ready(),
+                        "rss_mib": round(rss / 2**20, 1),
                         "age_seconds": round(time.time() - spare.started_at, 1)})
         return out
 
-    async def _make_room(self, entry: ModelEntry) -> None:
-        """Evict least-recently-used idle models until ``entry`` fits; wait if none is idle.
+    def expected_cost(self, entry: ModelEntry, now: float) -> float:
+        """What evicting ``entry`` is expected to cost: the seconds its next load takes,
+        times how often it is asked for (seconds of loading per second)."""
+        return (entry.load_seconds or UNKNOWN_LOAD_SECONDS) * entry.request_rate(now)
 
-        The waiting model keeps its state (``unloaded``/``failed``; its ``queued`` count
-        shows the wait) and becomes ``loading`` only once it has room."""
-        while True:
-            loaded = [e for e in self.registry if e is not entry
-                      and e.state in ("loading", "ready", "sleeping", "stopping")]
-            if fits(entry.spec, [e.spec for e in loaded], self.server, self.placer.gpus):
-                return
-            idle = [e for e in loaded if e.state in ("ready", "sleeping") and e.leases == 0
-                    and not (e.link is not None and e.link.busy)]
-            if idle:
-                victim = min(idle, key=lambda e: e.last_used)
-                log.info("model %s: evicting idle model %s to make room", entry.id, victim.id)
-                victim.evictions += 1
-                await self.stop(victim)
-            else:
+    async def _held_asleep(self, loaded: list[ModelEntry]) -> dict[str, dict[str, float]]:
+        """What each sleeping model still holds on its GPUs (it counts against the budget
+        by that, not by its full footprint)."""
+        asleep = [e for e in loaded if e.state == "sleeping"]
+        if not asleep:
+            return {}
+        out = {}
+        for e in asleep:
+            worker = self._workers.get(e.id)
+            pids = ({worker.proc.pid, *(p.pid for p in worker.descendants)}
+                    if worker is not None else set())
+            out[e.id] = await asyncio.to_thread(self.placer.held_asleep, e.spec, pids)
+        return out
+
+    def _first_in_line(self, entry: ModelEntry) -> bool:
+        """Of the loads waiting for room, ``entry``'s goes first: highest priority, then
+        the longest wait."""
+        waiting = [e for e in self.registry if e.room_since is not None]
+        return max(waiting, key=lambda e: (e.spec.priority, -(e.room_since or 0))) is entry
+
+    @staticmethod
+    def _idle(entry: ModelEntry) -> bool:
+        return entry.leases == 0 and not (entry.link is not None and entry.link.busy)
+
+    def _victim(self, entry: ModelEntry, loaded: list[ModelEntry],
+                now: float) -> ModelEntry | None:
+        """The model to stop for ``entry``: never a pinned one or one loaded less than its
+        ``min_resident`` ago; one that yields to ``entry`` or sits idle first, a sleeping
+        one before an awake one; then the lowest priority, the lowest ``expected_cost``,
+        the least recently used."""
+        wall = time.time()
+        candidates = [e for e in loaded if e.state in ("ready", "sleeping") and not e.spec.pinned
+                      and wall - (e.loaded_at or 0) >= e.spec.min_resident]
+        if not candidates:
+            return None
+
+        def order(e: ModelEntry) -> tuple[bool, bool, int, float, float]:
+            free = e.yield_to == entry.id or (self._idle(e) and now - e.last_used >= ACTIVE_GAP)
+            return (not free, e.state != "sleeping", e.spec.priority, self.expected_cost(e, now),
+                    e.last_used)
+
+        return min(candidates, key=order)
+
+    def _why(self, victim: ModelEntry, now: float) -> str:
+        rate = victim.request_rate(now)
+        return (f"priority {victim.spec.priority}, expected cost "
+                f"{self.expected_cost(victim, now):.3f} s/s = load "
+                f"{victim.load_seconds or UNKNOWN_LOAD_SECONDS:.1f} s x {rate * 60:.2f} "
+                f"requests/min, idle {now - victim.last_used:.1f} s")
+
+    async def _make_room(self, entry: ModelEntry) -> None:
+        """Stop other models until ``entry`` fits (``_victim`` picks them, one at a time).
+
+        Loads waiting for room form one line (``_first_in_line``). An idle model goes at
+        once; a model still in use keeps serving until ``entry`` has waited
+        ``swap_wait``, then it takes no new requests (``yield_to``), finishes the ones it
+        has and stops: each model serves its queued requests together instead of one swap
+        per request, and no request waits much longer than ``swap_wait`` plus a load. The
+        waiting model keeps its state (its ``queued`` count shows the wait) and becomes
+        ``loading`` only once it has room."""
+        began = entry.room_since = time.monotonic()
+        try:
+            while True:
+                now = time.monotonic()
+                loaded = [e for e in self.registry if e is not entry
+                          and e.state in ("loading", "ready", "sleeping", "stopping")]
+                if self._first_in_line(entry):
+                    if fits(entry.spec, [e.spec for e in loaded], self.server, self.placer.gpus,
+                            await self._held_asleep(loaded)):
+                        return
+                    victim = self._victim(entry, loaded, now)
+                    if victim is not None and self._idle(victim) and (
+                            victim.yield_to == entry.id or now - victim.last_used >= ACTIVE_GAP):
+                        log.info("model %s: evicting %s to make room (%s)", entry.id, victim.id,
+                                 self._why(victim, now))
+                        victim.evictions += 1
+                        await self.stop(victim)
+                        continue
+                    if (victim is not None and victim.yield_to is None
+                            and now - began >= self.server.swap_wait
+                            and victim.spec.priority <= entry.spec.priority):
+                        log.info("model %s: waited %.1f s for room; %s takes no new requests "
+                                 "and stops when its own are done (%s)", entry.id, now - began,
+                                 victim.id, self._why(victim, now))
+                        victim.yield_to = entry.id
+                if now - began >= self.server.load_timeout:
+                    raise ModelUnavailable(f"model '{entry.id}' found no room within "
+                                           f"{self.server.load_timeout:g} s")
                 await asyncio.sleep(POLL)  # room appears when a lease ends or a model stops
+        finally:
+            entry.room_since = None
+            for other in self.registry:  # not needed any more: serve again
+                if other.yield_to == entry.id and other.state in ("ready", "sleeping"):
+                    other.yield_to = None
 
     async def _load(self, entry: ModelEntry) -> WorkerLink:
         # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
@@ -458,7 +588,7 @@ class Supervisor:
         try:
             link = WorkerLink(self._ctx, endpoint, entry.id)
             entry.placement = self.placer.place(entry.spec)
-            spare = self._take_spare(entry)
+            spare = await self._take_spare(entry)
             if spare is not None:  # already running, vLLM imported: give it the model
                 proc = spare.proc
                 spare.log_path.unlink(missing_ok=True)
@@ -514,6 +644,7 @@ class Supervisor:
             entry.loaded_at = time.time()
             entry.last_used = time.monotonic()
             entry.load_seconds = round(entry.last_used - started, 3)
+            entry.loads += 1
             phases = {("spare" if spare else "spawn"):
                       round(max(0.0, info.booted_at - started_wall), 3)} if info.booted_at else {}
             entry.load_phases = {**phases, **info.phases}
@@ -598,10 +729,10 @@ class Supervisor:
 
     # -- idling ------------------------------------------------------------------------
     def _idle_expired(self, entry: ModelEntry, now: float) -> bool:
-        ttl = self.ttl(entry)
-        return (entry.state == "ready" and ttl > 0 and entry.leases == 0
+        limit = self.idle_limit(entry)
+        return (entry.state == "ready" and limit is not None and entry.leases == 0
                 and entry.link is not None and not entry.link.busy
-                and now - entry.last_used >= ttl)
+                and now - entry.last_used >= limit)
 
     async def _reap_idle(self) -> None:
         """Stop (or put to sleep) models idle past their ttl; checked every POLL seconds."""
@@ -666,6 +797,7 @@ class Supervisor:
             await asyncio.wait({load})  # its own cleanup reaps what it started
         worker = self._workers.get(entry.id)
         if worker is None:
+            entry.yield_to = None
             if entry.state != "failed":
                 entry.state = "unloaded"
             return
@@ -703,7 +835,7 @@ class Supervisor:
             log.warning("model %s: worker did not exit within %g s of Shutdown; killing",
                         entry.id, grace)
         await self._reap(entry, worker, "model unloaded")  # kills the group if it lives
-        entry.state = "unloaded"
+        entry.state, entry.yield_to = "unloaded", None
         log.info("model %s: stopped in %.2f s", entry.id, time.monotonic() - began)
 
     async def stop_all(self) -> None:
@@ -712,6 +844,7 @@ class Supervisor:
             self._reaper.cancel()
         spares, self._spares = self._spares, []  # their watchers see them stopped, not dead
         for spare in spares:
+            spare.close()
             kill_tree(spare.proc.pid)
         await asyncio.gather(*(spare.proc.wait() for spare in spares))
         for task in list(self._loads.values()):

@@ -117,6 +117,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The stored responses' JSON, at most; the oldest go first."""
     responses_store_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     """Seconds a stored response is kept after its last write."""
+    swap_wait: Annotated[float, msgspec.Meta(ge=0)] = 40.0
+    """Seconds a model waiting for room lets a busy model (of no higher priority) go on
+    serving its clients; then the busy one takes no new requests, finishes the ones it
+    has and stops. Until then requests for each model are served together, not one swap
+    per request. A model idle for 2 s is evicted at once."""
+    preload: list[str] = []
+    """Models (ids or aliases) to load at start-up, as ``load_on_startup`` does."""
     spare_workers: Annotated[int, msgspec.Meta(ge=0, le=8)] = 1
     """Worker processes kept started with vLLM and torch already imported and no model:
     a load turns one into the model's worker (seconds sooner) and a new one is started
@@ -145,6 +152,13 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_num_seqs: int | None = None
     enforce_eager: bool | None = None
     """Default: true on CPU (torch.compile there takes minutes), false on GPU."""
+    pinned: bool = False
+    """Never evicted for another model and never stopped for idling."""
+    priority: int = 0
+    """Among models waiting for room, the higher loads first; a busy model yields its room
+    (``swap_wait``) only to a model of at least its priority."""
+    min_resident: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Seconds after its load before the model may be evicted for another."""
     fork_engine: bool = True
     """CPU: fork vLLM's EngineCore and executor from the worker, which has vLLM and torch
     imported, instead of spawning them (vLLM's CPU default), which imports both again in
@@ -198,7 +212,7 @@ class Preset(msgspec.Struct, kw_only=True):
     source: str = ""
 
 
-_LIST_KEYS = ("aliases", "gpus", "trusted_proxies")  # comma-separated in INI
+_LIST_KEYS = ("aliases", "gpus", "trusted_proxies", "preload")  # comma-separated in INI
 _AT_RE = re.compile(r"\s*- at `\$((?:\.\w+|\[\d+\])*)`")
 
 

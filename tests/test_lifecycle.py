@@ -69,6 +69,56 @@ def test_load_and_unload_are_idempotent_and_visible(life: RouterProcess) -> None
     assert httpx.post(f"{life.url}/v1/models/load", json={"model": "nope"}).status_code == 404
 
 
+def test_a_load_shows_its_phases_and_a_spare_takes_the_next(life: RouterProcess) -> None:
+    """A spare worker (vLLM imported, no model) becomes the next model's worker; the load
+    then spends nothing on imports, and a new spare is started for the one after."""
+    wait_spare(life)
+    httpx.post(f"{life.url}/v1/models/load", json={"model": "swap-a"}, timeout=600)
+    phases = models(life)["swap-a"]["load_phases"]
+    assert phases["spare"] < 1 and phases["imports"] == 0, phases
+    assert {"model_files", "engine", "weights", "kv_cache_and_warmup"} <= set(phases)
+    assert sum(v for k, v in phases.items() if k not in ("weights", "kv_cache_and_warmup")) \
+        <= models(life)["swap-a"]["load_seconds"] + 0.01
+    wait_spare(life)  # its replacement
+
+
+def wait_spare(r: RouterProcess, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(s["ready"] for s in r.client.get(f"{r.url}/health").json()["spares"]):
+        assert time.monotonic() < deadline, "no spare worker became ready"
+        time.sleep(0.2)
+
+
+def test_keep_alive_0_stops_the_model_after_its_request(life: RouterProcess) -> None:
+    assert chat(life, "swap-a", keep_alive=0).status_code == 200
+    ended = time.monotonic()
+    while models(life)["swap-a"]["state"] != "unloaded":
+        assert time.monotonic() - ended < 3, models(life)["swap-a"]  # reaper 50 ms + stop
+        time.sleep(0.05)
+    assert chat(life, "swap-a", keep_alive="10m").status_code == 200
+    assert models(life)["swap-a"]["keep_alive"] == 600
+
+
+def test_20_loads_and_stops_leave_no_process_behind(life: RouterProcess) -> None:
+    """Each stop takes well under a second and leaves nothing of the worker (nor vLLM's
+    EngineCore and executor); what remains besides loaded workers are the spares."""
+    assert life.proc is not None
+    router = psutil.Process(life.proc.pid)
+    for i in range(10):  # 20 loads in all: each evicts (stops) the one before
+        for model in ("swap-b", "swap-a"):
+            r = httpx.post(f"{life.url}/v1/models/load", json={"model": model}, timeout=600)
+            assert r.status_code == 200, (i, model, life.tail())
+    httpx.post(f"{life.url}/v1/models/unload", json={"model": ["swap-a", "swap-b"]},
+               timeout=60)
+    stops = [float(line.rsplit("stopped in ", 1)[1].split()[0])
+             for line in life.tail(4000).splitlines() if "stopped in " in line]
+    assert len(stops) >= 20 and max(stops[-20:]) < 1.0, stops
+    spares = {s["pid"] for s in life.client.get(f"{life.url}/health").json()["spares"]}
+    left = [p for p in router.children(recursive=True) if p.pid not in spares]
+    _, alive = psutil.wait_procs(left, timeout=5)
+    assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+
+
 def test_alternating_models_under_max_loaded_1_never_cuts_a_stream(life: RouterProcess) -> None:
     loaded_counts: list[int] = []
     stop_sampling = threading.Event()

@@ -134,6 +134,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m worker")
     parser.add_argument("--spare", action="store_true",
                         help="import vLLM and torch first, then wait for a model on stdin")
+    parser.add_argument("--ready-fd", type=int, default=None,
+                        help="with --spare: write one byte here once the imports are done")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args()
@@ -141,6 +143,9 @@ def main() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
     imported_at = _import_vllm() if args.spare else 0.0
+    if args.ready_fd is not None:
+        os.write(args.ready_fd, b"1")
+        os.close(args.ready_fd)
     boot = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerBoot)
     phases = Phases(imported_at)
     if boot.log_path:

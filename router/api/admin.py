@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from starlette.requests import Request
@@ -21,7 +21,8 @@ from router.supervisor import Supervisor
 
 
 class ModelAction(msgspec.Struct, kw_only=True):
-    model: str
+    model: str | Annotated[list[str], msgspec.Meta(min_length=1, max_length=64)]
+    """One model, or several (answered as a list, in this order)."""
     wait: bool = True
     force: bool = False
 
@@ -51,6 +52,9 @@ class AdminAPI:
             "device": entry.spec.device,
             "pid": entry.pid, "in_flight": entry.leases, "queued": entry.queued,
             "ttl": self.supervisor.ttl(entry), "failures": entry.failures,
+            "loads": entry.loads, "evictions": entry.evictions,
+            "keep_alive": entry.keep_alive, "pinned": entry.spec.pinned or None,
+            "priority": entry.spec.priority or None,
             "max_model_len": entry.max_model_len, "load_seconds": entry.load_seconds,
             "load_phases": entry.load_phases or None,
             "loaded_at": int(entry.loaded_at) if entry.loaded_at else None,
@@ -80,21 +84,39 @@ class AdminAPI:
                 pass  # worker busy or gone; the state field tells the rest
         return JSONResponse(body)
 
+    def _entries(self, body: ModelAction) -> list[ModelEntry]:
+        """Every named model, or a 404 before anything is done."""
+        names = [body.model] if isinstance(body.model, str) else body.model
+        return list({e.id: e for e in (self.registry.resolve(n, use_default=False)
+                                       for n in names)}.values())
+
+    def _answer(self, body: ModelAction, entries: list[ModelEntry],
+                status: int = 200) -> Response:
+        if isinstance(body.model, str):
+            return JSONResponse(self.model_object(entries[0]), status_code=status)
+        return JSONResponse({"object": "list", "data": [self.model_object(e) for e in entries]},
+                            status_code=status)
+
     async def load(self, request: Request) -> Response:
+        """Load one model or several, in order (each may evict the one before it when
+        they do not fit together); ``"wait": false`` answers 202 at once."""
         body = await read_body(request, ModelAction, self.max_body_bytes)
-        entry = self.registry.resolve(body.model, use_default=False)
-        if not body.wait and entry.state != "ready":
-            self.supervisor.start_loading(entry)
-            return JSONResponse(self.model_object(entry), status_code=202)
-        lease, _ = await self.supervisor.acquire(entry.id)
-        lease.release()
-        return JSONResponse(self.model_object(entry))
+        entries = self._entries(body)
+        if not body.wait and any(e.state != "ready" for e in entries):
+            for entry in entries:
+                if entry.state != "ready":
+                    self.supervisor.start_loading(entry)
+            return self._answer(body, entries, 202)
+        for entry in entries:
+            lease, _ = await self.supervisor.acquire(entry.id)
+            lease.release()
+        return self._answer(body, entries)
 
     async def unload(self, request: Request) -> Response:
         body = await read_body(request, ModelAction, self.max_body_bytes)
-        entry = self.registry.resolve(body.model, use_default=False)
-        await self.supervisor.stop(entry, force=body.force)
-        return JSONResponse(self.model_object(entry))
+        entries = self._entries(body)
+        await asyncio.gather(*(self.supervisor.stop(e, force=body.force) for e in entries))
+        return self._answer(body, entries)
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok",

@@ -130,9 +130,12 @@ RESPONSES: dict[str, Schema] = {
                    "pid": _INT, "in_flight": _INT, "queued": _INT, "ttl": _NUM,
                    "failures": _INT, "max_model_len": _INT, "load_seconds": _NUM,
                    "load_phases": {"type": "object", "additionalProperties": _NUM},
+                   "loads": _INT, "evictions": _INT, "keep_alive": _NUM,
+                   "pinned": {"type": "boolean"}, "priority": _INT,
                    "loaded_at": _INT, "idle_seconds": _NUM, "placement": {"type": "object"},
                    "exit_code": _INT, "error": _STR, "worker_in_flight": _INT}),
     "ModelList": _obj({"object": _const("list"), "data": _array(_ref("Model"))}),
+    "ModelOrList": {"anyOf": [_ref("Model"), _ref("ModelList")]},
     "AnthropicError": _obj({"type": _const("error"),
                             "error": _obj({"type": _STR, "message": _STR})}),
     "AnthropicMessage": _obj({
@@ -179,7 +182,8 @@ RESPONSES: dict[str, Schema] = {
                              "deleted": {"type": "boolean"}}),
     "Health": _obj({"status": _STR,
                     "models": {"type": "object", "additionalProperties": _STR},
-                    "spares": _array(_obj({"pid": _INT, "rss_mib": _NUM,
+                    "spares": _array(_obj({"pid": _INT, "ready": {"type": "boolean"},
+                                           "rss_mib": _NUM,
                                            "age_seconds": _NUM})),
                     "tasks": _INT}),
 }
@@ -273,10 +277,12 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/models/{model_id}"): Operation(
         "One model by exact id (aliases are for requests)", None, "Model"),
     ("POST", "/v1/models/load"): Operation(
-        "Start a model's worker; with `\"wait\": false` answer 202 at once", ModelAction,
-        "Model", accepted=True),
+        "Start a model's worker (or several, given a list, in order); with `\"wait\": "
+        "false` answer 202 at once", ModelAction,
+        "ModelOrList", accepted=True),
     ("POST", "/v1/models/unload"): Operation(
-        "Stop a model's worker (drain, or `\"force\": true`)", ModelAction, "Model"),
+        "Stop a model's worker, or several (drain, or `\"force\": true`)", ModelAction,
+        "ModelOrList"),
     ("GET", "/health"): Operation("Liveness and every model's state (never needs a key)",
                                   None, "Health"),
     ("GET", "/metrics"): Operation("Prometheus metrics (text exposition format)", text=True),

@@ -80,24 +80,27 @@ class Relay:
     async def generate(self, request: Request, endpoint: str, model: str | None,
                        gens: list[Generate], streaming: bool,
                        shaper_for: Callable[[str], Shaper], *,
-                       keepalive: bytes = b"") -> Response:
+                       keepalive: bytes = b"", keep_alive: float | None = None) -> Response:
         """Relay ``gens`` (one client request) and answer as ``shaper_for(model id)`` shapes it.
 
         A stream for a model that is not ready yet begins at once when the protocol gives
         a ``keepalive`` event (Anthropic's ``ping``): the client sees it every few seconds
-        while the model loads, and a failure to start then arrives in-band.
+        while the model loads, and a failure to start then arrives in-band. ``keep_alive``
+        (seconds; the request's own) replaces the model's idle ttl from now on.
         """
         usage = Usage()
         if streaming and keepalive:
             now = self._now(endpoint, model, "generate", True, usage)
             if not isinstance(now, tuple):
                 body = self._cold_stream(now.id, model, gens, shaper_for(now.id), keepalive,
-                                         usage, endpoint)
+                                         usage, endpoint, keep_alive)
                 return EventStream(body, self.supervisor.server.send_timeout)
             lease, link = now
         else:
             lease, link = await self._acquire(request, endpoint, model, "generate", streaming,
                                               usage)
+        if keep_alive is not None:
+            lease.entry.keep_alive = keep_alive
         stream, first = await self._start(lease, link, gens, usage, endpoint, streaming, request)
         shaper = shaper_for(lease.entry.id)
         if streaming:
@@ -142,7 +145,8 @@ class Relay:
 
     async def _cold_stream(self, model_id: str, model: str | None, gens: list[Generate],
                            shaper: Shaper, keepalive: bytes, usage: Usage,
-                           endpoint: str) -> AsyncGenerator[bytes, None]:
+                           endpoint: str, keep_alive: float | None
+                           ) -> AsyncGenerator[bytes, None]:
         """A stream that begins before its model is ready: ``keepalive`` until it is, then
         as ``_stream``. A client that leaves meanwhile cancels the wait (and its place)."""
         waiting = asyncio.ensure_future(self.supervisor.acquire(model, "generate"))
@@ -165,6 +169,8 @@ class Relay:
             self._log(endpoint, model_id, True, err.status, usage)
             yield shaper.error_event(err)
             return
+        if keep_alive is not None:
+            lease.entry.keep_alive = keep_alive
         try:
             stream, first = await self._start(lease, link, gens, usage, endpoint, True, None)
         except APIError as err:

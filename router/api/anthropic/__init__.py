@@ -26,6 +26,7 @@ from router.api.anthropic.schema import (
     tools,
 )
 from router.api.anthropic.shaper import PING, MessagesShaper
+from router.api.openai.schema import keep_alive_seconds
 from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body, request_id
 from router.link import WorkerLink
@@ -46,7 +47,8 @@ class AnthropicAPI:
         stops = gen.sampling.stop
         return await self.relay.generate(
             request, "messages", req.model, [gen], req.stream,
-            lambda model: MessagesShaper(mid, model, stops), keepalive=PING)
+            lambda model: MessagesShaper(mid, model, stops), keepalive=PING,
+            keep_alive=keep_alive_seconds(req.keep_alive))
 
     async def count_tokens(self, request: Request) -> Response:
         """Exact: the model's own template renders the conversation with its tools, as a

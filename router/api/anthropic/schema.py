@@ -112,6 +112,8 @@ class MessagesRequest(_Conversation, kw_only=True):
     metadata: Any = None
     output_format: JsonFormat | None = None
     """The structured-outputs beta's place for ``output_config.format``."""
+    keep_alive: str | float | None = None
+    """Ollama's: how long the model stays loaded after this request."""
 
 
 def _fail(message: str, param: str) -> BadRequest:

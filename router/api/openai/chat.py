@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.api.openai.schema import ChatCompletionRequest, chat_generate
+from router.api.openai.schema import ChatCompletionRequest, chat_generate, keep_alive_seconds
 from router.api.openai.shapes import OpenAIShaper, logprob_items, usage_body
 from router.api.relay import Relay
 from router.api.sse import encode_json
@@ -153,5 +153,6 @@ async def chat_completions(relay: Relay, request: Request, max_body: int) -> Res
     return await relay.generate(
         request, "chat", req.model, [gen], req.stream,
         lambda model: ChatShaper(rid, model, gen.sampling.n, req.logprobs, include_usage,
-                                 legacy))
+                                 legacy),
+        keep_alive=keep_alive_seconds(req.keep_alive))
 

@@ -12,6 +12,7 @@ from router.api.openai.schema import (
     MAX_CHOICES,
     CompletionRequest,
     completion_sampling,
+    keep_alive_seconds,
     text_or_token_lists,
 )
 from router.api.openai.shapes import OpenAIShaper, usage_body
@@ -128,4 +129,5 @@ async def completions(relay: Relay, request: Request, max_body: int) -> Response
     return await relay.generate(
         request, "completions", req.model, gens, req.stream,
         lambda model: CompletionShaper(rid, model, n_choices, req.logprobs is not None,
-                                       echo, sampling.n, include_usage))
+                                       echo, sampling.n, include_usage),
+        keep_alive=keep_alive_seconds(req.keep_alive))

@@ -10,6 +10,7 @@ and vLLM do.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 import msgspec
@@ -124,10 +125,37 @@ class StructuredOutputs(msgspec.Struct, kw_only=True):
     grammar: str | None = None
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: str | float | None, param: str = "keep_alive") -> float | None:
+    """Ollama's per-request ``keep_alive``: seconds as a number, or a duration such as
+    ``"10m"``, ``"1h30m"``, ``"45s"``; negative: keep the model loaded for good; 0: stop
+    it once this request is done. ``None``: not given."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else float(value)
+    text = value.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    if body and all(c.isdigit() or c == "." for c in body):
+        try:
+            return sign * float(body)
+        except ValueError:
+            pass  # "1.2.3": the message below
+    parts = _DURATION.findall(body)
+    if not body or "".join(n + u for n, u in parts) != body:
+        raise BadRequest(f"'{param}' must be seconds or a duration such as '10m' or '1h', "
+                         f"got '{value}'", param=param, code="invalid_value")
+    return sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+
+
 class _Sampling(msgspec.Struct, kw_only=True):
     """Fields shared by chat and completions (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
+    keep_alive: str | float | None = None
+    """Ollama's: how long the model stays loaded after this request (``keep_alive_seconds``)."""
     temperature: float | None = None
     top_p: float | None = None
     n: Int64 = 1

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.api.openai.schema import keep_alive_seconds
 from router.api.relay import Relay, protocol_route
 from router.api.responses.background import BackgroundRuns
 from router.api.responses.schema import (
@@ -126,7 +127,8 @@ class ResponsesAPI:
             return self._start_background(req.model, gen, shaper, kept)
         try:
             return await self.relay.generate(request, ENDPOINT, req.model, [gen], req.stream,
-                                             shaper.bind)
+                                             shaper.bind,
+                                             keep_alive=keep_alive_seconds(req.keep_alive))
         except APIError as err:
             raise _as_input(err) from None
 

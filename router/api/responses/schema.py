@@ -132,6 +132,8 @@ class CreateResponseRequest(ResponseInput, kw_only=True):
     stream: bool = False
     store: bool | None = None
     background: bool | None = None
+    keep_alive: str | float | None = None
+    """Ollama's: how long the model stays loaded after this request."""
     max_output_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
