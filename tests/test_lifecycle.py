@@ -32,6 +32,7 @@ server:
   max_queue_depth: 500
   send_timeout: 2
   send_buffer_bytes: 65536
+  spare_workers: 2   # 20 loads in a row use them up faster than one is replaced
 models:
   blinky: {model: "builtin:smollm2", ttl: 1, max_model_len: 512}
   swap-a: {model: "builtin:smollm2", max_model_len: 512}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -144,7 +145,8 @@ def main() -> None:
     _die_with_parent()
     imported_at = _import_vllm() if args.spare else 0.0
     if args.ready_fd is not None:
-        os.write(args.ready_fd, b"1")
+        with contextlib.suppress(OSError):  # the router stopped listening: it gave us a model
+            os.write(args.ready_fd, b"1")
         os.close(args.ready_fd)
     boot = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerBoot)
     phases = Phases(imported_at)
