@@ -104,10 +104,6 @@ def group_members(pgid: int, born_after: float, born_before: float) -> list[psut
     return found
 
 
-SPARE_ENV_OK = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"})
-"""Variables of a model's ``env`` that a spare still honours: its libraries read them when
-they use them. Others (``HF_HOME``, ``HF_HUB_OFFLINE`` ...) may be read at import, which a
-spare did before it knew its model, so such a model gets a fresh process."""
 SPARE_FAILURES_MAX = 3  # spares that die unused before any more are started
 
 _ENGINE_LINES = (
@@ -415,9 +411,12 @@ class Supervisor:
 
     @staticmethod
     def _spare_fits(entry: ModelEntry) -> bool:
-        """A spare can become ``entry``'s worker: a vLLM model whose ``env`` holds nothing
-        a spare's earlier imports may have read."""
-        return entry.spec.engine == "vllm" and not set(entry.spec.env) - SPARE_ENV_OK
+        """A spare can become ``entry``'s worker: a vLLM model without an ``env`` of its
+        own. Libraries read some variables at import (``HF_HOME``, ``HF_HUB_OFFLINE``),
+        which a spare did before it knew its model, and a variable set afterwards is not
+        in its process environment as ``/proc`` shows it; such a model gets a fresh
+        process, which has its environment from the start."""
+        return entry.spec.engine == "vllm" and not entry.spec.env
 
     async def _take_spare(self, entry: ModelEntry) -> _Spare | None:
         """A live spare for ``entry``'s worker, if one fits it (one being started is

@@ -211,7 +211,9 @@ CASES = [
     case("load-model-int", LOAD, {"model": 1}, status=400),
     case("load-wait-string", LOAD, {"model": "smollm2", "wait": "yes"}, status=400),
     case("load-model-null", LOAD, {"model": None}, status=400),
-    case("unload-model-list", UNLOAD, {"model": ["smollm2"]}, status=400),
+    case("unload-model-list-of-ints", UNLOAD, {"model": [1]}, status=400),
+    case("unload-model-empty-list", UNLOAD, {"model": []}, status=400),
+    case("load-model-unknown-in-list", LOAD, {"model": ["smollm2", "nope"]}, status=404),
     case("unload-force-string", UNLOAD, {"model": "smollm2", "force": "yes"}, status=400),
     case("unload-bad-json", UNLOAD, b"{model: smollm2}", status=400),
     # -- content types, sizes ----------------------------------------------------------

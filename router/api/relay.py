@@ -147,10 +147,12 @@ class Relay:
                            shaper: Shaper, keepalive: bytes, usage: Usage,
                            endpoint: str, keep_alive: float | None
                            ) -> AsyncGenerator[bytes, None]:
-        """A stream that begins before its model is ready: ``keepalive`` until it is, then
-        as ``_stream``. A client that leaves meanwhile cancels the wait (and its place)."""
+        """A stream that begins before its model is ready: ``keepalive`` at once and every
+        ``keepalive_every`` seconds until it is, then as ``_stream``. A client that leaves
+        meanwhile cancels the wait (and its place)."""
         waiting = asyncio.ensure_future(self.supervisor.acquire(model, "generate"))
         try:
+            yield keepalive  # at once: the client knows the request is taken
             while not waiting.done():
                 await asyncio.wait((waiting,), timeout=self.keepalive_every)
                 if not waiting.done():
