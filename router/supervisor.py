@@ -32,7 +32,16 @@ import zmq
 from router.errors import APIError, BadRequest, ModelUnavailable, TooManyRequests, WorkerLost
 from router.link import WorkerLink
 from router.placement import Placer, fits
+from router.processes import (
+    descendants,
+    engine_phases,
+    group_members,
+    kill_tree,
+    log_tail,
+    signal_all,
+)
 from router.registry import Lease, ModelEntry, ModelRegistry
+from router.spares import Spare, SparePool
 from shared.config import ServerConfig, WorkerBoot
 
 log = logging.getLogger("modelyard.router")
@@ -46,115 +55,9 @@ UNKNOWN_LOAD_SECONDS = 30.0
 """A model's load time before one was measured (its eviction cost)."""
 
 
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 16384))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
 def backoff_seconds(failures: int) -> float:
     """0 before the first failure, then 0.5 s, 1 s, 2 s, … up to 30 s."""
     return 0.0 if failures <= 0 else min(BACKOFF_MAX, 0.5 * 2 ** (failures - 1))
-
-
-def descendants(pid: int) -> list[psutil.Process]:
-    """A process's descendants as psutil objects, which refuse to signal a recycled pid."""
-    try:
-        found: list[psutil.Process] = psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
-    return found
-
-
-def signal_all(processes: list[psutil.Process], sig: int) -> None:
-    for process in processes:
-        try:
-            process.send_signal(sig)
-        except psutil.Error:
-            pass  # exited already, or its pid now names another process: leave it
-
-
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal a worker's process group and any descendant that left it. Only for a worker
-    not yet waited for: until then its pid, the group's id, cannot name anyone else."""
-    children = descendants(pid)
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass  # group already gone
-    signal_all(children, sig)
-
-
-def group_members(pgid: int, born_after: float, born_before: float) -> list[psutil.Process]:
-    """Processes left in a dead worker's group (an EngineCore it started). Born while the
-    worker lived: a stranger that later got the worker's pid as its group id is not."""
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if (os.getpgid(process.pid) == pgid
-                    and born_after - 1 <= process.create_time() <= born_before):
-                found.append(process)
-        except (psutil.Error, OSError):
-            pass  # gone while we looked, or not ours to see
-    return found
-
-
-SPARE_FAILURES_MAX = 3  # spares that die unused before any more are started
-
-_ENGINE_LINES = (
-    ("weights", re.compile(rb"Loading weights took ([\d.]+) s")),
-    ("kv_cache_and_warmup",
-     re.compile(rb"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")),
-)
-
-
-def engine_phases(log_path: Path, offset: int) -> dict[str, float]:
-    """The engine's own timings of a start, from what vLLM logged after ``offset``."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(offset)
-            text = f.read(8 << 20)
-    except OSError:
-        return {}
-    found = {}
-    for name, pattern in _ENGINE_LINES:
-        match = pattern.search(text)
-        if match:
-            found[name] = float(match.group(1))
-    return found
-
-
-class _Spare:
-    """A started worker process with vLLM imported, waiting on stdin for its model. It
-    writes one byte to ``ready_fd``'s pipe once its imports are done."""
-
-    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path, ready_fd: int) -> None:
-        self.proc = proc
-        self.log_path = log_path
-        self.started_at = time.time()
-        self._ready_fd: int | None = ready_fd
-        self.ready = False
-
-    def poll_ready(self) -> bool:
-        """Whether its imports are done (it said so on its pipe)."""
-        if self._ready_fd is not None:
-            try:
-                said = os.read(self._ready_fd, 1)
-            except BlockingIOError:
-                return False
-            self.ready = said == b"1"
-            self.close()
-        return self.ready
-
-    def close(self) -> None:
-        if self._ready_fd is not None:
-            os.close(self._ready_fd)
-            self._ready_fd = None
 
 
 class _Worker:
@@ -183,10 +86,8 @@ class Supervisor:
         self._wakes: dict[str, asyncio.Task[None]] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self._spares: list[_Spare] = []
-        self._spare_starting = False
-        self._spare_failures = 0
-        self._closing = False
+        self.spares = SparePool(server.spare_workers, registry, runtime_dir,
+                                self._command(spare=True), self.base_env, self._spawn_task)
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -196,7 +97,7 @@ class Supervisor:
     def start(self) -> None:
         """Begin idle reaping and start the ``load_on_startup`` models."""
         self._reaper = asyncio.create_task(self._reap_idle(), name="reaper")
-        self._replenish()  # first: a load_on_startup model takes it as it is
+        self.spares.replenish()  # first: a load_on_startup model takes it as it is
         preload = {self.registry.resolve(name, use_default=False).id
                    for name in self.server.preload}
         for entry in self.registry:
@@ -359,93 +260,6 @@ class Supervisor:
         ``env``, its placement (the only part shown in ``/v1/models`` and logs)."""
         return {**self.base_env(), **entry.spec.env, **entry.placement}
 
-    # -- spares ------------------------------------------------------------------------
-    def _replenish(self) -> None:
-        """Keep ``spare_workers`` spares, started one at a time in the background."""
-        if (self._spare_starting or self._closing
-                or len(self._spares) >= self.server.spare_workers
-                or self._spare_failures >= SPARE_FAILURES_MAX
-                or not any(self._spare_fits(e) for e in self.registry)):
-            return
-        self._spare_starting = True
-        self._spawn_task(self._start_spare())
-
-    async def _start_spare(self) -> None:
-        log_path = self.runtime_dir / f"spare{next(_generation)}.log"
-        ready_fd, told_fd = os.pipe()
-        os.set_blocking(ready_fd, False)
-        try:
-            with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append: no wait
-                proc = await asyncio.create_subprocess_exec(
-                    *self._command(spare=True), "--ready-fd", str(told_fd),
-                    stdin=asyncio.subprocess.PIPE, stdout=log_file,
-                    stderr=asyncio.subprocess.STDOUT, env=self.base_env(),
-                    start_new_session=True, pass_fds=(told_fd,))
-        except (OSError, ValueError) as err:
-            os.close(ready_fd)
-            self._spare_failures += 1
-            log.error("could not start a spare worker: %s: %s", type(err).__name__, err)
-            return
-        finally:
-            os.close(told_fd)
-            self._spare_starting = False
-        spare = _Spare(proc, log_path, ready_fd)
-        self._spares.append(spare)
-        log.info("spare worker pid %d starting", proc.pid)
-        self._spawn_task(self._watch_spare(spare))
-        self._replenish()
-
-    async def _watch_spare(self, spare: _Spare) -> None:
-        code = await spare.proc.wait()
-        if spare not in self._spares:
-            return  # it became a worker, or it was stopped
-        self._spares.remove(spare)
-        spare.close()
-        self._spare_failures += 1
-        tail = await asyncio.to_thread(_tail, spare.log_path, 5)
-        log.error("spare worker pid %d exited unused with code %s%s\n%s", spare.proc.pid, code,
-                  "; no more spares are started" if self._spare_failures >= SPARE_FAILURES_MAX
-                  else "", tail)
-        await asyncio.to_thread(self._kill_leftovers, spare.proc.pid, spare.started_at, [])
-        self._replenish()
-
-    @staticmethod
-    def _spare_fits(entry: ModelEntry) -> bool:
-        """A spare can become ``entry``'s worker: a vLLM model without an ``env`` of its
-        own. Libraries read some variables at import (``HF_HOME``, ``HF_HUB_OFFLINE``),
-        which a spare did before it knew its model, and a variable set afterwards is not
-        in its process environment as ``/proc`` shows it; such a model gets a fresh
-        process, which has its environment from the start."""
-        return entry.spec.engine == "vllm" and not entry.spec.env
-
-    async def _take_spare(self, entry: ModelEntry) -> _Spare | None:
-        """A live spare for ``entry``'s worker, if one fits it (one being started is
-        waited for: its process exists within milliseconds)."""
-        if not self._spare_fits(entry):
-            return None
-        while self._spare_starting and not self._spares:
-            await asyncio.sleep(0.01)
-        self._spares.sort(key=lambda spare: not spare.poll_ready())  # a ready one first
-        while self._spares:
-            spare = self._spares.pop(0)
-            spare.close()
-            if spare.proc.returncode is None:
-                return spare
-        return None
-
-    def spares(self) -> list[dict[str, Any]]:
-        """The spares' pids and resident memory (``/health``)."""
-        out = []
-        for spare in self._spares:
-            try:
-                rss = psutil.Process(spare.proc.pid).memory_info().rss
-            except psutil.Error:
-                continue
-            out.append({"pid": spare.proc.pid, "ready": spare.poll_ready(),
-                        "rss_mib": round(rss / 2**20, 1),
-                        "age_seconds": round(time.time() - spare.started_at, 1)})
-        return out
-
     def expected_cost(self, entry: ModelEntry, now: float) -> float:
         """What evicting ``entry`` is expected to cost: the seconds its next load takes,
         times how often it is asked for (seconds of loading per second)."""
@@ -583,11 +397,11 @@ class Supervisor:
         log_path = self.runtime_dir / f"{safe}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
         link: WorkerLink | None = None
-        spare: _Spare | None = None
+        spare: Spare | None = None
         try:
             link = WorkerLink(self._ctx, endpoint, entry.id)
             entry.placement = self.placer.place(entry.spec)
-            spare = await self._take_spare(entry)
+            spare = await self.spares.take(entry)
             if spare is not None:  # already running, vLLM imported: give it the model
                 proc = spare.proc
                 spare.log_path.unlink(missing_ok=True)
@@ -650,7 +464,7 @@ class Supervisor:
             worker.descendants = descendants(proc.pid)
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
             self._spawn_task(self._log_ready(entry, worker, offset))
-            self._replenish()  # the spare's place, now that the start no longer needs the CPU
+            self.spares.replenish()  # the spare's place, now the start no longer needs the CPU
             return link
         ready.cancel()
         exited.cancel()
@@ -659,7 +473,7 @@ class Supervisor:
                   f"worker exited with code {proc.returncode}" if proc.returncode is not None
                   else f"worker did not become ready within {self.server.load_timeout:g} s")
         await self._reap(entry, worker, reason)
-        tail = await asyncio.to_thread(_tail, log_path)
+        tail = await asyncio.to_thread(log_tail, log_path)
         self._failed(entry, reason, tail, proc.returncode)
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
@@ -698,7 +512,7 @@ class Supervisor:
         self._failed(entry, reason, "", code, served=worker.link.completed > 0)
         entry.link = None
         await self._reap(entry, worker, reason)
-        tail = await asyncio.to_thread(_tail, worker.log_path)
+        tail = await asyncio.to_thread(log_tail, worker.log_path)
         if entry.state == "failed" and entry.exit_code == code:
             entry.error = f"{reason}\n{tail}".strip()
 
@@ -838,14 +652,9 @@ class Supervisor:
         log.info("model %s: stopped in %.2f s", entry.id, time.monotonic() - began)
 
     async def stop_all(self) -> None:
-        self._closing = True
         if self._reaper is not None:
             self._reaper.cancel()
-        spares, self._spares = self._spares, []  # their watchers see them stopped, not dead
-        for spare in spares:
-            spare.close()
-            kill_tree(spare.proc.pid)
-        await asyncio.gather(*(spare.proc.wait() for spare in spares))
+        await self.spares.close()
         for task in list(self._loads.values()):
             task.cancel()
         await asyncio.gather(*(self.stop(e) for e in self.registry

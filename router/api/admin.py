@@ -121,5 +121,5 @@ class AdminAPI:
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok",
                              "models": {e.id: e.state for e in self.registry},
-                             "spares": self.supervisor.spares(),
+                             "spares": self.supervisor.spares.describe(),
                              "tasks": len(asyncio.all_tasks())})

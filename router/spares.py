@@ -1,0 +1,169 @@
+"""``SparePool``: worker processes kept started with vLLM and torch imported and no model.
+
+A spare is ``python -m worker --spare``: it imports, writes one byte to its ready pipe,
+then blocks reading its ``WorkerBoot`` on stdin. ``take`` hands one to a load (the
+supervisor writes the boot); ``replenish`` starts another, one at a time, in the
+background. A spare that dies unused is logged and replaced, up to ``FAILURES_MAX``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from router.processes import group_members, kill_tree, log_tail, signal_all
+from router.registry import ModelEntry, ModelRegistry
+
+log = logging.getLogger("modelyard.router")
+FAILURES_MAX = 3  # spares that die unused before any more are started
+
+
+class Spare:
+    """A started worker process with vLLM imported, waiting on stdin for its model. It
+    writes one byte to ``ready_fd``'s pipe once its imports are done."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path, ready_fd: int) -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self.started_at = time.time()
+        self._ready_fd: int | None = ready_fd
+        self.ready = False
+
+    def poll_ready(self) -> bool:
+        """Whether its imports are done (it said so on its pipe)."""
+        if self._ready_fd is not None:
+            try:
+                said = os.read(self._ready_fd, 1)
+            except BlockingIOError:
+                return False
+            self.ready = said == b"1"
+            self.close()
+        return self.ready
+
+    def close(self) -> None:
+        if self._ready_fd is not None:
+            os.close(self._ready_fd)
+            self._ready_fd = None
+
+
+class SparePool:
+    """Up to ``size`` spares for the models of ``registry`` that can use one."""
+
+    def __init__(self, size: int, registry: ModelRegistry, runtime_dir: Path,
+                 command: list[str], env: Callable[[], dict[str, str]],
+                 spawn_task: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+        self.size = size
+        self.registry = registry
+        self.runtime_dir = runtime_dir
+        self.command = command
+        self.env = env
+        self._spawn_task = spawn_task
+        self._spares: list[Spare] = []
+        self._starting = False
+        self._failures = 0
+        self._closing = False
+        self._count = 0
+
+    @staticmethod
+    def fits(entry: ModelEntry) -> bool:
+        """A spare can become ``entry``'s worker: a vLLM model without an ``env`` of its
+        own. Libraries read some variables at import (``HF_HOME``, ``HF_HUB_OFFLINE``),
+        which a spare did before it knew its model, and a variable set afterwards is not
+        in its process environment as ``/proc`` shows it; such a model gets a fresh
+        process, which has its environment from the start."""
+        return entry.spec.engine == "vllm" and not entry.spec.env
+
+    def replenish(self) -> None:
+        """Keep ``size`` spares, started one at a time in the background."""
+        if (self._starting or self._closing or len(self._spares) >= self.size
+                or self._failures >= FAILURES_MAX
+                or not any(self.fits(e) for e in self.registry)):
+            return
+        self._starting = True
+        self._spawn_task(self._start())
+
+    async def _start(self) -> None:
+        self._count += 1
+        log_path = self.runtime_dir / f"spare{self._count}.log"
+        ready_fd, told_fd = os.pipe()
+        os.set_blocking(ready_fd, False)
+        try:
+            with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append: no wait
+                proc = await asyncio.create_subprocess_exec(
+                    *self.command, "--ready-fd", str(told_fd),
+                    stdin=asyncio.subprocess.PIPE, stdout=log_file,
+                    stderr=asyncio.subprocess.STDOUT, env=self.env(),
+                    start_new_session=True, pass_fds=(told_fd,))
+        except (OSError, ValueError) as err:
+            os.close(ready_fd)
+            self._failures += 1
+            log.error("could not start a spare worker: %s: %s", type(err).__name__, err)
+            return
+        finally:
+            os.close(told_fd)
+            self._starting = False
+        spare = Spare(proc, log_path, ready_fd)
+        self._spares.append(spare)
+        log.info("spare worker pid %d starting", proc.pid)
+        self._spawn_task(self._watch(spare))
+        self.replenish()
+
+    async def _watch(self, spare: Spare) -> None:
+        code = await spare.proc.wait()
+        if spare not in self._spares:
+            return  # it became a worker, or it was stopped
+        self._spares.remove(spare)
+        spare.close()
+        self._failures += 1
+        last = await asyncio.to_thread(log_tail, spare.log_path, 5)
+        log.error("spare worker pid %d exited unused with code %s%s\n%s", spare.proc.pid, code,
+                  "; no more spares are started" if self._failures >= FAILURES_MAX else "",
+                  last)
+        await asyncio.to_thread(lambda: signal_all(group_members(
+            spare.proc.pid, spare.started_at, time.time()), signal.SIGKILL))
+        self.replenish()
+
+    async def take(self, entry: ModelEntry) -> Spare | None:
+        """A live spare for ``entry``'s worker, if one fits it (one being started is
+        waited for: its process exists within milliseconds); a ready one first."""
+        if not self.fits(entry):
+            return None
+        while self._starting and not self._spares:
+            await asyncio.sleep(0.01)
+        self._spares.sort(key=lambda spare: not spare.poll_ready())
+        while self._spares:
+            spare = self._spares.pop(0)
+            spare.close()
+            if spare.proc.returncode is None:
+                return spare
+        return None
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The spares' pids, readiness and resident memory (``/health``)."""
+        out = []
+        for spare in self._spares:
+            try:
+                rss = psutil.Process(spare.proc.pid).memory_info().rss
+            except psutil.Error:
+                continue
+            out.append({"pid": spare.proc.pid, "ready": spare.poll_ready(),
+                        "rss_mib": round(rss / 2**20, 1),
+                        "age_seconds": round(time.time() - spare.started_at, 1)})
+        return out
+
+    async def close(self) -> None:
+        """Stop every spare (the server is stopping); start no more."""
+        self._closing = True
+        spares, self._spares = self._spares, []  # their watchers see them stopped, not dead
+        for spare in spares:
+            spare.close()
+            kill_tree(spare.proc.pid)
+        await asyncio.gather(*(spare.proc.wait() for spare in spares))
