@@ -10,7 +10,9 @@ PIP    := $(PY) -m pip install --disable-pip-version-check -q
 install: $(STAMP)
 
 # Idempotent: redone only when the project's dependency files change.
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile system-packages.txt
+	@missing=$$(grep -v '^#' system-packages.txt | while read -r p; do [ -z "$$p" ] || dpkg -s "$$p" >/dev/null 2>&1 || echo "$$p"; done); \
+	if [ -n "$$missing" ]; then echo "apt-get install $$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) -e '.[cpu,test]'
