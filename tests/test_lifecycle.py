@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import random
 import socket
 import threading
@@ -74,13 +75,30 @@ def test_a_load_shows_its_phases_and_a_spare_takes_the_next(life: RouterProcess)
     """A spare worker (vLLM imported, no model) becomes the next model's worker; the load
     then spends nothing on imports, and a new spare is started for the one after."""
     wait_spare(life)
+    spare = next(s["pid"] for s in life.client.get(f"{life.url}/health").json()["spares"]
+                 if s["ready"])
+    # A spare has no model: it runs at the lowest priority, so its imports take only
+    # the CPU that loaded models leave idle.
+    assert set(thread_nices(spare)) == {19}
     httpx.post(f"{life.url}/v1/models/load", json={"model": "swap-a"}, timeout=600)
     phases = models(life)["swap-a"]["load_phases"]
     assert phases["spare"] < 1 and phases["imports"] == 0, phases
+    # The spare became the worker, back at the router's priority on every thread.
+    assert models(life)["swap-a"]["pid"] == spare
+    assert set(thread_nices(spare)) == {os.getpriority(os.PRIO_PROCESS, life.proc.pid)}  # type: ignore[union-attr]
     assert {"model_files", "engine", "weights", "kv_cache_and_warmup"} <= set(phases)
     assert sum(v for k, v in phases.items() if k not in ("weights", "kv_cache_and_warmup")) \
         <= models(life)["swap-a"]["load_seconds"] + 0.01
     wait_spare(life)  # its replacement
+
+
+def thread_nices(pid: int) -> list[int]:
+    """The nice value of each thread of ``pid`` (field 19 of /proc/PID/task/TID/stat)."""
+    nices = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            nices.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+    return nices
 
 
 def wait_spare(r: RouterProcess, timeout: float = 120) -> None:

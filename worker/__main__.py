@@ -15,6 +15,8 @@ import contextlib
 import ctypes
 import logging
 import os
+import resource
+import select
 import signal
 import sys
 import threading
@@ -72,6 +74,36 @@ class Phases:
         now = time.time()
         self.seconds[name] = round(now - self.mark, 3)
         self.mark = now
+
+
+SPARE_NICE = 19
+"""A spare's CPU priority while it has no model: its imports (~10 s of a core) take only
+the time loaded models leave idle. Two OpenMP threads serving a model slowed 4-7x when an
+import at equal priority took one of their cores after every load."""
+
+
+def _can_raise_priority(nice: int) -> bool:
+    """Whether this process may later go back to ``nice`` (root, or ``RLIMIT_NICE``)."""
+    limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    return os.geteuid() == 0 or limit == resource.RLIM_INFINITY or 20 - nice <= limit
+
+
+def _import_in_background() -> None:
+    """Lower this spare's priority until its boot arrives on stdin, then restore it on every
+    thread, so the model it is given (and a spare taken before its imports are done) runs
+    at the router's priority. Left as it is where the priority could not be restored."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice >= SPARE_NICE or not _can_raise_priority(nice):
+        return
+    os.setpriority(os.PRIO_PROCESS, 0, SPARE_NICE)
+
+    def restore() -> None:
+        select.select([sys.stdin.fileno()], [], [])  # the boot (or EOF): read by main()
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # a thread that has just ended
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+
+    threading.Thread(target=restore, name="spare-priority", daemon=True).start()
 
 
 def _import_vllm() -> float:
@@ -143,6 +175,8 @@ def main() -> None:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
+    if args.spare:
+        _import_in_background()
     imported_at = _import_vllm() if args.spare else 0.0
     if args.ready_fd is not None:
         with contextlib.suppress(OSError):  # the router stopped listening: it gave us a model
