@@ -13,10 +13,12 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 
 from router.admission import Keys
 from router.api.admin import AdminAPI
 from router.api.anthropic import AnthropicAPI
+from router.api.hotpath import HotPath
 from router.api.metrics import MetricsAPI
 from router.api.openai import OpenAIAPI
 from router.api.openapi import OpenAPIDocument
@@ -87,11 +89,12 @@ def build_app(preset: Preset) -> Starlette:
             if own_runtime_dir:
                 shutil.rmtree(runtime_dir, ignore_errors=True)
 
+    protocol = metrics.counted(openai.routes() + anthropic.routes() + responses.routes())
     app = Starlette(
-        routes=(metrics.counted(openai.routes() + anthropic.routes() + responses.routes())
-                + admin.routes() + metrics.routes() + OpenAPIDocument(keys.required).routes()),
+        routes=(protocol + admin.routes() + metrics.routes()
+                + OpenAPIDocument(keys.required).routes()),
         lifespan=lifespan,
-        middleware=middleware_stack(server, keys),
+        middleware=[*middleware_stack(server, keys), Middleware(HotPath, routes=protocol)],
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                             Exception: server_error_handler},
     )
