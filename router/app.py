@@ -100,5 +100,6 @@ def build_app(preset: Preset) -> Starlette:
     )
     app.state.supervisor = supervisor
     app.state.registry = registry
+    app.state.metrics = metrics.metrics
     app.state.runtime_dir = runtime_dir
     return app
