@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from router.app import build_app
 from router.link import WorkerLink
 from shared.config import build_preset
 from shared.protocol import Cancel, Generate, worker_codec
-from tests.conftest import connected_peer
+from tests.conftest import connected_peer, from_router
 
 ASGIMessage = MutableMapping[str, Any]
 CHAT = b'{"model": "chat-a", "messages": [{"role": "user", "content": "hi"}]}'
@@ -230,10 +231,10 @@ def with_worker_end(tmp_path: Path, hot: bool, scenario: Scenario) -> None:
 
 
 async def received(peer: Any, count: int) -> list[object]:
-    codec, got = worker_codec(), []
+    got: list[object] = []
     for _ in range(300):
         try:
-            got.append(codec.decode(peer.recv(zmq.NOBLOCK)))
+            got.append(from_router(peer))
         except zmq.Again:
             if len(got) >= count:
                 break
@@ -288,3 +289,76 @@ def test_a_one_batch_answer_is_the_same_either_way(tmp_path: Path, hot: bool) ->
         assert counted == {"chat": {"200": 1}}
 
     with_worker_end(tmp_path, hot, scenario)
+
+
+def test_one_turns_requests_travel_as_one_message(tmp_path: Path) -> None:
+    """``WorkerLink``: what is sent in one loop turn is one ZeroMQ message (a frame per
+    request, then an empty frame), so the worker sees nothing until the turn ends; the
+    next turn is a message of its own; closing the link still sends what it holds."""
+    from shared.protocol import SamplingSpec, Shutdown
+
+    async def scenario() -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        endpoint = f"ipc://{tmp_path}/w.sock"
+        link = WorkerLink(ctx, endpoint, "m")
+        peer = await connected_peer(ctx, link, endpoint)
+        for i in range(3):
+            link.submit([Generate(id=f"g{i}", prompt="p", sampling=SamplingSpec())])
+        time.sleep(0.05)  # noqa: ASYNC251  # on purpose: the turn goes on, ZeroMQ runs
+        with pytest.raises(zmq.Again):
+            peer.recv(zmq.NOBLOCK)  # the turn is not over: nothing delivered
+        await asyncio.sleep(0)  # the turn ends
+        frames: list[Any] = []
+        for _ in range(100):
+            try:
+                frames.append(peer.recv(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                if frames:
+                    break
+                await asyncio.sleep(0.01)
+        assert [bool(f.more) for f in frames] == [True, True, True, False]
+        assert frames[-1].bytes == b""
+        assert [worker_codec().decode(f.bytes).id for f in frames[:3]] == ["g0", "g1", "g2"]
+        link.cancel("g1")
+        link.shutdown()
+        link.close()  # before the turn ends: the Cancel and the Shutdown still go
+        got = await received(peer, 2)
+        assert [type(m) for m in got] == [Cancel, Shutdown]
+        peer.close(0)
+        ctx.term()
+
+    asyncio.run(scenario())
+
+
+def test_the_worker_skips_the_end_of_a_turn(caplog: pytest.LogCaptureFixture) -> None:
+    """``WorkerServer._drain``: the empty frame that ends a router's turn is no message
+    (and no "undecodable message" in the worker's log)."""
+    from worker.server import WorkerServer
+
+    handled: list[object] = []
+
+    class Server(WorkerServer):
+        def __init__(self) -> None:  # the socket only: no connection, no engine
+            self._codec = worker_codec()
+            self._drain_scheduled = False
+            self._sock = FRAMES  # type: ignore[assignment]
+
+        def _handle(self, message: object) -> None:
+            handled.append(message)
+
+    class Frames:
+        def __init__(self, frames: list[bytes]) -> None:
+            self.frames = [zmq.Frame(f) for f in frames]
+
+        def recv(self, flags: int = 0, copy: bool = True) -> zmq.Frame:
+            if not self.frames:
+                raise zmq.Again
+            return self.frames.pop(0)
+
+    from shared.protocol import Ping, router_codec
+
+    ping = router_codec().encode(Ping(id="p1"))
+    FRAMES = Frames([ping, b"", ping, b""])
+    Server()._drain()
+    assert handled == [Ping(id="p1"), Ping(id="p1")]
+    assert not caplog.records
