@@ -10,10 +10,12 @@ import stat
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.types import ASGIApp
 
 from router.admission import Keys
 from router.api.admin import AdminAPI
@@ -49,8 +51,24 @@ def check_runtime_dir(path: Path, source: str) -> None:
                           "characters, too long for the workers' socket paths")
 
 
-def build_app(preset: Preset) -> Starlette:
-    """A Starlette app serving ``preset``; workers start on demand and stop on shutdown."""
+class ModelyardApp(Starlette):
+    """Starlette behind modelyard's own outer layers, ``front`` (outermost first): the
+    admission middleware, then ``HotPath``, which serves the hottest endpoints itself and
+    hands every other request to Starlette's stack (server errors, exceptions, routes)."""
+
+    def __init__(self, *, front: list[Middleware], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.front = front
+
+    def build_middleware_stack(self) -> ASGIApp:
+        app = super().build_middleware_stack()
+        for cls, args, kwargs in reversed(self.front):
+            app = cls(app, *args, **kwargs)
+        return app
+
+
+def build_app(preset: Preset) -> ModelyardApp:
+    """The app serving ``preset``; workers start on demand and stop on shutdown."""
     server = preset.server
     registry = ModelRegistry(preset)
     for name in server.preload:
@@ -89,12 +107,12 @@ def build_app(preset: Preset) -> Starlette:
             if own_runtime_dir:
                 shutil.rmtree(runtime_dir, ignore_errors=True)
 
-    protocol = metrics.counted(openai.routes() + anthropic.routes() + responses.routes())
-    app = Starlette(
-        routes=(protocol + admin.routes() + metrics.routes()
-                + OpenAPIDocument(keys.required).routes()),
+    app = ModelyardApp(
+        routes=(metrics.counted(openai.routes() + anthropic.routes() + responses.routes())
+                + admin.routes() + metrics.routes() + OpenAPIDocument(keys.required).routes()),
         lifespan=lifespan,
-        middleware=[*middleware_stack(server, keys), Middleware(HotPath, routes=protocol)],
+        front=[*middleware_stack(server, keys),
+               Middleware(HotPath, handlers=openai.handlers(), metrics=metrics.metrics)],
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                             Exception: server_error_handler},
     )

@@ -44,7 +44,7 @@ def make_app(hot: bool, tmp_path: Path, **server: Any) -> Starlette:
     while not isinstance(layer, HotPath):
         layer = layer.app
     if not hot:
-        layer.endpoints.clear()
+        layer.handlers.clear()
     app.state.hot_path = layer
     return app
 
