@@ -10,13 +10,17 @@ import stat
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.types import ASGIApp
 
 from router.admission import Keys
 from router.api.admin import AdminAPI
 from router.api.anthropic import AnthropicAPI
+from router.api.hotpath import HotPath
 from router.api.metrics import MetricsAPI
 from router.api.openai import OpenAIAPI
 from router.api.openapi import OpenAPIDocument
@@ -47,8 +51,24 @@ def check_runtime_dir(path: Path, source: str) -> None:
                           "characters, too long for the workers' socket paths")
 
 
-def build_app(preset: Preset) -> Starlette:
-    """A Starlette app serving ``preset``; workers start on demand and stop on shutdown."""
+class ModelyardApp(Starlette):
+    """Starlette behind modelyard's own outer layers, ``front`` (outermost first): the
+    admission middleware, then ``HotPath``, which serves the hottest endpoints itself and
+    hands every other request to Starlette's stack (server errors, exceptions, routes)."""
+
+    def __init__(self, *, front: list[Middleware], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.front = front
+
+    def build_middleware_stack(self) -> ASGIApp:
+        app = super().build_middleware_stack()
+        for cls, args, kwargs in reversed(self.front):
+            app = cls(app, *args, **kwargs)
+        return app
+
+
+def build_app(preset: Preset) -> ModelyardApp:
+    """The app serving ``preset``; workers start on demand and stop on shutdown."""
     server = preset.server
     registry = ModelRegistry(preset)
     for name in server.preload:
@@ -87,15 +107,17 @@ def build_app(preset: Preset) -> Starlette:
             if own_runtime_dir:
                 shutil.rmtree(runtime_dir, ignore_errors=True)
 
-    app = Starlette(
+    app = ModelyardApp(
         routes=(metrics.counted(openai.routes() + anthropic.routes() + responses.routes())
                 + admin.routes() + metrics.routes() + OpenAPIDocument(keys.required).routes()),
         lifespan=lifespan,
-        middleware=middleware_stack(server, keys),
+        front=[*middleware_stack(server, keys),
+               Middleware(HotPath, handlers=openai.handlers(), metrics=metrics.metrics)],
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                             Exception: server_error_handler},
     )
     app.state.supervisor = supervisor
     app.state.registry = registry
+    app.state.metrics = metrics.metrics
     app.state.runtime_dir = runtime_dir
     return app

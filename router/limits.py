@@ -42,7 +42,8 @@ def middleware_stack(server: ServerConfig, keys: Keys) -> list[Middleware]:
                                 trusted_hosts=server.trusted_proxies))
     if server.read_timeout:
         stack.append(Middleware(BodyDeadline, seconds=server.read_timeout))
-    stack.append(Middleware(KeyGuard, keys=keys))
+    if keys.required:  # an open server has nothing to check: no layer at all
+        stack.append(Middleware(KeyGuard, keys=keys))
     if server.rate_limit_per_minute:
         buckets = TokenBuckets(server.rate_limit_per_minute, server.rate_limit_burst)
         stack.append(Middleware(RateLimit, buckets=buckets, keys=keys))

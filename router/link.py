@@ -168,8 +168,13 @@ class WorkerLink:
     The socket is a plain (not ``zmq.asyncio``) socket whose file descriptor is watched
     with ``loop.add_reader``: one wake-up drains every queued frame, with no Future per
     frame (pyzmq's asyncio layer cost a fifth of the router's time under load). ZeroMQ's
-    descriptor is edge-triggered, so after each send, which may consume the edge, the
+    descriptor is edge-triggered, so after sending, which may consume the edge, the
     link looks for frames itself.
+
+    Everything sent in one event-loop turn travels as one ZeroMQ message: each request a
+    frame (``SNDMORE``), then an empty frame at the turn's end. ZeroMQ's I/O thread, which
+    shares the router's core, wakes once per turn instead of once per request, and the
+    worker reads the turn's requests together and answers them in one ``Deltas``.
     """
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, model: str) -> None:
@@ -194,6 +199,7 @@ class WorkerLink:
         self._fd = cast(int, self._sock.getsockopt(zmq.FD))
         self._loop.add_reader(self._fd, self._drain)
         self._drain_scheduled = False
+        self._turn_open = False  # frames sent this turn, their message not yet ended
         self._closed = False
         self._failure: APIError | None = None
         self._probes = 0
@@ -207,12 +213,28 @@ class WorkerLink:
         if self._failure is not None:
             raise self._failure
         try:
-            self._sock.send(self._codec.encode(message), zmq.NOBLOCK)  # type: ignore[arg-type]
+            # A frame of the turn's message: it waits in ZeroMQ's pipe, unseen by the I/O
+            # thread, until ``_end_turn`` ends the message.
+            self._sock.send(self._codec.encode(message),  # type: ignore[arg-type]
+                            zmq.NOBLOCK | zmq.SNDMORE)
         except zmq.Again:  # no worker connected (yet, or any more): nobody to send to
             raise WorkerLost(f"model '{self.model}': its worker is not connected") from None
         except OverflowError:  # an integer the request schema did not bound
             raise BadRequest("an integer in the request does not fit in 64 bits",
                              code="invalid_value") from None
+        if not self._turn_open:
+            self._turn_open = True
+            self._loop.call_soon(self._end_turn)
+
+    def _end_turn(self) -> None:
+        """End this loop turn's message with an empty frame (the worker skips it)."""
+        if not self._turn_open or self._closed:
+            return
+        self._turn_open = False
+        try:
+            self._sock.send(b"", zmq.NOBLOCK)
+        except zmq.Again:  # the worker went away mid-message: ZeroMQ dropped the message
+            pass
         self._after_send()
 
     def _after_send(self) -> None:
@@ -364,6 +386,7 @@ class WorkerLink:
     def close(self, reason: str = "worker stopped") -> None:
         self.fail(WorkerLost(f"model '{self.model}': {reason}"))
         if not self._closed:
+            self._end_turn()  # what was sent this turn (a Shutdown) still goes
             self._closed = True
             self._loop.remove_reader(self._fd)
             self._sock.close(0)

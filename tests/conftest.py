@@ -116,6 +116,19 @@ async def connected_peer(ctx: Any, link: Any, endpoint: str) -> Any:
     return peer
 
 
+def from_router(peer: Any) -> object:
+    """The next message a worker's end (``peer``) has from the router, as a worker reads
+    it: the empty frame that ends each of the router's turns is skipped. ``zmq.Again``
+    when there is none."""
+    import zmq
+
+    from shared.protocol import worker_codec
+
+    while not (frame := peer.recv(zmq.NOBLOCK)):
+        pass
+    return worker_codec().decode(frame)
+
+
 @contextlib.contextmanager
 def running_router(preset: str, workdir: Path, name: str,
                    subst: dict[str, str] | None = None) -> Iterator[RouterProcess]:

@@ -27,8 +27,8 @@ from router.placement import Placer
 from router.registry import ModelRegistry
 from router.supervisor import Supervisor
 from shared.config import build_preset
-from shared.protocol import Codec, Generate, Ready, SamplingSpec, ToRouter, worker_codec
-from tests.conftest import connected_peer, running_router
+from shared.protocol import Codec, Generate, Ready, SamplingSpec, ToRouter
+from tests.conftest import connected_peer, from_router, running_router
 
 
 def supervisor(tmp_path: Path, server: dict[str, Any] | None = None,
@@ -275,10 +275,11 @@ def test_only_the_worker_with_the_key_can_reach_its_socket(tmp_path: Path) -> No
         for i in range(4):  # DEALER deals round-robin: any other peer would get some
             link.submit([Generate(id=f"secret-{i}", prompt="the prompt",
                                   sampling=SamplingSpec())])
+            await asyncio.sleep(0)  # a turn each: four messages to deal, not one
         got: list[str] = []
         for _ in range(100):
             try:
-                message = worker_codec().decode(worker.recv(zmq.NOBLOCK))
+                message = from_router(worker)
                 assert isinstance(message, Generate)
                 got.append(message.id)
             except zmq.Again:

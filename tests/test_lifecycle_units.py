@@ -12,7 +12,7 @@ from router.placement import GIB, GpuMemory, Placer, fits, footprint
 from router.registry import ModelRegistry
 from router.supervisor import Supervisor, backoff_seconds
 from shared.config import ModelSpec, ServerConfig, build_preset
-from tests.conftest import connected_peer
+from tests.conftest import connected_peer, from_router
 
 H100 = {i: GpuMemory(i, 80 * GIB, 79 * GIB) for i in range(4)}
 
@@ -195,7 +195,7 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
     from router.errors import ModelUnavailable
     from router.link import WorkerLink
     from router.supervisor import _Worker
-    from shared.protocol import Generate, SamplingSpec, Shutdown, worker_codec
+    from shared.protocol import Generate, SamplingSpec, Shutdown
 
     preset = build_preset({"models": {"m": {"model": "/m"}}})
     sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path, Placer(cores={0}, gpus={}))
@@ -212,10 +212,9 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
         stream = link.submit([Generate(id="g1", sampling=SamplingSpec())])  # in flight
         stop = asyncio.create_task(sup.stop(entry, force=True, grace=0.5))
         received: list[object] = []
-        codec = worker_codec()
         for _ in range(200):
             try:
-                received.append(codec.decode(peer.recv(zmq.NOBLOCK)))
+                received.append(from_router(peer))
             except zmq.Again:
                 await asyncio.sleep(0.01)
             if any(isinstance(m, Shutdown) for m in received):

@@ -180,6 +180,8 @@ class WorkerServer:
                 frame = self._sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if not len(frame):  # the end of one of the router's turns (WorkerLink._end_turn)
+                continue
             try:
                 message = self._codec.decode(frame.buffer)
             except Exception as err:  # noqa: BLE001  # a frame we cannot read is a router bug; keep serving

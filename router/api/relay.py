@@ -275,29 +275,43 @@ class Relay:
             self._log(endpoint, lease.entry.id, False, status, usage)
 
 
+WATCH_AFTER = 0.05
+"""Seconds a request waits for its first batch before a task watches for its client
+leaving. A relay under load answers sooner (first batch p99 22 ms at 64 connections in
+the relay benchmark), and then no task is made at all; a longer wait, a model's queue or
+prefill, is watched from then on (a client gone in the first 50 ms costs that much)."""
+
+
 async def _first_batch(request: Request | None, stream: RequestStream) -> list[Delta]:
     """The stream's first batch; ``ClientGone`` (its generation cancelled) if the client
-    (when ``request`` is given) leaves first. One watcher task, which ends the stream
-    itself: cheaper than ``unless_disconnected``'s two tasks on the path every request
-    takes."""
+    (when ``request`` is given) leaves first. One watcher task, started only once the
+    wait passes ``WATCH_AFTER``, ends the stream itself: cheaper than
+    ``unless_disconnected``'s two tasks on the path every request takes."""
     if request is None:
         try:
             return await stream.__anext__()
         except StopAsyncIteration:
             return []
+    watch: asyncio.Future[None] | None = None
 
-    def left(watch: asyncio.Future[None]) -> None:
-        if not watch.cancelled():
+    def left(done: asyncio.Future[None]) -> None:
+        if not done.cancelled():
             stream._fail(ClientGone())
 
-    watch = asyncio.ensure_future(disconnected(request))
-    watch.add_done_callback(left)
+    def start() -> None:
+        nonlocal watch
+        watch = asyncio.ensure_future(disconnected(request))
+        watch.add_done_callback(left)
+
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER, start)
     try:
         return await stream.__anext__()
     except StopAsyncIteration:
         return []
     finally:
-        watch.cancel()
+        timer.cancel()
+        if watch is not None:
+            watch.cancel()
 
 
 def _refuse_oversized(entry: ModelEntry, gens: list[Generate]) -> None:

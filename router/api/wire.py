@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from router.errors import APIError, BadRequest, ClientGone, PayloadTooLarge, shaped
@@ -62,25 +62,21 @@ def _param_of(message: str) -> str | None:
 
 async def read_body(request: Request, kind: type[T], limit: int) -> T:
     """Read and decode a JSON body into ``kind``; errors name the offending field."""
-    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    content_type = content_length = None
+    for name, value in request.scope["headers"]:  # one pass; the first of each counts
+        if name == b"content-type" and content_type is None:
+            content_type = value.decode("latin-1")
+        elif name == b"content-length" and content_length is None:
+            content_length = value.decode("latin-1")
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    declared = content_length or ""
     if media and media != "application/json" and not media.endswith("+json"):
         # No header is taken as JSON (bare clients); a form or text body is a client mistake.
         raise APIError(f"Content-Type '{media}' is not supported; send application/json",
                        status=415, type="invalid_request_error", code="unsupported_media_type")
-    declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
-    if declared and declared.isdigit():
-        body = await request.body()  # bounded by the declared length checked above
-    else:  # chunked upload: count as it arrives
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            chunks.append(chunk)
-        body = b"".join(chunks)
+    body = await _receive_body(request, limit)
     if not body.strip():
         raise BadRequest("request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -94,6 +90,30 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
         raise BadRequest(f"request body is not valid JSON: {err}", code="invalid_json") from None
     except RecursionError:  # msgspec's own depth guard on deeply nested untyped values
         raise BadRequest("request body nests too deeply", code="invalid_json") from None
+
+
+async def _receive_body(request: Request, limit: int) -> bytes:
+    """The body's messages joined, as ``Request.body`` reads them (a client that leaves
+    first is Starlette's ``ClientDisconnect``), counted against ``limit`` as they arrive
+    (a declared length was checked before; a chunked upload is counted here)."""
+    message = await request.receive()
+    if message["type"] == "http.request" and not message.get("more_body", False):
+        body: bytes = message.get("body", b"")  # the whole body in one message: the usual
+        if len(body) > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        return body
+    chunks: list[bytes] = []
+    size = 0
+    while message["type"] != "http.disconnect":
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+        message = await request.receive()
+    raise ClientDisconnect()
 
 
 async def disconnected(request: Request) -> None:

@@ -7,8 +7,9 @@ them to the relay with its shaper (``chat``, ``completions``); errors keep OpenA
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -20,7 +21,11 @@ from router.api.openai.embeddings import embeddings
 from router.api.openai.tokens import detokenize, tokenize
 from router.api.relay import Relay, protocol_route
 
-Handler = Callable[[Relay, Request, int], Awaitable[Response]]
+
+class Handler(Protocol):
+    """An endpoint: its relay, the request, the largest body it may read."""
+
+    def __call__(self, relay: Relay, request: Request, max_body: int) -> Awaitable[Response]: ...
 
 
 class OpenAIAPI:
@@ -38,11 +43,10 @@ class OpenAIAPI:
         self.relay = relay
         self.max_body_bytes = max_body_bytes
 
-    def _bind(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-        async def endpoint(request: Request) -> Response:
-            return await handler(self.relay, request, self.max_body_bytes)
-        return endpoint
+    def handlers(self) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+        """Each path's handler, bound to this relay and body limit (no error shaping)."""
+        return {path: functools.partial(h, self.relay, max_body=self.max_body_bytes)
+                for path, h in self.ENDPOINTS.items()}
 
     def routes(self) -> list[Route]:
-        return [protocol_route(path, self._bind(h))
-                for path, h in self.ENDPOINTS.items()]
+        return [protocol_route(path, h) for path, h in self.handlers().items()]

@@ -1,0 +1,364 @@
+"""The hot path (``router/api/hotpath.py``) answers exactly as Starlette's path does, and a
+client that leaves before its first batch still cancels its generation.
+
+In-process: the app from ``build_app`` driven over ASGI, once with the hot path and once
+with it emptied (every request then takes Starlette's routing), with a worker's end of
+the socket in this process where a case needs one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from starlette.applications import Starlette
+
+from router.api.hotpath import HOT_PATHS, HotPath
+from router.api.relay import WATCH_AFTER, Relay
+from router.app import build_app
+from router.link import WorkerLink
+from shared.config import build_preset
+from shared.protocol import Cancel, Generate, worker_codec
+from tests.conftest import connected_peer, from_router
+
+ASGIMessage = MutableMapping[str, Any]
+CHAT = b'{"model": "chat-a", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+def make_app(hot: bool, tmp_path: Path, **server: Any) -> Starlette:
+    """``build_app`` for two declared models (no worker runs); ``hot=False`` empties the
+    hot path, so its paths go through Starlette's router."""
+    runtime = tmp_path / ("hot" if hot else "cold")
+    runtime.mkdir(mode=0o700)
+    app = build_app(build_preset({
+        "server": {"runtime_dir": str(runtime), "max_body_bytes": 2000, **server},
+        "models": {"chat-a": {"model": "/a"}, "embed": {"model": "/e", "task": "embed"}}}))
+    app.middleware_stack = app.build_middleware_stack()
+    layer: Any = app.middleware_stack
+    while not isinstance(layer, HotPath):
+        layer = layer.app
+    if not hot:
+        layer.handlers.clear()
+    app.state.hot_path = layer
+    return app
+
+
+async def call(app: Starlette, path: str, body: bytes | list[bytes], *,
+               method: str = "POST", headers: list[tuple[bytes, bytes]] | None = None,
+               leave: Awaitable[None] | None = None,
+               sent: list[ASGIMessage] | None = None) -> list[ASGIMessage]:
+    """One request as uvicorn sends it: ``body`` (a list: a chunked upload), then
+    ``http.disconnect`` once ``leave`` is done (by default, once the response ends);
+    what the app sends goes in ``sent``, which is returned."""
+    chunks = body if isinstance(body, list) else [body]
+    if headers is None:
+        headers = [(b"content-type", b"application/json")]
+        if not isinstance(body, list):
+            headers.append((b"content-length", str(len(body)).encode()))
+    sent = [] if sent is None else sent
+    ended = asyncio.Event()
+    queue = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+             for i, c in enumerate(chunks)]
+
+    async def receive() -> ASGIMessage:
+        if queue:
+            return queue.pop(0)
+        await (leave if leave is not None else ended.wait())
+        return {"type": "http.disconnect"}
+
+    async def send(message: ASGIMessage) -> None:
+        sent.append(message)
+        if message["type"] == "http.response.body" and not message.get("more_body"):
+            ended.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+             "root_path": "", "query_string": b"", "headers": [(b"host", b"x"), *headers],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000), "state": {}}
+    await app(scope, receive, send)
+    return sent
+
+
+def answer(sent: list[ASGIMessage]) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], list(start["headers"]), body
+
+
+def chunked() -> list[bytes]:
+    return [b'{"model": "chat-a", "messages": [{"role": "user", "content": "', b"x" * 1500,
+            b"x" * 1500, b'"}]}']
+
+
+CASES: list[tuple[str, bytes | list[bytes], list[tuple[bytes, bytes]] | None, str]] = [
+    ("/v1/chat/completions", b"{not json", None, "POST"),
+    ("/v1/chat/completions", b"", None, "POST"),
+    ("/v1/chat/completions", b"   ", None, "POST"),
+    ("/v1/chat/completions", b'{"model": "chat-a", "messages": "x"}', None, "POST"),
+    ("/v1/chat/completions", b'{"model": "chat-a", "messages": []}', None, "POST"),
+    ("/v1/chat/completions", (b'{"model": "nope", "messages": [{"role": "user", '
+     b'"content": "x"}]}'), None, "POST"),
+    ("/v1/chat/completions", (b'{"model": "embed", "messages": [{"role": "user", '
+     b'"content": "x"}]}'), None, "POST"),
+    ("/v1/chat/completions", b"[1, 2]", None, "POST"),
+    ("/v1/chat/completions", (b'{"model": "chat-a", "messages": [{"role": "user", '
+     b'"content": "x"}], "n": 0}'), None, "POST"),
+    ("/v1/chat/completions", CHAT, [(b"content-type", b"text/plain; charset=utf-8")], "POST"),
+    ("/v1/chat/completions", CHAT, [(b"content-type", b"application/json"),
+                                    (b"content-length", b"999999")], "POST"),
+    ("/v1/chat/completions", chunked(), None, "POST"),
+    ("/v1/chat/completions", b"", None, "GET"),
+    ("/v1/chat/completions/", CHAT, None, "POST"),
+    ("/v1/completions", b'{"model": "chat-a"}', None, "POST"),
+    ("/v1/completions", b'{"model": "chat-a", "prompt": [[1, 2]], "echo": true}', None,
+     "POST"),
+    ("/v1/completions", b'{"model": "chat-a", "prompt": ["a", "b"], "n": 200}', None, "POST"),
+    ("/v1/completions", b'{"model": "embed", "prompt": "x"}', None, "POST"),
+    ("/v1/completions", b'{"model": "chat-a", "prompt": "x", "max_tokens": -1}',
+     [(b"content-type", b"application/vnd.api+json")], "POST"),
+    ("/v1/completions", b"\xff\xfe", None, "POST"),
+]
+
+
+def test_the_hot_path_answers_as_starlette_does(tmp_path: Path) -> None:
+    """Every refusal of the two hot endpoints (bad JSON, a field, 415, 413 declared and
+    chunked, unknown or wrong model, 405, a trailing slash) is the same status, headers
+    and body either way, and is counted the same; the hot path was the one taken."""
+
+    async def run(hot: bool) -> tuple[list[Any], Any]:
+        app = make_app(hot, tmp_path)
+        taken: list[tuple[str, str]] = []
+        starlette = app.state.hot_path.app
+
+        async def through_starlette(scope: Any, receive: Any, send: Any) -> None:
+            taken.append((scope["method"], scope["path"]))
+            await starlette(scope, receive, send)
+
+        app.state.hot_path.app = through_starlette
+        answers = [answer(await call(app, path, body, method=method, headers=headers))
+                   for path, body, headers, method in CASES]
+        hot_cases = [(m, p) for p, _, _, m in CASES if m == "POST" and p in HOT_PATHS]
+        if hot:  # only the others reached Starlette's router
+            assert len(hot_cases) > 10 and not set(hot_cases) & set(taken), taken
+        else:
+            assert len(taken) == len(CASES)
+        metrics = app.state.metrics.snapshot()
+        return answers, metrics
+
+    hot, hot_metrics = asyncio.run(run(True))
+    cold, cold_metrics = asyncio.run(run(False))
+    for case, h, c in zip(CASES, hot, cold, strict=True):
+        assert h == c, case
+    assert hot_metrics == cold_metrics
+    assert {status for status, _, _ in hot} == {400, 404, 405, 307, 413, 415}
+    assert hot_metrics["models"]["-"]["requests"]["chat"]["400"] >= 5
+
+
+@pytest.mark.parametrize("hot", [True, False])
+def test_a_bug_is_the_same_500_either_way(hot: bool, tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Relay, "generate", broken)
+    app = make_app(hot, tmp_path)
+    sent: list[ASGIMessage] = []
+    with pytest.raises(RuntimeError, match="a bug"):  # re-raised for uvicorn to log
+        asyncio.run(call(app, "/v1/chat/completions", CHAT, sent=sent))
+    status, headers, body = answer(sent)
+    assert (status, body) == (500, (b'{"error":{"message":"internal error: RuntimeError",'
+                                   b'"type":"server_error","param":null,"code":null}}'))
+    assert headers == [(b"content-length", str(len(body)).encode()),
+                       (b"content-type", b"application/json")]
+    assert app.state.metrics.snapshot()["models"]["-"]["requests"] == {
+        "chat": {"500": 1}}
+
+
+def test_a_late_body_is_the_same_408_either_way(tmp_path: Path) -> None:
+    async def run(hot: bool) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        app = make_app(hot, tmp_path, read_timeout=0.05)
+        never = asyncio.get_running_loop().create_future()
+        sent: list[ASGIMessage] = []
+
+        async def receive() -> ASGIMessage:
+            await never  # the body never comes
+            return {}
+
+        async def send(message: ASGIMessage) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "root_path": "", "query_string": b"", "headers": [], "state": {},
+                 "client": ("127.0.0.1", 5000)}
+        await app(scope, receive, send)
+        return answer(sent)
+
+    hot, cold = asyncio.run(run(True)), asyncio.run(run(False))
+    assert hot == cold and hot[0] == 408 and (b"connection", b"close") in hot[1]
+
+
+Scenario = Callable[[Starlette, WorkerLink, Any], Awaitable[None]]
+
+
+def with_worker_end(tmp_path: Path, hot: bool, scenario: Scenario) -> None:
+    """``scenario(app, link, peer)`` with ``chat-a`` ready on a link whose worker's end
+    (``peer``, a socket in this process) answers nothing unless told to."""
+
+    async def run() -> None:
+        app = make_app(hot, tmp_path)
+        sup = app.state.supervisor
+        endpoint = f"ipc://{tmp_path}/w-{hot}.sock"
+        link = WorkerLink(sup._ctx, endpoint, "chat-a")
+        peer = await connected_peer(sup._ctx, link, endpoint)
+        entry = app.state.registry.entries["chat-a"]
+        entry.state, entry.link = "ready", link
+        try:
+            await scenario(app, link, peer)
+        finally:
+            link.close()
+            peer.close(0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        shutil.rmtree(tmp_path / ("hot" if hot else "cold"), ignore_errors=True)
+
+
+async def received(peer: Any, count: int) -> list[object]:
+    got: list[object] = []
+    for _ in range(300):
+        try:
+            got.append(from_router(peer))
+        except zmq.Again:
+            if len(got) >= count:
+                break
+            await asyncio.sleep(0.01)
+    return got
+
+
+@pytest.mark.parametrize("hot", [True, False])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("after", [0.0, WATCH_AFTER * 10])
+def test_leaving_before_the_first_batch_cancels_the_generation(
+        tmp_path: Path, hot: bool, stream: bool, after: float) -> None:
+    """At once (before the watcher would start) or later: the worker is told to cancel,
+    the slot is free again and the request is counted as 499."""
+
+    async def scenario(app: Starlette, link: WorkerLink, peer: Any) -> None:
+        body = (b'{"model": "chat-a", "stream": %s, "messages": [{"role": "user", '
+                b'"content": "hi"}]}' % (b"true" if stream else b"false"))
+        leave = asyncio.ensure_future(asyncio.sleep(after))
+        request = asyncio.ensure_future(call(app, "/v1/chat/completions", body, leave=leave))
+        got = await received(peer, 2)
+        await asyncio.wait_for(request, 5)
+        assert [type(m) for m in got] == [Generate, Cancel]
+        assert isinstance(got[0], Generate) and isinstance(got[1], Cancel)
+        assert got[1].id == got[0].id
+        entry = app.state.registry.entries["chat-a"]
+        assert entry.leases == 0 and not link.busy
+        counted = app.state.metrics.snapshot()["models"]["chat-a"]["requests"]
+        assert counted == {"chat": {"499": 1}}
+
+    with_worker_end(tmp_path, hot, scenario)
+
+
+@pytest.mark.parametrize("hot", [True, False])
+def test_a_one_batch_answer_is_the_same_either_way(tmp_path: Path, hot: bool) -> None:
+    """The worker answers at once: a 200 with the chat body, no cancel, counted once."""
+    from shared.protocol import Delta, Deltas
+
+    async def scenario(app: Starlette, link: WorkerLink, peer: Any) -> None:
+        request = asyncio.ensure_future(call(app, "/v1/chat/completions", CHAT))
+        (gen,) = await received(peer, 1)
+        assert isinstance(gen, Generate)
+        peer.send(worker_codec().encode(Deltas(items=[Delta(id=gen.id, text="hello", tokens=1,
+                                                   finish_reason="stop", prompt_tokens=3)])))
+        status, headers, body = answer(await asyncio.wait_for(request, 5))
+        assert status == 200
+        assert headers == [(b"content-length", str(len(body)).encode()),
+                           (b"content-type", b"application/json")]
+        assert b'"content":"hello"' in body and b'"total_tokens":4' in body
+        assert await received(peer, 0) == []  # nothing to cancel
+        counted = app.state.metrics.snapshot()["models"]["chat-a"]["requests"]
+        assert counted == {"chat": {"200": 1}}
+
+    with_worker_end(tmp_path, hot, scenario)
+
+
+def test_one_turns_requests_travel_as_one_message(tmp_path: Path) -> None:
+    """``WorkerLink``: what is sent in one loop turn is one ZeroMQ message (a frame per
+    request, then an empty frame), so the worker sees nothing until the turn ends; the
+    next turn is a message of its own; closing the link still sends what it holds."""
+    from shared.protocol import SamplingSpec, Shutdown
+
+    async def scenario() -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        endpoint = f"ipc://{tmp_path}/w.sock"
+        link = WorkerLink(ctx, endpoint, "m")
+        peer = await connected_peer(ctx, link, endpoint)
+        for i in range(3):
+            link.submit([Generate(id=f"g{i}", prompt="p", sampling=SamplingSpec())])
+        time.sleep(0.05)  # noqa: ASYNC251  # on purpose: the turn goes on, ZeroMQ runs
+        with pytest.raises(zmq.Again):
+            peer.recv(zmq.NOBLOCK)  # the turn is not over: nothing delivered
+        await asyncio.sleep(0)  # the turn ends
+        frames: list[Any] = []
+        for _ in range(100):
+            try:
+                frames.append(peer.recv(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                if frames:
+                    break
+                await asyncio.sleep(0.01)
+        assert [bool(f.more) for f in frames] == [True, True, True, False]
+        assert frames[-1].bytes == b""
+        assert [worker_codec().decode(f.bytes).id for f in frames[:3]] == ["g0", "g1", "g2"]
+        link.cancel("g1")
+        link.shutdown()
+        link.close()  # before the turn ends: the Cancel and the Shutdown still go
+        got = await received(peer, 2)
+        assert [type(m) for m in got] == [Cancel, Shutdown]
+        peer.close(0)
+        ctx.term()
+
+    asyncio.run(scenario())
+
+
+def test_the_worker_skips_the_end_of_a_turn(caplog: pytest.LogCaptureFixture) -> None:
+    """``WorkerServer._drain``: the empty frame that ends a router's turn is no message
+    (and no "undecodable message" in the worker's log)."""
+    from worker.server import WorkerServer
+
+    handled: list[object] = []
+
+    class Server(WorkerServer):
+        def __init__(self) -> None:  # the socket only: no connection, no engine
+            self._codec = worker_codec()
+            self._drain_scheduled = False
+            self._sock = FRAMES  # type: ignore[assignment]
+
+        def _handle(self, message: object) -> None:
+            handled.append(message)
+
+    class Frames:
+        def __init__(self, frames: list[bytes]) -> None:
+            self.frames = [zmq.Frame(f) for f in frames]
+
+        def recv(self, flags: int = 0, copy: bool = True) -> zmq.Frame:
+            if not self.frames:
+                raise zmq.Again
+            return self.frames.pop(0)
+
+    from shared.protocol import Ping, router_codec
+
+    ping = router_codec().encode(Ping(id="p1"))
+    FRAMES = Frames([ping, b"", ping, b""])
+    Server()._drain()
+    assert handled == [Ping(id="p1"), Ping(id="p1")]
+    assert not caplog.records
