@@ -17,14 +17,17 @@ from starlette.exceptions import HTTPException
 from router.admission import Keys
 from router.api.admin import AdminAPI
 from router.api.anthropic import AnthropicAPI
+from router.api.events import EventsAPI
 from router.api.metrics import MetricsAPI
 from router.api.openai import OpenAIAPI
 from router.api.openapi import OpenAPIDocument
 from router.api.relay import Relay
 from router.api.responses import ResponsesAPI
 from router.api.responses.store import ResponseStore
+from router.api.status import StatusPage
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
 from router.errors import APIError, ModelNotFound
+from router.events import EventBus
 from router.limits import middleware_stack
 from router.metrics import Metrics
 from router.placement import Placer, check_budgets
@@ -63,7 +66,8 @@ def build_app(preset: Preset) -> Starlette:
     runtime_dir = Path(server.runtime_dir or tempfile.mkdtemp(prefix="modelyard-"))
     runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_runtime_dir(runtime_dir, preset.source)
-    supervisor = Supervisor(registry, server, runtime_dir, placer)
+    events = EventBus()
+    supervisor = Supervisor(registry, server, runtime_dir, placer, events)
     metrics = MetricsAPI(Metrics(registry))
     relay = Relay(supervisor, metrics.metrics)
     openai = OpenAIAPI(relay, server.max_body_bytes)
@@ -72,6 +76,7 @@ def build_app(preset: Preset) -> Starlette:
         server.responses_store_items, int(server.responses_store_mib * 2**20),
         server.responses_store_ttl))
     admin = AdminAPI(supervisor, server.max_body_bytes)
+    watch = EventsAPI(supervisor, events)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -89,7 +94,8 @@ def build_app(preset: Preset) -> Starlette:
 
     app = Starlette(
         routes=(metrics.counted(openai.routes() + anthropic.routes() + responses.routes())
-                + admin.routes() + metrics.routes() + OpenAPIDocument(keys.required).routes()),
+                + watch.routes() + admin.routes() + metrics.routes()
+                + OpenAPIDocument(keys.required).routes() + StatusPage().routes()),
         lifespan=lifespan,
         middleware=middleware_stack(server, keys),
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
@@ -97,5 +103,6 @@ def build_app(preset: Preset) -> Starlette:
     )
     app.state.supervisor = supervisor
     app.state.registry = registry
+    app.state.events = events
     app.state.runtime_dir = runtime_dir
     return app
