@@ -209,6 +209,7 @@ function apply(ev) {
   if (ev.type === "state") {
     m.state = ev.state;
     if (ev.pid) m.pid = ev.pid; else delete m.pid;
+    if (ev.placement) m.placement = ev.placement; else delete m.placement;
     if (ev.state === "failed") m.error = ev.error; else delete m.error;
   } else if (ev.type === "load") {
     m.load_seconds = ev.load_seconds;
