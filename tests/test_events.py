@@ -142,11 +142,13 @@ def test_the_page_is_open_and_what_it_calls_needs_the_key(tmp_path: Path) -> Non
                 assert got.status_code == 401 and got.json()["error"]["code"] == "invalid_api_key"
         auth = {"Authorization": "Bearer sekret"}
         assert client.get("/v1/events", headers=auth).json() == {"object": "list", "data": []}
+        assert client.get("/v1/events?replay=", headers=auth).status_code == 400
         logs = client.get("/v1/models/synth/logs?lines=5", headers=auth)
         assert logs.json() == {"object": "list", "model": "synth", "data": []}
         missing = client.get("/v1/models/nope/logs", headers=auth)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
-        for bad in ("lines=-1", "lines=x", "lines=10001", "follow=maybe"):
+        for bad in ("lines=-1", "lines=x", "lines=10001", "follow=maybe", "follow=",
+                    "follow=TRUE"):
             got = client.get(f"/v1/models/synth/logs?{bad}", headers=auth)
             assert got.status_code == 400, bad
             assert got.json()["error"]["param"] == bad.split("=")[0]

@@ -108,10 +108,10 @@ def _query_int(request: Request, name: str, default: int, low: int, high: int) -
 
 
 def _query_bool(request: Request, name: str) -> bool:
-    raw = request.query_params.get(name, "0").lower()
-    if raw in ("1", "true", "yes"):
+    raw = request.query_params.get(name, "0")
+    if raw in ("1", "true"):
         return True
-    if raw in ("0", "false", "no", ""):
+    if raw in ("0", "false"):
         return False
     raise BadRequest(f"query parameter '{name}' must be 1 or 0 (true or false)", param=name,
                      code="invalid_value")
