@@ -20,7 +20,9 @@ from router.api.sse import encode_json
 from router.errors import APIError, shaped
 from shared.config import ConfigError, ServerConfig
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PREFIX = "/static/"
+"""The status page and its assets hold no data; what the page calls needs a key."""
 ADMIN_PATHS = frozenset({"/v1/models/load", "/v1/models/unload"})
 
 
@@ -59,7 +61,7 @@ class Keys:
 
     def allows(self, given: bytes | None, path: str) -> int:
         """200 if ``given`` opens ``path``, else the status to answer (401 or 403)."""
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS or path.startswith(OPEN_PREFIX):
             return 200
         if given is None or not self._matches(given, self.user):
             return 401

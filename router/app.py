@@ -20,6 +20,7 @@ from starlette.types import ASGIApp
 from router.admission import Keys
 from router.api.admin import AdminAPI
 from router.api.anthropic import AnthropicAPI
+from router.api.events import EventsAPI
 from router.api.hotpath import HotPath
 from router.api.metrics import MetricsAPI
 from router.api.openai import OpenAIAPI
@@ -27,8 +28,10 @@ from router.api.openapi import OpenAPIDocument
 from router.api.relay import Relay
 from router.api.responses import ResponsesAPI
 from router.api.responses.store import ResponseStore
+from router.api.status import StatusPage
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
 from router.errors import APIError, ModelNotFound
+from router.events import EventBus
 from router.limits import middleware_stack
 from router.metrics import Metrics
 from router.placement import Placer, check_budgets
@@ -83,7 +86,8 @@ def build_app(preset: Preset) -> ModelyardApp:
     runtime_dir = Path(server.runtime_dir or tempfile.mkdtemp(prefix="modelyard-"))
     runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_runtime_dir(runtime_dir, preset.source)
-    supervisor = Supervisor(registry, server, runtime_dir, placer)
+    events = EventBus()
+    supervisor = Supervisor(registry, server, runtime_dir, placer, events)
     metrics = MetricsAPI(Metrics(registry))
     relay = Relay(supervisor, metrics.metrics)
     openai = OpenAIAPI(relay, server.max_body_bytes)
@@ -92,6 +96,7 @@ def build_app(preset: Preset) -> ModelyardApp:
         server.responses_store_items, int(server.responses_store_mib * 2**20),
         server.responses_store_ttl))
     admin = AdminAPI(supervisor, server.max_body_bytes)
+    watch = EventsAPI(supervisor, events)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -109,7 +114,8 @@ def build_app(preset: Preset) -> ModelyardApp:
 
     app = ModelyardApp(
         routes=(metrics.counted(openai.routes() + anthropic.routes() + responses.routes())
-                + admin.routes() + metrics.routes() + OpenAPIDocument(keys.required).routes()),
+                + watch.routes() + admin.routes() + metrics.routes()
+                + OpenAPIDocument(keys.required).routes() + StatusPage().routes()),
         lifespan=lifespan,
         front=[*middleware_stack(server, keys),
                Middleware(HotPath, handlers=openai.handlers(), metrics=metrics.metrics)],
@@ -119,5 +125,6 @@ def build_app(preset: Preset) -> ModelyardApp:
     app.state.supervisor = supervisor
     app.state.registry = registry
     app.state.metrics = metrics.metrics
+    app.state.events = events
     app.state.runtime_dir = runtime_dir
     return app

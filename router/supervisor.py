@@ -30,6 +30,7 @@ import psutil
 import zmq
 
 from router.errors import APIError, BadRequest, ModelUnavailable, TooManyRequests, WorkerLost
+from router.events import EventBus
 from router.link import WorkerLink
 from router.placement import Placer, fits
 from router.processes import (
@@ -75,8 +76,10 @@ class _Worker:
 
 class Supervisor:
     def __init__(self, registry: ModelRegistry, server: ServerConfig, runtime_dir: Path,
-                 placer: Placer | None = None) -> None:
+                 placer: Placer | None = None, events: EventBus | None = None) -> None:
         self.registry = registry
+        self.events = events or EventBus()
+        self._published: dict[str, tuple[str, int | None]] = {}
         self.server = server
         self.runtime_dir = runtime_dir
         self.placer = placer or Placer()
@@ -93,6 +96,23 @@ class Supervisor:
         task = asyncio.create_task(coro)
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
+
+    def _publish_state(self, entry: ModelEntry, reason: str | None = None) -> None:
+        """Tell the event bus of ``entry``'s state, if it changed since last told."""
+        now = (entry.state, entry.pid)
+        if self._published.get(entry.id) == now:
+            return
+        self._published[entry.id] = now
+        failed = entry.state == "failed"
+        self.events.publish("state", entry.id, state=entry.state, pid=entry.pid,
+                            placement=entry.placement or None,
+                            **({"reason": reason} if reason else {}),
+                            **({"error": entry.error, "exit_code": entry.exit_code}
+                               if failed else {}))
+
+    def log_path(self, entry: ModelEntry) -> Path:
+        """The model's worker log (every start appends to it; it may not exist yet)."""
+        return self.runtime_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', entry.id)[:100]}.log"
 
     def start(self) -> None:
         """Begin idle reaping and start the ``load_on_startup`` models."""
@@ -338,17 +358,23 @@ class Supervisor:
                     victim = self._victim(entry, loaded, now)
                     if victim is not None and self._idle(victim) and (
                             victim.yield_to == entry.id or now - victim.last_used >= ACTIVE_GAP):
+                        why = self._why(victim, now)
                         log.info("model %s: evicting %s to make room (%s)", entry.id, victim.id,
-                                 self._why(victim, now))
+                                 why)
+                        self.events.publish("eviction", victim.id, action="stop",
+                                            reason=why, **{"for": entry.id})
                         victim.evictions += 1
                         await self.stop(victim)
                         continue
                     if (victim is not None and victim.yield_to is None
                             and now - began >= self.server.swap_wait
                             and victim.spec.priority <= entry.spec.priority):
+                        why = self._why(victim, now)
                         log.info("model %s: waited %.1f s for room; %s takes no new requests "
                                  "and stops when its own are done (%s)", entry.id, now - began,
-                                 victim.id, self._why(victim, now))
+                                 victim.id, why)
+                        self.events.publish("eviction", victim.id, action="yield",
+                                            reason=why, **{"for": entry.id})
                         victim.yield_to = entry.id
                 if now - began >= self.server.load_timeout:
                     raise ModelUnavailable(f"model '{entry.id}' found no room within "
@@ -376,6 +402,7 @@ class Supervisor:
             entry.restarts += entry.state == "failed"  # a start after a crash or failed start
             # No await between finding room and claiming it: two loads cannot both fit.
             entry.state, entry.error, entry.exit_code = "loading", None, None
+            self._publish_state(entry)
             locks = self.placer.start_locks(entry.spec)
             for lock in locks:
                 await lock.acquire()
@@ -387,14 +414,14 @@ class Supervisor:
         except asyncio.CancelledError:
             if entry.state == "loading":
                 entry.state = "unloaded"
+                self._publish_state(entry, "load cancelled")
             raise
 
     async def _spawn(self, entry: ModelEntry) -> WorkerLink:
         started, started_wall = time.monotonic(), time.time()
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", entry.id)[:100]
         # A socket path must fit in 107 bytes, so its name does not depend on the model's.
         endpoint = f"ipc://{self.runtime_dir}/w{next(_generation)}.sock"
-        log_path = self.runtime_dir / f"{safe}.log"
+        log_path = self.log_path(entry)
         offset = log_path.stat().st_size if log_path.exists() else 0
         link: WorkerLink | None = None
         spare: Spare | None = None
@@ -437,6 +464,7 @@ class Supervisor:
         worker = _Worker(proc, link, log_path, spare.started_at if spare else None)
         self._workers[entry.id] = worker
         entry.pid = proc.pid
+        self._publish_state(entry)
         exited = asyncio.create_task(proc.wait())
         ready = asyncio.create_task(link.wait_ready())
         try:
@@ -461,6 +489,7 @@ class Supervisor:
             phases = {("spare" if spare else "spawn"):
                       round(max(0.0, info.booted_at - started_wall), 3)} if info.booted_at else {}
             entry.load_phases = {**phases, **info.phases}
+            self._publish_state(entry)
             worker.descendants = descendants(proc.pid)
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
             self._spawn_task(self._log_ready(entry, worker, offset))
@@ -483,6 +512,8 @@ class Supervisor:
         found = await asyncio.to_thread(engine_phases, worker.log_path, offset)
         if self._workers.get(entry.id) is worker:
             entry.load_phases = {**entry.load_phases, **found}
+            self.events.publish("load", entry.id, load_seconds=entry.load_seconds,
+                                load_phases=entry.load_phases, pid=worker.proc.pid)
         log.info("model %s: ready in %.1f s (pid %d): %s", entry.id, entry.load_seconds or 0,
                  worker.proc.pid, ", ".join(f"{k} {v:.2f} s"
                                             for k, v in entry.load_phases.items()))
@@ -497,6 +528,7 @@ class Supervisor:
         entry.failed_at = time.monotonic()
         entry.state, entry.exit_code = "failed", code
         entry.error = f"{reason}\n{tail}".strip()
+        self._publish_state(entry, reason)
 
     async def _watch(self, entry: ModelEntry, worker: _Worker) -> None:
         code = await worker.proc.wait()
@@ -565,9 +597,11 @@ class Supervisor:
                          now - entry.last_used, entry.spec.idle_action)
                 if entry.spec.idle_action == "sleep" and entry.spec.device == "cuda":
                     entry.state = "sleeping"
+                    self._publish_state(entry, "idle")
                     self._spawn_task(self._sleep(entry))
                 else:
                     entry.state = "stopping"  # now, not when the task first runs
+                    self._publish_state(entry, "idle")
                     self._spawn_task(self._finish_stop(entry, self._workers[entry.id]))
 
     async def _sleep(self, entry: ModelEntry) -> None:
@@ -595,6 +629,7 @@ class Supervisor:
         try:
             await link.wake()
             entry.state, entry.last_used = "ready", time.monotonic()
+            self._publish_state(entry, "woken")
         except APIError as err:
             log.warning("model %s: wake failed (%s); restarting", entry.id, err.message)
             await self.stop(entry)
@@ -613,12 +648,14 @@ class Supervisor:
             entry.yield_to = None
             if entry.state != "failed":
                 entry.state = "unloaded"
+                self._publish_state(entry)
             return
         if entry.state == "stopping":
             while entry.id in self._workers and self._workers[entry.id] is worker:
                 await asyncio.sleep(POLL)  # another stop is under way; wait for it
             return
         entry.state = "stopping"
+        self._publish_state(entry)
         await self._finish_stop(entry, worker, force, grace)
 
     async def _finish_stop(self, entry: ModelEntry, worker: _Worker, force: bool = False,
@@ -649,6 +686,7 @@ class Supervisor:
                         entry.id, grace)
         await self._reap(entry, worker, "model unloaded")  # kills the group if it lives
         entry.state, entry.yield_to = "unloaded", None
+        self._publish_state(entry)
         log.info("model %s: stopped in %.2f s", entry.id, time.monotonic() - began)
 
     async def stop_all(self) -> None:

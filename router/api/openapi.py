@@ -186,6 +186,12 @@ RESPONSES: dict[str, Schema] = {
                                            "rss_mib": _NUM,
                                            "age_seconds": _NUM})),
                     "tasks": _INT}),
+    "Event": _obj({"type": {"type": "string", "enum": [
+        "hello", "activity", "state", "load", "eviction", "request", "dropped"]},
+        "id": _nullable(_INT), "time": _NUM, "model": _nullable(_STR)}),
+    "EventList": _obj({"object": _const("list"), "data": _array(_ref("Event"))}),
+    "LogLines": _obj({"object": _const("list"), "model": _STR, "data": _array(_STR)}),
+    "LogLine": _obj({"model": _STR, "line": _STR}),
 }
 
 _ERRORS = {
@@ -232,6 +238,8 @@ class Operation(msgspec.Struct, frozen=True):
     text: bool = False  # 200 is text/plain (Prometheus exposition)
     anthropic: bool = False  # errors in Anthropic's shape; a full queue is 529
     named_events: bool = False  # a stream of named events (OpenAI Responses), no [DONE]
+    html: bool = False  # 200 is text/html (the status page)
+    query: dict[str, Schema] | None = None  # query parameters, all optional
 
 
 _GENERATE = ("Generation: the model's worker runs it; `\"stream\": true` answers with "
@@ -288,6 +296,20 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/metrics"): Operation("Prometheus metrics (text exposition format)", text=True),
     ("GET", "/v1/metrics"): Operation("The same metrics as one JSON object, per model"),
     ("GET", "/openapi.json"): Operation("This document", None, None),
+    ("GET", "/v1/events"): Operation(
+        "The router's events (model states, loads with their phases, evictions with their "
+        "reason, one summary per request): the recent ones as JSON, or with `Accept: "
+        "text/event-stream` a stream of named events that goes on (a comment every 15 s)",
+        None, "EventList", "Event", named_events=True,
+        query={"replay": {"type": "string", "enum": ["0", "1", "true", "false"]}}),
+    ("GET", "/v1/models/{model_id}/logs"): Operation(
+        "The last `lines` lines of a model's worker log; with `follow=1` a stream of "
+        "`line` events, those lines first, then each line as it is written",
+        None, "LogLines", "LogLine", named_events=True,
+        query={"lines": {"type": "integer", "minimum": 0, "maximum": 10000},
+               "follow": {"type": "string", "enum": ["0", "1", "true", "false"]}}),
+    ("GET", "/"): Operation("The status page (HTML; its assets are under /static/)",
+                            html=True),
 }
 
 
@@ -310,6 +332,8 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
     ok: dict[str, Any] = {"description": "OK"}
     if op.text:
         ok["content"] = {"text/plain": {"schema": _STR}}
+    elif op.html:
+        ok["content"] = {"text/html": {"schema": _STR}}
     elif op.ok is not None:
         ok["content"] = _json(_ref(op.ok))
         if op.streams is not None:
@@ -322,7 +346,7 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
         responses["202"] = {"description": "Loading has started",
                             "content": _json(_ref(op.ok))}
     errors = {k: v for k, v in _ERRORS.items() if op.body is not None or k not in _BODY_ERRORS}
-    if auth and path != "/health":
+    if auth and path not in ("/health", "/"):
         errors.update(_AUTH_ERRORS)
     if op.anthropic:
         errors.update(_ANTHROPIC_ERRORS)
@@ -333,10 +357,12 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
     if op.body is not None:
         out["requestBody"] = {"required": True, "content": _json(_ref(op.body.__name__))}
     params = re.findall(r"\{(\w+)\}", path)
-    if params:
+    if params or op.query:
         out["parameters"] = [{"name": p, "in": "path", "required": True, "schema": _STR}
                              for p in params]
-    if auth and path == "/health":
+        out["parameters"] += [{"name": name, "in": "query", "schema": schema}
+                              for name, schema in (op.query or {}).items()]
+    if auth and path in ("/health", "/"):
         out["security"] = []
     return out
 
