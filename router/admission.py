@@ -21,7 +21,7 @@ from router.errors import APIError, shaped
 from shared.config import ConfigError, ServerConfig
 
 OPEN_PATHS = frozenset({"/health"})
-ADMIN_PATHS = frozenset({"/v1/models/load", "/v1/models/unload"})
+ADMIN_PATHS = frozenset({"/v1/models/load", "/v1/models/unload", "/v1/config/reload"})
 
 
 class Keys:

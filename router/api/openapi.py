@@ -186,6 +186,11 @@ RESPONSES: dict[str, Schema] = {
                                            "rss_mib": _NUM,
                                            "age_seconds": _NUM})),
                     "tasks": _INT}),
+    "ConfigReload": _obj({"source": _STR, "added": _array(_STR), "removed": _array(_STR),
+                          "changed": _array(_STR), "unchanged": _array(_STR),
+                          "changed_keys": {"type": "object",
+                                           "additionalProperties": _array(_STR)},
+                          "applied": _array(_STR), "restart_required": _array(_STR)}),
 }
 
 _ERRORS = {
@@ -283,6 +288,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/models/unload"): Operation(
         "Stop a model's worker, or several (drain, or `\"force\": true`)", ModelAction,
         "ModelOrList"),
+    ("POST", "/v1/config/reload"): Operation(
+        "Read the preset file again and apply what changed (a 400 names file, model and "
+        "key of a file that does not load; the running config stays)", None, "ConfigReload"),
     ("GET", "/health"): Operation("Liveness and every model's state (never needs a key)",
                                   None, "Health"),
     ("GET", "/metrics"): Operation("Prometheus metrics (text exposition format)", text=True),
