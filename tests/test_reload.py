@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
+import openai
 import pytest
 
 from router.admission import Keys
@@ -23,6 +30,7 @@ from router.registry import ModelRegistry
 from router.reload import Reloader, diff_presets, fingerprint
 from router.supervisor import Supervisor
 from shared.config import build_preset, load_preset, restart_needed
+from tests.conftest import ROOT, RouterProcess, running_router
 
 # -- the diff ------------------------------------------------------------------------
 
@@ -196,3 +204,211 @@ def test_command_line_overrides_win_at_every_reload(tmp_path: Path) -> None:
     assert answer["restart_required"] == [] and answer["unchanged"] == ["first", "second",
                                                                         "third"]
     assert rl.supervisor.server.port == 7000
+
+
+# -- a real router, real workers -----------------------------------------------------
+
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+START = """
+server: {host: 127.0.0.1, port: {port}, load_timeout: 600, drain_timeout: 300,
+         default_model: keep}
+models:
+  keep: {model: "builtin:smollm2", cpu_cores: "0", max_model_len: 512, load_on_startup: true}
+  shifty: {model: "builtin:smollm2", cpu_cores: "1", max_model_len: 512, aliases: [shift],
+           load_on_startup: true}
+"""
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    with running_router(START, tmp_path_factory.mktemp("reload"), "reload") as r:
+        r.wait_model("keep")
+        r.wait_model("shifty")
+        yield r
+
+
+def rewrite(r: RouterProcess, text: str) -> None:
+    r.preset.write_text(text.replace("{port}", str(r.port)))
+
+
+def models(r: RouterProcess) -> dict[str, dict[str, Any]]:
+    return {m["id"]: m for m in r.client.get(f"{r.url}/v1/models").json()["data"]}
+
+
+def reload(r: RouterProcess) -> httpx.Response:
+    return r.client.post(f"{r.url}/v1/config/reload", timeout=30)
+
+
+class Stream(threading.Thread):
+    """A streamed chat read to its end in a thread; ``started`` is set at its first chunk."""
+
+    def __init__(self, r: RouterProcess, model: str) -> None:
+        super().__init__()
+        self.r, self.model = r, model
+        self.started = threading.Event()
+        self.chunks: list[Any] = []
+        self.error: BaseException | None = None
+        self.start()
+        assert self.started.wait(300), r.tail()
+
+    def run(self) -> None:
+        try:
+            with openai.OpenAI(base_url=self.r.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=300) as client:
+                for chunk in client.chat.completions.create(
+                        model=self.model, messages=STORY, max_tokens=100, stream=True,  # type: ignore[arg-type]
+                        extra_body={"ignore_eos": True}):
+                    self.chunks.append(chunk)
+                    self.started.set()
+        except Exception as err:  # noqa: BLE001  # a thread's error: finished() asserts on it
+            self.error = err
+            self.started.set()
+
+    def finished(self) -> int:
+        """Tokens streamed; the stream must have ended normally, at its length."""
+        self.join(300)
+        assert self.error is None and not self.is_alive(), self.error
+        assert self.chunks[-1].choices[0].finish_reason == "length"
+        return sum(bool(c.choices and c.choices[0].delta.content) for c in self.chunks)
+
+
+def wait_for(check: Any, what: str, r: RouterProcess, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}\n{r.tail()}"
+        time.sleep(0.2)
+
+
+@pytest.mark.integration
+def test_reload_adds_changes_removes_and_streams_in_flight_finish(live: RouterProcess) -> None:
+    before = models(live)
+    keep_pid, shifty_pid = before["keep"]["pid"], before["shifty"]["pid"]
+
+    # 1. shifty changes (a restart) while it streams; fresh is added; keep is untouched
+    stream = Stream(live, "shift")
+    rewrite(live, START.replace("max_model_len: 512, aliases: [shift]",
+                                "max_model_len: 768, aliases: [shift]")
+            + '  fresh: {model: "builtin:smollm2", cpu_cores: "1", max_model_len: 512,'
+              ' aliases: [new-name]}\n')
+    answer = reload(live)
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {
+        "source": str(live.preset), "added": ["fresh"], "removed": [], "changed": ["shifty"],
+        "unchanged": ["keep"], "changed_keys": {"shifty": ["max_model_len"]},
+        "applied": [], "restart_required": []}
+    now = models(live)
+    assert now["shifty"]["state"] == "stopping" and now["shifty"]["pid"] == shifty_pid
+    assert now["fresh"]["state"] == "unloaded" and now["keep"]["pid"] == keep_pid
+    waiter = Stream(live, "shifty")  # waits for the new worker meanwhile
+    assert stream.finished() > 50
+    assert waiter.finished() > 50
+    wait_for(lambda: models(live)["shifty"]["state"] == "ready", "shifty back", live)
+    now = models(live)
+    assert now["shifty"]["pid"] not in (shifty_pid, None) and now["shifty"]["max_model_len"] == 768
+    assert psutil_gone(shifty_pid)
+
+    # 2. shifty is removed while it streams: it finishes, new requests get a 404
+    stream = Stream(live, "shifty")
+    new_pid = models(live)["shifty"]["pid"]
+    rewrite(live, START.split("  shifty:")[0].replace("default_model: keep", "")
+            + '  fresh: {model: "builtin:smollm2", cpu_cores: "1", max_model_len: 512,'
+              ' aliases: [new-name, shift]}\n')
+    answer = reload(live)
+    assert answer.status_code == 200, answer.text
+    assert (answer.json()["removed"], answer.json()["changed"]) == (["shifty"], ["fresh"])
+    assert answer.json()["applied"] == ["default_model"]  # none: an unknown name is a 404
+    with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0,
+                       timeout=300) as client:
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="shifty", messages=STORY, max_tokens=2)  # type: ignore[arg-type]
+        assert stream.finished() > 50
+        wait_for(lambda: "shifty" not in models(live), "shifty gone", live)
+        assert psutil_gone(new_pid)
+        # its alias now names fresh, which loads on first use
+        reply = client.chat.completions.create(model="shift", messages=STORY, max_tokens=2)  # type: ignore[arg-type]
+        assert reply.model == "fresh"
+    assert models(live)["keep"]["pid"] == keep_pid
+
+    # 3. a broken file: a 400 naming file, model and key; nothing changes
+    state = {k: (m["state"], m.get("pid")) for k, m in models(live).items()}
+    rewrite(live, START + '  bad: {model: "builtin:smollm2", env: {T: "${env:RELOAD_UNSET}"}}\n')
+    answer = reload(live)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "invalid_config" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{live.preset}: model 'bad': key 'env.T': ")
+    assert {k: (m["state"], m.get("pid")) for k, m in models(live).items()} == state
+
+
+@pytest.mark.integration
+def test_sighup_reloads_and_router_only_keys_keep_the_worker(live: RouterProcess) -> None:
+    assert live.proc is not None
+    keep = models(live)["keep"]
+    rewrite(live, START.split("  shifty:")[0].replace(
+        "load_on_startup: true}", "load_on_startup: true, aliases: [keeper], ttl: 3600}")
+        .replace("default_model: keep", "default_model: keeper"))
+    live.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: models(live)["keep"].get("aliases") == ["keeper"], "SIGHUP reload", live,
+             timeout=10)
+    now = models(live)["keep"]
+    assert now["pid"] == keep["pid"] and now["state"] == "ready" and now["ttl"] == 3600
+    for name in ("keeper", "no-such-name"):  # an alias, and the default by its alias
+        reply = live.client.post(f"{live.url}/v1/chat/completions", timeout=120, json={
+            "model": name, "messages": STORY, "max_tokens": 2})
+        assert reply.status_code == 200 and reply.json()["model"] == "keep", reply.text
+    assert live.proc.poll() is None
+
+
+def psutil_gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return bool(psutil.Process(pid).status() == psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return True
+
+
+# -- the file watch (synthetic workers: it is the trigger under test) ------------------
+
+WATCHED = """
+server: {host: 127.0.0.1, port: {port}, spare_workers: 0}
+models:
+  syn-a: {model: /synthetic, engine: synthetic}
+"""
+
+
+class WatchingRouter(RouterProcess):
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.log = open(self.log_path, "wb")  # noqa: SIM115  # the router's stdout until stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "router", "serve", "--config", str(self.preset),
+             "--watch-config"], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.integration
+def test_watch_config_reloads_on_a_change_of_content(tmp_path: Path) -> None:
+    r = WatchingRouter(WATCHED, tmp_path, "watched")
+    r.start()
+    try:
+        r.wait_healthy()
+        time.sleep(1.5)  # the watcher's first look
+        def reloads() -> int:
+            return r.tail(1000).count("config reloaded from")
+
+        os.utime(r.preset)  # a touch alone is not a change
+        time.sleep(2)
+        assert reloads() == 0
+        rewrite(r, WATCHED + "  syn-b: {model: /synthetic, engine: synthetic}\n")
+        wait_for(lambda: "syn-b" in models(r), "the watch saw the change", r, timeout=5)
+        time.sleep(2.5)
+        assert reloads() == 1
+        rewrite(r, WATCHED + "  syn-b: {model: /synthetic, engine: synthetic, ttl: soon}\n")
+        wait_for(lambda: "refused; the running config stays" in r.tail(), "refused", r, 5)
+        assert "model 'syn-b': key 'ttl'" in r.tail() and "syn-b" in models(r)
+        rewrite(r, WATCHED)
+        wait_for(lambda: "syn-b" not in models(r), "the fixed file applied", r, timeout=5)
+        assert r.client.post(f"{r.url}/v1/chat/completions", json={
+            "model": "syn-a", "messages": STORY, "max_tokens": 3}).status_code == 200
+    finally:
+        r.stop()
