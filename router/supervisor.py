@@ -98,6 +98,7 @@ class Supervisor:
         self._background: set[asyncio.Task[None]] = set()
         self._removed: set[ModelEntry] = set()
         """Models a reload removed whose workers still drain."""
+        self._closing = False
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
                                 self._command(spare=True), self.base_env, self._spawn_task)
 
@@ -698,12 +699,13 @@ class Supervisor:
                 log.info("model %s: its spec changed; restarting once its requests are done",
                          entry.id)
                 await self.stop(entry)
-            if (load or serving) and not entry.removed:
+            if (load or serving) and not entry.removed and not self._closing:
                 self.start_loading(entry)
 
         self._spawn_task(restart())
 
     async def stop_all(self) -> None:
+        self._closing = True  # a reload's restart under way loads nothing more
         if self._reaper is not None:
             self._reaper.cancel()
         await self.spares.close()
