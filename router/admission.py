@@ -23,7 +23,7 @@ from shared.config import ConfigError, ServerConfig
 OPEN_PATHS = frozenset({"/health", "/"})
 OPEN_PREFIX = "/static/"
 """The status page and its assets hold no data; what the page calls needs a key."""
-ADMIN_PATHS = frozenset({"/v1/models/load", "/v1/models/unload"})
+ADMIN_PATHS = frozenset({"/v1/models/load", "/v1/models/unload", "/v1/config/reload"})
 
 
 class Keys:

@@ -36,6 +36,7 @@ from router.limits import middleware_stack
 from router.metrics import Metrics
 from router.placement import Placer, check_budgets
 from router.registry import ModelRegistry
+from router.reload import Reloader
 from router.supervisor import Supervisor
 from shared.config import ConfigError, Preset
 
@@ -70,8 +71,12 @@ class ModelyardApp(Starlette):
         return app
 
 
-def build_app(preset: Preset) -> ModelyardApp:
-    """The app serving ``preset``; workers start on demand and stop on shutdown."""
+def build_app(preset: Preset, *, watch_config: bool = False,
+              overrides: dict[str, Any] | None = None) -> ModelyardApp:
+    """The app serving ``preset``; workers start on demand and stop on shutdown.
+    ``POST /v1/config/reload`` and SIGHUP reload ``preset.source`` (and, with
+    ``watch_config``, a change of the file does); ``overrides``: server keys the command
+    line set, which win over the file at every reload."""
     server = preset.server
     registry = ModelRegistry(preset)
     for name in server.preload:
@@ -95,8 +100,9 @@ def build_app(preset: Preset) -> ModelyardApp:
     responses = ResponsesAPI(relay, server.max_body_bytes, ResponseStore(
         server.responses_store_items, int(server.responses_store_mib * 2**20),
         server.responses_store_ttl))
-    admin = AdminAPI(supervisor, server.max_body_bytes)
     watch = EventsAPI(supervisor, events)
+    reloader = Reloader(preset.source, preset, supervisor, keys, overrides)
+    admin = AdminAPI(supervisor, server.max_body_bytes, reloader)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -104,9 +110,11 @@ def build_app(preset: Preset) -> ModelyardApp:
                  preset.source, runtime_dir,
                  f"{len(keys.user)} API key(s) required" if keys.required else "no API keys")
         supervisor.start()
+        reloader.start(watch_config)
         try:
             yield
         finally:
+            reloader.close()
             await responses.background.cancel_all()
             await supervisor.stop_all()
             if own_runtime_dir:
@@ -126,5 +134,6 @@ def build_app(preset: Preset) -> ModelyardApp:
     app.state.registry = registry
     app.state.metrics = metrics.metrics
     app.state.events = events
+    app.state.reloader = reloader
     app.state.runtime_dir = runtime_dir
     return app

@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="overrides the preset's server.host")
     serve.add_argument("--port", type=int, help="overrides the preset's server.port")
     serve.add_argument("--log-level", help="overrides the preset's server.log_level")
+    serve.add_argument("--watch-config", action="store_true",
+                       help="reload the preset when its file changes (looked at every "
+                            "second); SIGHUP and POST /v1/config/reload always reload it")
     args = parser.parse_args(argv)
 
     try:
@@ -32,16 +35,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"modelyard: {err}", file=sys.stderr)
         return 2
     server = preset.server
-    if args.host:
-        server.host = args.host
-    if args.port is not None:
-        server.port = args.port
-    if args.log_level:
-        server.log_level = args.log_level
+    overrides = {key: value for key, value in (("host", args.host), ("port", args.port),
+                                               ("log_level", args.log_level))
+                 if value is not None and value != ""}
+    for key, value in overrides.items():
+        setattr(server, key, value)
     logging.basicConfig(level=server.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = build_app(preset)
+        app = build_app(preset, watch_config=args.watch_config, overrides=overrides)
     except ConfigError as err:  # what only the running machine can tell (dirs, memory)
         print(f"modelyard: {err}", file=sys.stderr)
         return 2

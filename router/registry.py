@@ -71,10 +71,20 @@ class ModelEntry:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     slots: asyncio.Semaphore | None = None
     """``max_concurrent`` requests served at once; ``None``: no cap."""
+    removed: bool = False
+    """A reload took it out of the preset: it drains and stops, and never loads again."""
 
     def __post_init__(self) -> None:
         if self.spec.max_concurrent:
             self.slots = asyncio.Semaphore(self.spec.max_concurrent)
+
+    def respec(self, spec: ModelSpec) -> None:
+        """Take a reloaded preset's ``spec``. A lease keeps the semaphore it took its slot
+        from, so a new ``max_concurrent`` cannot be miscounted by requests in flight."""
+        if spec.max_concurrent != self.spec.max_concurrent:
+            self.slots = asyncio.Semaphore(spec.max_concurrent) if spec.max_concurrent else None
+        self.spec = spec
+        self.failures = 0  # a new spec gets its first start without a backoff
 
     @property
     def id(self) -> str:
@@ -95,13 +105,32 @@ class ModelRegistry:
     def __init__(self, preset: Preset) -> None:
         self.entries: dict[str, ModelEntry] = {
             name: ModelEntry(spec=spec) for name, spec in preset.models.items()}
-        self._aliases = {alias: spec.id for spec in preset.models.values()
-                         for alias in spec.aliases}
+        self._index(preset.server.default_model)
+
+    def _index(self, default_model: str | None) -> None:
+        self._aliases = {alias: e.id for e in self.entries.values() for alias in e.spec.aliases}
         self._folded: dict[str, str] = {}
-        for spec in preset.models.values():
-            for name in (spec.id, *spec.aliases):
-                self._folded[name.lower()] = spec.id
-        self.default_model = preset.server.default_model
+        for entry in self.entries.values():
+            for name in (entry.id, *entry.spec.aliases):
+                self._folded[name.lower()] = entry.id
+        self.default_model = default_model
+
+    def reconfigure(self, preset: Preset) -> tuple[list[ModelEntry], list[ModelEntry]]:
+        """Serve ``preset``'s models from now on: entries of models it keeps take its specs
+        (``ModelEntry.respec``), others are made or dropped, names resolve by its aliases
+        and default. Returns the (added, removed) entries; the caller stops the removed
+        ones' workers and restarts those whose spec needs it."""
+        old = self.entries
+        self.entries = {name: old.get(name) or ModelEntry(spec=spec)
+                        for name, spec in preset.models.items()}
+        for name, spec in preset.models.items():
+            if name in old and old[name].spec != spec:
+                old[name].respec(spec)
+        removed = [e for name, e in old.items() if name not in self.entries]
+        for entry in removed:
+            entry.removed = True
+        self._index(preset.server.default_model)
+        return [e for name, e in self.entries.items() if name not in old], removed
 
     def __iter__(self) -> Iterator[ModelEntry]:
         return iter(self.entries.values())
@@ -159,8 +188,8 @@ class Lease:
     def __init__(self, entry: ModelEntry) -> None:
         self.entry = entry
         self._held = True
-        self.slot = False
-        """Holds one of the model's ``max_concurrent`` slots (``Supervisor.acquire``)."""
+        self.slot: asyncio.Semaphore | None = None
+        """The semaphore of the ``max_concurrent`` slot it holds (``Supervisor.acquire``)."""
         entry.leases += 1
         entry.last_used = time.monotonic()
         entry.note_request(entry.last_used)
@@ -170,8 +199,8 @@ class Lease:
             self._held = False
             self.entry.leases -= 1
             self.entry.last_used = time.monotonic()
-            if self.slot and self.entry.slots is not None:
-                self.entry.slots.release()
+            if self.slot is not None:
+                self.slot.release()
 
     def __enter__(self) -> Self:
         return self

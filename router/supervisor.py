@@ -29,7 +29,14 @@ import msgspec
 import psutil
 import zmq
 
-from router.errors import APIError, BadRequest, ModelUnavailable, TooManyRequests, WorkerLost
+from router.errors import (
+    APIError,
+    BadRequest,
+    ModelNotFound,
+    ModelUnavailable,
+    TooManyRequests,
+    WorkerLost,
+)
 from router.events import EventBus
 from router.link import WorkerLink
 from router.placement import Placer, fits
@@ -43,7 +50,7 @@ from router.processes import (
 )
 from router.registry import Lease, ModelEntry, ModelRegistry
 from router.spares import Spare, SparePool
-from shared.config import ServerConfig, WorkerBoot
+from shared.config import ModelSpec, ServerConfig, WorkerBoot, restart_needed
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
@@ -65,8 +72,11 @@ class _Worker:
     """What the supervisor keeps per running worker process."""
 
     def __init__(self, proc: asyncio.subprocess.Process, link: WorkerLink,
-                 log_path: Path, started_at: float | None = None) -> None:
+                 log_path: Path, started_at: float | None = None,
+                 spec: ModelSpec | None = None) -> None:
         self.proc = proc
+        self.spec = spec
+        """What it was started with (a reload may have changed its model's since)."""
         self.link = link
         self.log_path = log_path
         self.started_at = started_at or time.time()
@@ -89,6 +99,9 @@ class Supervisor:
         self._wakes: dict[str, asyncio.Task[None]] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._removed: set[ModelEntry] = set()
+        """Models a reload removed whose workers still drain."""
+        self._closing = False
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
                                 self._command(spare=True), self.base_env, self._spawn_task)
 
@@ -172,7 +185,7 @@ class Supervisor:
             lease = Lease(entry)
             if slots is not None:
                 slots._value -= 1  # asyncio.Semaphore.acquire's own step when one is free
-                lease.slot = True
+                lease.slot = slots
             return lease, entry.link
         return entry
 
@@ -195,7 +208,7 @@ class Supervisor:
                 entry.queued -= 1
         else:
             await slots.acquire()  # free: returns without yielding
-        lease.slot = True
+        lease.slot = slots
 
     async def ensure_ready(self, entry: ModelEntry) -> WorkerLink:
         """Wait (bounded) until ``entry`` serves: load it, wake it, or find it room."""
@@ -229,6 +242,9 @@ class Supervisor:
 
     def start_loading(self, entry: ModelEntry) -> asyncio.Task[WorkerLink]:
         """The model's one load task, started now if none is running."""
+        if entry.removed:
+            raise ModelNotFound(f"The model '{entry.id}' was removed from the configuration",
+                                param="model")
         task = self._loads.get(entry.id)
         if task is None:
             task = asyncio.create_task(self._load(entry), name=f"load-{entry.id}")
@@ -349,7 +365,7 @@ class Supervisor:
         try:
             while True:
                 now = time.monotonic()
-                loaded = [e for e in self.registry if e is not entry
+                loaded = [e for e in (*self.registry, *self._removed) if e is not entry
                           and e.state in ("loading", "ready", "sleeping", "stopping")]
                 if self._first_in_line(entry):
                     if fits(entry.spec, [e.spec for e in loaded], self.server, self.placer.gpus,
@@ -452,6 +468,7 @@ class Supervisor:
             log.error("model %s: %s", entry.id, reason)
             raise ModelUnavailable(f"model '{entry.id}' {reason}") from None
         assert proc.stdin is not None
+        spec = entry.spec  # what this worker serves, whatever a reload makes of the entry
         try:
             proc.stdin.write(self.worker_boot(entry, link, endpoint,
                                               str(log_path) if spare else ""))
@@ -461,7 +478,7 @@ class Supervisor:
         log.info("model %s: worker pid %d starting%s (%s)", entry.id, proc.pid,
                  " from a spare" if spare else "",
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
-        worker = _Worker(proc, link, log_path, spare.started_at if spare else None)
+        worker = _Worker(proc, link, log_path, spare.started_at if spare else None, spec)
         self._workers[entry.id] = worker
         entry.pid = proc.pid
         self._publish_state(entry)
@@ -689,12 +706,49 @@ class Supervisor:
         self._publish_state(entry)
         log.info("model %s: stopped in %.2f s", entry.id, time.monotonic() - began)
 
+    # -- reloading ---------------------------------------------------------------------
+    def retire(self, entry: ModelEntry) -> None:
+        """A reload removed ``entry`` (no name resolves to it any more): its requests in
+        flight finish (up to ``drain_timeout``), then its worker stops."""
+        self._removed.add(entry)
+
+        async def drain() -> None:
+            try:
+                await self.stop(entry)
+            finally:
+                self._removed.discard(entry)
+
+        self._spawn_task(drain())
+
+    def refresh(self, entry: ModelEntry, load: bool) -> None:
+        """A reload changed ``entry``'s spec: a worker started with a spec the new one
+        cannot be served by stops once its requests in flight are done (new requests wait
+        meanwhile, then load the new spec); with ``load``, or if it was serving, the
+        model loads again at once."""
+        serving = entry.state in ("loading", "ready", "sleeping")
+
+        async def restart() -> None:
+            starting = self._loads.get(entry.id)
+            if starting is not None and entry.state == "loading":
+                await asyncio.wait({starting})  # its waiters get the worker they waited for
+            worker = self._workers.get(entry.id)
+            if worker is not None and (worker.spec is None
+                                       or restart_needed(worker.spec, entry.spec)):
+                log.info("model %s: its spec changed; restarting once its requests are done",
+                         entry.id)
+                await self.stop(entry)
+            if (load or serving) and not entry.removed and not self._closing:
+                self.start_loading(entry)
+
+        self._spawn_task(restart())
+
     async def stop_all(self) -> None:
+        self._closing = True  # a reload's restart under way loads nothing more
         if self._reaper is not None:
             self._reaper.cancel()
         await self.spares.close()
         for task in list(self._loads.values()):
             task.cancel()
-        await asyncio.gather(*(self.stop(e) for e in self.registry
+        await asyncio.gather(*(self.stop(e) for e in (*self.registry, *self._removed)
                                if e.id in self._workers), return_exceptions=True)
         self._ctx.destroy(linger=0)  # closes any socket a cancelled start left behind

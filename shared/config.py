@@ -10,6 +10,10 @@ YAML::
 INI (like llama-server's presets): a ``[server]`` section, a ``[*]`` section of model
 defaults, and one section per model; lists are comma-separated.
 
+String values may name environment variables, so a preset can be shared without its
+secrets: ``${env:HF_TOKEN}``, or ``${env:HF_HOME:-/srv/hf}`` with a default; ``$${``
+stands for a literal ``${``. A variable that is not set and has no default is an error.
+
 Every problem is reported once, at load, as a ``ConfigError`` naming the file, the model
 and the key.
 """
@@ -20,6 +24,7 @@ import configparser
 import ipaddress
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -190,6 +195,17 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     env: dict[str, str] = {}
 
 
+ROUTER_ONLY_FIELDS = frozenset({"aliases", "ttl", "pinned", "priority", "min_resident",
+                                "idle_action", "owned_by", "load_on_startup"})
+"""``ModelSpec`` fields only the router reads: a reload changes them in a running model
+without restarting its worker."""
+
+
+def restart_needed(old: ModelSpec, new: ModelSpec) -> bool:
+    """Whether a worker started with ``old`` must restart to serve ``new``."""
+    return msgspec.structs.replace(old, **{f: getattr(new, f) for f in ROUTER_ONLY_FIELDS}) != new
+
+
 class WorkerBoot(msgspec.Struct, kw_only=True):
     """What a worker reads from its stdin (never its command line, which ``ps`` shows to
     every user): its model's spec and the key that lets it, and only it, reach the router."""
@@ -212,7 +228,9 @@ class Preset(msgspec.Struct, kw_only=True):
     source: str = ""
 
 
-_LIST_KEYS = ("aliases", "gpus", "trusted_proxies", "preload")  # comma-separated in INI
+_LIST_KEYS = ("aliases", "gpus", "trusted_proxies", "preload", "api_keys",  # comma-separated
+              "admin_api_keys")                                          # in INI
+_ENV_RE = re.compile(r"\$(\$)?\{env:([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _AT_RE = re.compile(r"\s*- at `\$((?:\.\w+|\[\d+\])*)`")
 
 
@@ -311,9 +329,57 @@ def _check_names(models: dict[str, ModelSpec], server: ServerConfig, source: str
                               f"addresses or CIDRs, got \"{proxy}\" ({err})") from None
 
 
-def _ini_section(section: configparser.SectionProxy) -> dict[str, Any]:
+def expand_env(value: str, where: str, environ: Mapping[str, str]) -> str:
+    """``value`` with its ``${env:NAME}`` and ``${env:NAME:-default}`` references replaced
+    (``$${env:…}`` is kept as the literal ``${env:…}``); ``where`` names file, model and
+    key in the error for a variable that is not set and has no default."""
+    if "${" not in value:
+        return value
+
+    def one(m: re.Match[str]) -> str:
+        escaped, name, default = m.groups()
+        if escaped:
+            return m.group(0)[1:]
+        found = environ.get(name)
+        if found is not None:
+            return found
+        if default is not None:
+            return default
+        raise ConfigError(f"{where}: environment variable '{name}' is not set (write "
+                          f"${{env:{name}:-default}} to give a default)")
+
+    return _ENV_RE.sub(one, value)
+
+
+def _expand_tree(data: Any, where: str, environ: Mapping[str, str]) -> Any:
+    """Every string in ``data`` (a model's or section's keys and values) expanded; the
+    key path goes in ``where`` (``key 'env.HF_TOKEN'``)."""
+    def walk(value: Any, path: str) -> Any:
+        if isinstance(value, str):
+            return expand_env(value, f"{where}: key '{path}'", environ)
+        if isinstance(value, dict):
+            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v, path) for v in value]
+        return value
+
+    return walk(data, "")
+
+
+def _section_where(source: str, section: str) -> str:
+    if section == "server":
+        return f"{source}: [server]"
+    if section in ("defaults", "*"):
+        return f"{source}: [defaults]"
+    return f"{source}: model '{section}'"
+
+
+def _ini_section(section: configparser.SectionProxy, where: str,
+                 environ: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for key, value in section.items():
+    for key, raw in section.items():
+        # expanded before a list is split, so one variable may hold "a, b"
+        value = expand_env(raw, f"{where}: key '{key}'", environ)
         if key in _LIST_KEYS:
             out[key] = [v.strip() for v in value.split(",") if v.strip()]
         elif key.startswith("env."):
@@ -333,16 +399,18 @@ def _ini_scalar(value: str) -> Any:
         return value
 
 
-def parse_ini(text: str, source: str) -> dict[str, Any]:
+def parse_ini(text: str, source: str,
+              environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     parser = configparser.ConfigParser(interpolation=None, default_section="\0none")
     parser.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive
     try:
         parser.read_string(text, source=source)
     except configparser.Error as err:
         raise ConfigError(f"{source}: {err}") from None
+    env = os.environ if environ is None else environ
     raw: dict[str, Any] = {"models": {}}
     for name in parser.sections():
-        body = _ini_section(parser[name])
+        body = _ini_section(parser[name], _section_where(source, name), env)
         if name == "server":
             raw["server"] = body
         elif name == "*":
@@ -352,18 +420,31 @@ def parse_ini(text: str, source: str) -> dict[str, Any]:
     return raw
 
 
-def parse_yaml(text: str, source: str) -> dict[str, Any]:
+def parse_yaml(text: str, source: str,
+               environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     try:
         data = msgspec.yaml.decode(text)
     except msgspec.DecodeError as err:
         raise ConfigError(f"{source}: {err}") from None
     if data is None:
         raise ConfigError(f"{source}: empty file")
-    return data  # type: ignore[no-any-return]
+    if not isinstance(data, dict):
+        return data  # type: ignore[no-any-return]  # build_preset says what is wrong
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for section, body in data.items():
+        if section == "models" and isinstance(body, dict):
+            out[section] = {name: _expand_tree(model, f"{source}: model '{name}'", env)
+                            for name, model in body.items()}
+        else:
+            out[section] = _expand_tree(body, _section_where(source, str(section)), env)
+    return out
 
 
-def load_preset(path: str | os.PathLike[str]) -> Preset:
-    """Load a ``.yaml``/``.yml`` or ``.ini`` preset file."""
+def load_preset(path: str | os.PathLike[str],
+                environ: Mapping[str, str] | None = None) -> Preset:
+    """Load a ``.yaml``/``.yml`` or ``.ini`` preset file; ``${env:…}`` references are read
+    from ``environ`` (default: this process's environment)."""
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix in (".ini", ".cfg", ".conf"):
@@ -376,4 +457,4 @@ def load_preset(path: str | os.PathLike[str]) -> Preset:
         text = p.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"{p}: cannot read: {err.strerror}") from None
-    return build_preset(parse(text, str(p)), str(p))
+    return build_preset(parse(text, str(p), environ), str(p))

@@ -102,3 +102,58 @@ def test_admission_limits_from_ini() -> None:
     assert server.rate_limit_per_minute == 60 and server.read_timeout == 2.5
     assert server.trusted_proxies == ["127.0.0.1", "10.0.0.0/8", "::1"]
     assert server.max_connections == 1024 and server.rate_limit_burst == 0
+
+
+ENV = {"HF_HOME": "/srv/hf", "MODEL_KEY": "sk-from-env", "ALIASES": "a, b", "PORT": "9001"}
+
+
+def test_env_references_in_yaml_and_ini_agree(tmp_path: Path) -> None:
+    """``${env:NAME}`` and ``${env:NAME:-default}`` in string values, read when the preset
+    loads: a shared preset names its secrets instead of holding them."""
+    (tmp_path / "p.yaml").write_text(
+        'server: {port: "${env:PORT}", api_keys: ["${env:MODEL_KEY}"]}\n'
+        "models:\n"
+        '  m: {model: "${env:HF_HOME}/m", env: {HF_TOKEN: "${env:HF_TOKEN:-none}"},\n'
+        '      aliases: ["${env:NICK:-m-${env:HF_HOME}}", "$${env:HF_HOME}"]}\n')
+    (tmp_path / "p.ini").write_text(
+        "[server]\nport = ${env:PORT}\napi_keys = ${env:MODEL_KEY}\n"
+        "[m]\nmodel = ${env:HF_HOME}/m\nenv.hf_token = ${env:HF_TOKEN:-none}\n"
+        "aliases = ${env:NICK:-m-${env:HF_HOME}}, $${env:HF_HOME}\n")
+    yaml, ini = load_preset(tmp_path / "p.yaml", ENV), load_preset(tmp_path / "p.ini", ENV)
+    for preset in (yaml, ini):
+        spec = preset.models["m"]
+        assert spec.model == "/srv/hf/m" and spec.env == {"HF_TOKEN": "none"}
+        # a default is plain text (no nesting); $${ is a literal ${
+        assert spec.aliases == ["m-${env:HF_HOME}", "${env:HF_HOME}"]
+        assert preset.server.port == 9001 and preset.server.api_keys == ["sk-from-env"]
+    raw = parse_ini("[m]\nmodel = /m\naliases = ${env:ALIASES}\n", "q.ini", ENV)
+    assert build_preset(raw, "q.ini").models["m"].aliases == ["a", "b"]  # split after
+
+
+@pytest.mark.parametrize("name,text,where", [
+    ("p.yaml", 'models:\n  m: {model: /m, env: {HF_TOKEN: "${env:NO_SUCH_TOKEN}"}}\n',
+     "p.yaml: model 'm': key 'env.HF_TOKEN'"),
+    ("p.yaml", 'server: {api_keys: [a, "${env:NO_SUCH_TOKEN}"]}\nmodels:\n  m: {model: /m}\n',
+     "p.yaml: [server]: key 'api_keys'"),
+    ("p.yaml", 'defaults: {cache: "${env:NO_SUCH_TOKEN}"}\nmodels:\n  m: {model: /m}\n',
+     "p.yaml: [defaults]: key 'cache'"),
+    ("p.ini", "[m]\nmodel = /m\nenv.hf_token = ${env:NO_SUCH_TOKEN}\n",
+     "p.ini: model 'm': key 'env.hf_token'"),
+    ("p.ini", "[*]\nttl = ${env:NO_SUCH_TOKEN}\n[m]\nmodel = /m\n", "p.ini: [defaults]: key 'ttl'"),
+])
+def test_an_unset_env_reference_names_file_model_key_and_variable(
+        tmp_path: Path, name: str, text: str, where: str) -> None:
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_preset(tmp_path / name, ENV)
+    message = str(info.value)
+    assert message.startswith(str(tmp_path / name))
+    assert where.split(": ", 1)[1] in message and "'NO_SUCH_TOKEN' is not set" in message
+    assert "sk-from-env" not in message
+
+
+def test_env_references_read_this_process_environment_by_default(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MODELYARD_TEST_MODEL", "/from/os/environ")
+    (tmp_path / "p.yaml").write_text('models:\n  m: {model: "${env:MODELYARD_TEST_MODEL}"}\n')
+    assert load_preset(tmp_path / "p.yaml").models["m"].model == "/from/os/environ"

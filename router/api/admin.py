@@ -1,5 +1,5 @@
 """modelyard's REST extensions and OpenAI's model list: ``/v1/models``, ``/v1/models/{id}``,
-``/v1/models/load``, ``/v1/models/unload``, ``/health``. No generation and no protocol
+``/v1/models/load``, ``/v1/models/unload``, ``/v1/config/reload``, ``/health``. No generation and no protocol
 module's internals: those live in the protocol packages and the relay.
 """
 
@@ -17,6 +17,7 @@ from starlette.routing import Route
 from router.api.wire import JSONResponse, read_body
 from router.errors import APIError, ModelNotFound
 from router.registry import ModelEntry
+from router.reload import Reloader
 from router.supervisor import Supervisor
 
 
@@ -28,8 +29,10 @@ class ModelAction(msgspec.Struct, kw_only=True):
 
 
 class AdminAPI:
-    def __init__(self, supervisor: Supervisor, max_body_bytes: int) -> None:
+    def __init__(self, supervisor: Supervisor, max_body_bytes: int,
+                 reloader: Reloader) -> None:
         self.supervisor = supervisor
+        self.reloader = reloader
         self.registry = supervisor.registry
         self.max_body_bytes = max_body_bytes
         self.created = int(time.time())
@@ -39,6 +42,7 @@ class AdminAPI:
             Route("/v1/models", self.list_models, methods=["GET"]),
             Route("/v1/models/load", self.load, methods=["POST"]),
             Route("/v1/models/unload", self.unload, methods=["POST"]),
+            Route("/v1/config/reload", self.reload, methods=["POST"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
         ]
@@ -117,6 +121,11 @@ class AdminAPI:
         entries = self._entries(body)
         await asyncio.gather(*(self.supervisor.stop(e, force=body.force) for e in entries))
         return self._answer(body, entries)
+
+    async def reload(self, request: Request) -> Response:
+        """Read the preset file again and apply it (``router/reload.py``); a file that does
+        not load is a 400 naming file, model and key, and nothing changes."""
+        return JSONResponse(await self.reloader.reload("POST /v1/config/reload"))
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok",

@@ -192,6 +192,11 @@ RESPONSES: dict[str, Schema] = {
     "EventList": _obj({"object": _const("list"), "data": _array(_ref("Event"))}),
     "LogLines": _obj({"object": _const("list"), "model": _STR, "data": _array(_STR)}),
     "LogLine": _obj({"model": _STR, "line": _STR}),
+    "ConfigReload": _obj({"source": _STR, "added": _array(_STR), "removed": _array(_STR),
+                          "changed": _array(_STR), "unchanged": _array(_STR),
+                          "changed_keys": {"type": "object",
+                                           "additionalProperties": _array(_STR)},
+                          "applied": _array(_STR), "restart_required": _array(_STR)}),
 }
 
 _ERRORS = {
@@ -291,6 +296,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/models/unload"): Operation(
         "Stop a model's worker, or several (drain, or `\"force\": true`)", ModelAction,
         "ModelOrList"),
+    ("POST", "/v1/config/reload"): Operation(
+        "Read the preset file again and apply what changed (a 400 names file, model and "
+        "key of a file that does not load; the running config stays)", None, "ConfigReload"),
     ("GET", "/health"): Operation("Liveness and every model's state (never needs a key)",
                                   None, "Health"),
     ("GET", "/metrics"): Operation("Prometheus metrics (text exposition format)", text=True),

@@ -1,0 +1,251 @@
+"""Hot reload: read the preset file again and apply what changed, without a restart.
+
+Triggers: ``POST /v1/config/reload`` (answers what changed), SIGHUP, and with
+``modelyard serve --watch-config`` a change of the file's content (looked at every
+second). Reloads run one at a time. A file that does not load (unreadable, invalid, an
+unset ``${env:…}``, a model past its memory budget) changes nothing: the error names file,
+model and key, and the running configuration stays.
+
+Models, compared by their whole ``ModelSpec``:
+
+- added: listed and served from now on; loaded at once if ``load_on_startup`` or in
+  ``preload``, else on first use.
+- removed: no name resolves to them any more (new requests get a 404); requests in
+  flight finish (up to ``drain_timeout``), then the worker stops.
+- changed: new requests resolve by the new spec at once. A change of router-only keys
+  (``ROUTER_ONLY_FIELDS``: aliases, ttl, pinned, priority, …) applies to the running
+  worker; any other keeps the old worker until its requests in flight are done, then
+  stops it (new requests wait meanwhile), and a model that was loaded loads again.
+- unchanged: untouched (same worker, same pid).
+
+Server keys: ``RUNTIME_KEYS`` are read where they are used, so they apply at once; API
+keys (``api_keys``, ``admin_api_keys``, ``api_key_file``'s content) are swapped in place
+as long as keys stay required (or stay off). Any other key that differs is reported in
+``restart_required`` and otherwise ignored until the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from router.admission import Keys
+from router.errors import BadRequest
+from router.placement import check_budgets
+from router.supervisor import Supervisor
+from shared.config import ConfigError, ModelSpec, Preset, ServerConfig, load_preset
+
+log = logging.getLogger("modelyard.router")
+
+RUNTIME_KEYS = frozenset({"ttl", "default_model", "max_loaded_models", "memory_budget_gib",
+                          "max_queue_depth", "drain_timeout", "load_timeout", "send_timeout",
+                          "swap_wait", "preload"})
+"""Server keys a reload applies: everything that reads them reads the live value."""
+KEY_KEYS = frozenset({"api_keys", "admin_api_keys", "api_key_file"})
+WATCH_SECONDS = 1.0
+
+
+class PresetDiff(msgspec.Struct, kw_only=True):
+    """What differs between the running preset and a new one (``diff_presets``)."""
+
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
+    unchanged: list[str]
+    changed_keys: dict[str, list[str]]
+    """Per changed model, the keys that differ."""
+    applied: list[str]
+    """Server keys that differ and apply at once (``RUNTIME_KEYS``)."""
+    restart_required: list[str]
+    """Server keys that differ and take effect only at the next start."""
+
+
+def changed_fields(old: msgspec.Struct, new: msgspec.Struct) -> list[str]:
+    """The fields of two Structs of one type whose values differ, in declaration order."""
+    return [f for f in old.__struct_fields__ if getattr(old, f) != getattr(new, f)]
+
+
+def diff_presets(old: Preset, new: Preset) -> PresetDiff:
+    """Compare two presets model by model (whole ``ModelSpec``s) and key by key.
+    API keys are compared by ``Reloader`` (a key file's content counts, not its name)."""
+    changed_keys = {name: changed_fields(old.models[name], spec)
+                    for name, spec in new.models.items()
+                    if name in old.models and old.models[name] != spec}
+    server = [k for k in changed_fields(old.server, new.server) if k not in KEY_KEYS]
+    return PresetDiff(
+        added=[n for n in new.models if n not in old.models],
+        removed=[n for n in old.models if n not in new.models],
+        changed=list(changed_keys),
+        unchanged=[n for n in new.models if n in old.models and n not in changed_keys],
+        changed_keys=changed_keys,
+        applied=[k for k in server if k in RUNTIME_KEYS],
+        restart_required=[k for k in server if k not in RUNTIME_KEYS])
+
+
+class Reloader:
+    """Reloads the preset file ``path`` into a running router (see the module's doc).
+
+    ``overrides`` are the server keys the command line set (``--port`` …): they win over
+    the file at every reload, as they did at start.
+    """
+
+    def __init__(self, path: str, preset: Preset, supervisor: Supervisor, keys: Keys,
+                 overrides: dict[str, Any] | None = None) -> None:
+        self.path = path
+        self.models: dict[str, ModelSpec] = dict(preset.models)
+        self.supervisor = supervisor
+        self.keys = keys
+        self.overrides = overrides or {}
+        self._lock = asyncio.Lock()
+        self._watcher: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._signal = False
+
+    # -- one reload --------------------------------------------------------------------
+    async def reload(self, trigger: str) -> dict[str, Any]:
+        """Load the file and apply it; the answer of ``POST /v1/config/reload``. A file
+        that does not load raises ``BadRequest`` (400) and changes nothing."""
+        async with self._lock:
+            try:
+                preset, keys = await asyncio.to_thread(self._read)
+                diff = self._apply(preset, keys)
+            except ConfigError as err:
+                log.error("config reload (%s) refused; the running config stays: %s",
+                          trigger, err)
+                raise BadRequest(str(err), code="invalid_config") from None
+        log.info("config reloaded from %s (%s): added %s, removed %s, changed %s, "
+                 "%d unchanged; server keys applied %s, needing a restart %s", self.path,
+                 trigger, diff.added, diff.removed, diff.changed_keys, len(diff.unchanged),
+                 diff.applied, diff.restart_required)
+        return {"source": self.path, **msgspec.to_builtins(diff)}
+
+    def _read(self) -> tuple[Preset, Keys]:
+        """The file's preset with the command line's overrides, and its keys (a thread:
+        files are read)."""
+        preset = load_preset(self.path)
+        for key, value in self.overrides.items():
+            setattr(preset.server, key, value)
+        return preset, Keys.load(preset.server, preset.source)
+
+    def _apply(self, new: Preset, keys: Keys) -> PresetDiff:
+        """Check what only the running router can check, then switch, with no ``await``:
+        a request resolves by the old preset or the new one, never a mix."""
+        live = self.supervisor.server
+        diff = diff_presets(Preset(server=live, models=self.models), new)
+        after = msgspec.structs.replace(live, **{k: getattr(new.server, k)
+                                                 for k in diff.applied})
+        try:
+            check_budgets(new.models.values(), after, self.supervisor.placer.gpus)
+        except ConfigError as err:
+            raise ConfigError(f"{new.source}: {err}") from None
+        self._check_preload(new, after)
+        if (keys.user, keys.admin) != (self.keys.user, self.keys.admin):
+            if keys.required == self.keys.required:
+                self.keys.user, self.keys.admin = keys.user, keys.admin
+                diff.applied.append("api_keys")
+            else:  # turning keys on or off changes more than the guard (the OpenAPI doc)
+                diff.restart_required.append("api_keys")
+        for key in diff.applied:
+            if key != "api_keys":
+                setattr(live, key, getattr(after, key))
+        registry = self.supervisor.registry
+        added, removed = registry.reconfigure(Preset(server=live, models=new.models))
+        self.models = dict(new.models)
+        preload = {registry.resolve(name, use_default=False).id for name in live.preload}
+        for entry in removed:
+            self.supervisor.retire(entry)
+        for entry in added:
+            if entry.spec.load_on_startup or entry.id in preload:
+                self.supervisor.start_loading(entry)
+        for name in diff.changed:
+            entry = registry.entries[name]
+            self.supervisor.refresh(entry, load=entry.spec.load_on_startup or name in preload)
+        return diff
+
+    @staticmethod
+    def _check_preload(new: Preset, server: ServerConfig) -> None:
+        names = {n.lower() for spec in new.models.values() for n in (spec.id, *spec.aliases)}
+        for name in server.preload:
+            if name.lower() not in names:
+                raise ConfigError(f"{new.source}: [server]: key 'preload': no model or alias "
+                                  f"named '{name}'")
+
+    # -- triggers ----------------------------------------------------------------------
+    def start(self, watch: bool) -> None:
+        """Reload on SIGHUP (when this thread may set signal handlers) and, with
+        ``watch``, when the file's content changes."""
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+            self._signal = True
+        except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
+            log.info("config reload on SIGHUP is off: signals belong to another thread")
+        if watch:
+            self._watcher = asyncio.create_task(self._watch(), name="config-watch")
+
+    def close(self) -> None:
+        if self._signal:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._signal = False
+        if self._watcher is not None:
+            self._watcher.cancel()
+        for task in self._tasks:
+            task.cancel()
+
+    def _on_sighup(self) -> None:
+        self._in_background(self._logged("SIGHUP"))
+
+    def _in_background(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._tasks.discard)
+
+    async def _logged(self, trigger: str) -> None:
+        """A reload nobody waits for: its outcome goes to the log only."""
+        try:
+            await self.reload(trigger)
+        except BadRequest:
+            pass  # a file that does not load: reload() logged why
+        except Exception:  # a bug must not end the watch or leave a task unretrieved
+            log.exception("config reload (%s) failed", trigger)
+
+    async def _watch(self, interval: float = WATCH_SECONDS) -> None:
+        """Reload when the file's content changes: size and mtime are looked at every
+        ``interval``, the content hashed only when they move (a ``touch`` alone does not
+        reload)."""
+        seen: Fingerprint | None = None
+        with contextlib.suppress(OSError):  # no file yet: any that appears is a change
+            seen = await asyncio.to_thread(fingerprint, self.path, None)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                now = await asyncio.to_thread(fingerprint, self.path, seen)
+            except OSError as err:  # being replaced, or gone: look again next time
+                log.debug("config watch: %s: %s", self.path, err)
+                continue
+            if seen is not None and now[2] == seen[2]:
+                seen = now
+                continue
+            seen = now
+            await self._logged("file changed")
+
+
+Fingerprint = tuple[int, int, bytes]
+
+
+def fingerprint(path: str, last: Fingerprint | None,
+                digest: Callable[[bytes], Any] = hashlib.sha256) -> Fingerprint:
+    """``(mtime_ns, size, sha256)`` of ``path``; the content is read only when mtime or
+    size differ from ``last``."""
+    st = os.stat(path)
+    if last is not None and (st.st_mtime_ns, st.st_size) == last[:2]:
+        return last
+    return st.st_mtime_ns, st.st_size, digest(Path(path).read_bytes()).digest()
