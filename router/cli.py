@@ -14,7 +14,8 @@ from router.limits import header_deadline, uvicorn_backstop
 from shared.config import ConfigError, ServerConfig, load_preset
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; deploy/'s units and manifests are checked against it."""
     parser = argparse.ArgumentParser(prog="modelyard", description="multi-model LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the models of a preset file")
@@ -23,7 +24,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", help="overrides the preset's server.host")
     serve.add_argument("--port", type=int, help="overrides the preset's server.port")
     serve.add_argument("--log-level", help="overrides the preset's server.log_level")
-    args = parser.parse_args(argv)
+    serve.add_argument("--runtime-dir",
+                       help="overrides the preset's server.runtime_dir (worker sockets, logs)")
+    serve.add_argument("--cache-dir", help="overrides the preset's server.cache_dir")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     try:
         preset = load_preset(args.config)
@@ -37,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         server.port = args.port
     if args.log_level:
         server.log_level = args.log_level
+    if args.runtime_dir:
+        server.runtime_dir = args.runtime_dir
+    if args.cache_dir:
+        server.cache_dir = args.cache_dir
     logging.basicConfig(level=server.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
