@@ -20,7 +20,7 @@ from router.api.sse import encode_json
 from router.errors import APIError, shaped
 from shared.config import ConfigError, ServerConfig
 
-OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PATHS = frozenset({"/health", "/health/ready", "/"})  # probes carry no key
 OPEN_PREFIX = "/static/"
 """The status page and its assets hold no data; what the page calls needs a key."""
 ADMIN_PATHS = frozenset({"/v1/models/load", "/v1/models/unload", "/v1/config/reload"})

@@ -15,7 +15,8 @@ from router.limits import header_deadline, uvicorn_backstop
 from shared.config import ConfigError, ServerConfig, load_preset
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line; deploy/'s units and manifests are checked against it."""
     parser = argparse.ArgumentParser(prog="modelyard", description="multi-model LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve the models of a preset file")
@@ -27,7 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--watch-config", action="store_true",
                        help="reload the preset when its file changes (looked at every "
                             "second); SIGHUP and POST /v1/config/reload always reload it")
-    args = parser.parse_args(argv)
+    serve.add_argument("--runtime-dir",
+                       help="overrides the preset's server.runtime_dir (worker sockets, logs)")
+    serve.add_argument("--cache-dir", help="overrides the preset's server.cache_dir")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     try:
         preset = load_preset(args.config)
@@ -35,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"modelyard: {err}", file=sys.stderr)
         return 2
     server = preset.server
-    overrides = {key: value for key, value in (("host", args.host), ("port", args.port),
-                                               ("log_level", args.log_level))
+    overrides = {key: value for key, value in (
+        ("host", args.host), ("port", args.port), ("log_level", args.log_level),
+        ("runtime_dir", args.runtime_dir), ("cache_dir", args.cache_dir))
                  if value is not None and value != ""}
     for key, value in overrides.items():
         setattr(server, key, value)

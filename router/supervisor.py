@@ -131,11 +131,14 @@ class Supervisor:
         """Begin idle reaping and start the ``load_on_startup`` models."""
         self._reaper = asyncio.create_task(self._reap_idle(), name="reaper")
         self.spares.replenish()  # first: a load_on_startup model takes it as it is
+        for entry in self.startup_models():
+            self.start_loading(entry)
+
+    def startup_models(self) -> list[ModelEntry]:
+        """The models started with the router: ``load_on_startup`` ones and ``preload``."""
         preload = {self.registry.resolve(name, use_default=False).id
                    for name in self.server.preload}
-        for entry in self.registry:
-            if entry.spec.load_on_startup or entry.id in preload:
-                self.start_loading(entry)
+        return [e for e in self.registry if e.spec.load_on_startup or e.id in preload]
 
     def ttl(self, entry: ModelEntry) -> float:
         return entry.spec.ttl if entry.spec.ttl is not None else self.server.ttl

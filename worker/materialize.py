@@ -12,6 +12,8 @@ import importlib.util
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -69,12 +71,22 @@ def materialize(package: str, gguf_name: str, out: Path) -> Path:
         log.info("materialising %s into %s (once)", gguf.name, out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
-            _convert(gguf, tmp)
+            _convert_in_child(gguf, tmp)
             os.replace(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return out
+
+
+def _convert_in_child(gguf: Path, out: Path) -> None:
+    """``_convert`` in a child process. The conversion runs torch's OpenMP threads, and a
+    worker that has run an OpenMP region forks vLLM's engine processes into a hang (GNU
+    OpenMP after fork): a first start with an empty cache never became ready."""
+    code = subprocess.run([sys.executable, "-m", "worker.materialize", str(gguf), str(out)],
+                          check=False).returncode  # its output goes to the worker's log
+    if code != 0:
+        raise MaterializeError(f"converting {gguf.name} failed (exit {code}); see the log")
 
 
 def _convert(gguf: Path, out: Path) -> None:
@@ -91,3 +103,7 @@ def _convert(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
+
+
+if __name__ == "__main__":  # python -m worker.materialize GGUF OUT: one conversion
+    _convert(Path(sys.argv[1]), Path(sys.argv[2]))

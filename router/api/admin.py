@@ -1,5 +1,6 @@
 """modelyard's REST extensions and OpenAI's model list: ``/v1/models``, ``/v1/models/{id}``,
-``/v1/models/load``, ``/v1/models/unload``, ``/v1/config/reload``, ``/health``. No generation and no protocol
+``/v1/models/load``, ``/v1/models/unload``, ``/v1/config/reload``, ``/health``
+(liveness), ``/health/ready`` (readiness). No generation and no protocol
 module's internals: those live in the protocol packages and the relay.
 """
 
@@ -15,7 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.api.wire import JSONResponse, read_body
-from router.errors import APIError, ModelNotFound
+from router.errors import APIError, ModelNotFound, ModelUnavailable
 from router.registry import ModelEntry
 from router.reload import Reloader
 from router.supervisor import Supervisor
@@ -45,6 +46,7 @@ class AdminAPI:
             Route("/v1/config/reload", self.reload, methods=["POST"]),
             Route("/v1/models/{model_id:path}", self.get_model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/health/ready", self.ready, methods=["GET"]),
         ]
 
     def model_object(self, entry: ModelEntry) -> dict[str, Any]:
@@ -132,3 +134,26 @@ class AdminAPI:
                              "models": {e.id: e.state for e in self.registry},
                              "spares": self.supervisor.spares.describe(),
                              "tasks": len(asyncio.all_tasks())})
+
+    async def ready(self, request: Request) -> Response:
+        """Readiness: 200 once every start-up model (``load_on_startup``, ``preload``) has
+        loaded, else a 503 naming the ones that have not. One stopped on purpose since
+        (ttl, eviction, unload) still counts: the next request loads it. One that crashed
+        or failed to start does not, and is started again here (after the supervisor's
+        backoff): a router taken out of rotation gets no request that would restart it."""
+        models: dict[str, str] = {}
+        waiting: list[str] = []
+        for entry in self.supervisor.startup_models():
+            models[entry.id] = entry.state
+            if entry.state in ("ready", "sleeping") or (
+                    entry.state in ("unloaded", "stopping") and entry.loads > 0):
+                continue
+            waiting.append(f"{entry.id} ({entry.state})")
+            if entry.state == "failed":
+                self.supervisor.start_loading(entry)
+        if not waiting:
+            return JSONResponse({"ready": True, "models": models})
+        err = ModelUnavailable("not ready: start-up model(s) " + ", ".join(waiting),
+                               code="not_ready")
+        return JSONResponse({**err.body(), "ready": False, "models": models},
+                            status_code=503, headers={"Retry-After": "1"})

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from router.admission import OPEN_PATHS
 from router.api.admin import ModelAction
 from router.api.anthropic.schema import CountTokensRequest, MessagesRequest
 from router.api.openai.embeddings import EmbeddingRequest
@@ -197,6 +198,8 @@ RESPONSES: dict[str, Schema] = {
                           "changed_keys": {"type": "object",
                                            "additionalProperties": _array(_STR)},
                           "applied": _array(_STR), "restart_required": _array(_STR)}),
+    "Ready": _obj({"ready": {"type": "boolean"},
+                   "models": {"type": "object", "additionalProperties": _STR}}),
 }
 
 _ERRORS = {
@@ -301,6 +304,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "key of a file that does not load; the running config stays)", None, "ConfigReload"),
     ("GET", "/health"): Operation("Liveness and every model's state (never needs a key)",
                                   None, "Health"),
+    ("GET", "/health/ready"): Operation(
+        "Readiness: 200 once every start-up model (`load_on_startup`, `preload`) has "
+        "loaded; a 503 error naming the others, with `ready` and `models` beside it "
+        "(never needs a key)", None, "Ready"),
     ("GET", "/metrics"): Operation("Prometheus metrics (text exposition format)", text=True),
     ("GET", "/v1/metrics"): Operation("The same metrics as one JSON object, per model"),
     ("GET", "/openapi.json"): Operation("This document", None, None),
@@ -354,7 +361,7 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
         responses["202"] = {"description": "Loading has started",
                             "content": _json(_ref(op.ok))}
     errors = {k: v for k, v in _ERRORS.items() if op.body is not None or k not in _BODY_ERRORS}
-    if auth and path not in ("/health", "/"):
+    if auth and path not in OPEN_PATHS:
         errors.update(_AUTH_ERRORS)
     if op.anthropic:
         errors.update(_ANTHROPIC_ERRORS)
@@ -368,9 +375,7 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
     if params or op.query:
         out["parameters"] = [{"name": p, "in": "path", "required": True, "schema": _STR}
                              for p in params]
-        out["parameters"] += [{"name": name, "in": "query", "schema": schema}
-                              for name, schema in (op.query or {}).items()]
-    if auth and path in ("/health", "/"):
+    if auth and path in OPEN_PATHS:
         out["security"] = []
     return out
 
