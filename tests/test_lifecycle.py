@@ -13,6 +13,7 @@ import random
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -327,3 +328,32 @@ def test_no_worker_or_engine_process_outlives_the_router(tmp_path_factory: pytes
         assert not alive, [(p.pid, p.name()) for p in alive]
     finally:
         r.stop()
+
+
+FRESH_PRESET = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  cache_dir: {cache}
+  load_timeout: 400
+models:
+  fresh:
+    model: "builtin:smollm2"
+    max_model_len: 512
+    load_on_startup: true
+"""
+
+
+def test_a_first_start_with_an_empty_cache_converts_the_model_and_serves(
+        tmp_path: Path) -> None:
+    """`make serve` on a new machine: the embedded model is converted into the empty cache
+    by the worker's first start, which then serves. The conversion used to run in the
+    worker, whose forked engine processes then hung forever after its OpenMP threads."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with running_router(FRESH_PRESET, tmp_path, "fresh", {"cache": str(cache)}) as r:
+        r.wait_model("fresh", timeout=400)
+        assert list(cache.rglob("config.json")), "no converted model in the cache"
+        reply = chat(r, "fresh")
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] > 0
