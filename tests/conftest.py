@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,6 +143,18 @@ def running_router(preset: str, workdir: Path, name: str,
         yield r
     finally:
         r.stop()
+
+
+@contextlib.contextmanager
+def router_with_runtime(preset: str, workdir: Path, name: str) -> Iterator[RouterProcess]:
+    """``running_router`` whose preset's ``{runtime}`` is a short directory of its own
+    (worker socket paths live there and must fit 107 bytes), removed afterwards."""
+    runtime = tempfile.mkdtemp(prefix=f"my-{name}-")
+    try:
+        with running_router(preset, workdir, name, {"runtime": runtime}) as r:
+            yield r
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 MAIN_PRESET = """

@@ -28,7 +28,7 @@ from router.api.events import LogFollower, last_lines
 from router.app import build_app
 from router.events import EventBus
 from shared.config import build_preset, parse_yaml
-from tests.conftest import RouterProcess, running_router
+from tests.conftest import RouterProcess, router_with_runtime
 
 # -- the bus -----------------------------------------------------------------------------
 
@@ -215,13 +215,8 @@ class SSEReader:
 
 @pytest.fixture(scope="module")
 def events_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    runtime = tempfile.mkdtemp(prefix="my-ev-")  # short: worker socket paths live here
-    try:
-        with running_router(EVENTS_PRESET, tmp_path_factory.mktemp("events"), "events",
-                            {"runtime": runtime}) as r:
-            yield r
-    finally:
-        shutil.rmtree(runtime, ignore_errors=True)
+    with router_with_runtime(EVENTS_PRESET, tmp_path_factory.mktemp("events"), "events") as r:
+        yield r
 
 
 @pytest.mark.integration

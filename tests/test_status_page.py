@@ -7,15 +7,13 @@ kept in ``tests/artifacts/status-page.png``.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import sync_playwright
 
-from tests.conftest import ROOT, RouterProcess, running_router
+from tests.conftest import ROOT, RouterProcess, router_with_runtime
 
 pytestmark = pytest.mark.integration
 
@@ -44,13 +42,8 @@ models:
 
 @pytest.fixture(scope="module")
 def page_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    runtime = tempfile.mkdtemp(prefix="my-page-")  # short: worker socket paths live here
-    try:
-        with running_router(PAGE_PRESET, tmp_path_factory.mktemp("page"), "page",
-                            {"runtime": runtime}) as r:
-            yield r
-    finally:
-        shutil.rmtree(runtime, ignore_errors=True)
+    with router_with_runtime(PAGE_PRESET, tmp_path_factory.mktemp("page"), "page") as r:
+        yield r
 
 
 def test_the_status_page_loads_chats_and_unloads_a_model(page_router: RouterProcess) -> None:
