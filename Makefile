@@ -3,16 +3,15 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.modelyard-installed
+SYSTEM := $(VENV)/.system-packages-installed
 PIP    := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: install serve test lint unit bench clean
+.PHONY: install system serve test lint unit bench clean
 
 install: $(STAMP)
 
 # Idempotent: redone only when the project's dependency files change.
-$(STAMP): pyproject.toml Makefile system-packages.txt
-	@missing=$$(grep -v '^#' system-packages.txt | while read -r p; do [ -z "$$p" ] || dpkg -s "$$p" >/dev/null 2>&1 || echo "$$p"; done); \
-	if [ -n "$$missing" ]; then echo "apt-get install $$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PIP) -e '.[cpu,test]'
@@ -21,10 +20,19 @@ $(STAMP): pyproject.toml Makefile system-packages.txt
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# Debian packages only the tests need (Chromium for the status page, systemd-analyze for
+# deploy/): the missing ones are apt-installed (as root), once per change of the list.
+system: $(SYSTEM)
+
+$(SYSTEM): system-packages.txt $(STAMP)
+	@missing=$$(grep -v '^#' system-packages.txt | while read -r p; do [ -z "$$p" ] || dpkg -s "$$p" >/dev/null 2>&1 || echo "$$p"; done); \
+	if [ -n "$$missing" ]; then echo "apt-get install $$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
+	touch $(SYSTEM)
+
 serve: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/modelyard serve --config configs/default.yaml --host 127.0.0.1 --port 8080
 
-test: install lint
+test: install system lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 # Both are pinned in the test extra, so a new release cannot turn CI red on its own.
@@ -32,7 +40,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy router worker shared bench
 
-unit: install
+unit: install system
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)
 
 bench: install
