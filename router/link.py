@@ -192,6 +192,8 @@ class WorkerLink:
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.bind(endpoint)
+        # ``tcp://10.0.0.5:*`` binds an ephemeral port: workers need the one it got.
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._routes: dict[str, tuple[RequestStream, int]] = {}
         self._calls: dict[str, asyncio.Future[object]] = {}
         self._loop = asyncio.get_running_loop()

@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import re
-import signal
 import sys
 import time
 from collections.abc import Coroutine
@@ -26,23 +25,21 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import psutil
 import zmq
 
+from router.backends import Backend, SpawnError, WorkerHandle
+from router.backends.local import LocalBackend, LocalHandle
+from router.backends.ray_cluster import RayBackend
 from router.errors import APIError, BadRequest, ModelUnavailable, TooManyRequests, WorkerLost
 from router.events import EventBus
 from router.link import WorkerLink
 from router.placement import Placer, fits
 from router.processes import (
-    descendants,
     engine_phases,
-    group_members,
-    kill_tree,
     log_tail,
-    signal_all,
 )
 from router.registry import Lease, ModelEntry, ModelRegistry
-from router.spares import Spare, SparePool
+from router.spares import SparePool
 from shared.config import ServerConfig, WorkerBoot
 
 log = logging.getLogger("modelyard.router")
@@ -62,15 +59,16 @@ def backoff_seconds(failures: int) -> float:
 
 
 class _Worker:
-    """What the supervisor keeps per running worker process."""
+    """What the supervisor keeps per running worker: its backend's handle and its link."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, link: WorkerLink,
-                 log_path: Path, started_at: float | None = None) -> None:
-        self.proc = proc
+    def __init__(self, handle: WorkerHandle | asyncio.subprocess.Process, link: WorkerLink,
+                 log_path: Path | None = None) -> None:
+        if isinstance(handle, asyncio.subprocess.Process):  # a process started here
+            assert log_path is not None
+            handle = LocalHandle(handle, log_path)
+        self.handle = handle
         self.link = link
-        self.log_path = log_path
-        self.started_at = started_at or time.time()
-        self.descendants: list[psutil.Process] = []
+        self.log_path = handle.log_path
         self.watcher: asyncio.Task[None] | None = None
 
 
@@ -91,6 +89,11 @@ class Supervisor:
         self._background: set[asyncio.Task[None]] = set()
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
                                 self._command(spare=True), self.base_env, self._spawn_task)
+        self.backends: dict[str, Backend] = {
+            "local": LocalBackend(self.spares, self._command, self.base_env)}
+        if any(entry.spec.backend == "ray" for entry in registry):
+            self.backends["ray"] = RayBackend(server.ray_address, self._command()[3:],
+                                              server.load_timeout)
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -116,6 +119,9 @@ class Supervisor:
 
     def start(self) -> None:
         """Begin idle reaping and start the ``load_on_startup`` models."""
+        ray = self.backends.get("ray")
+        if isinstance(ray, RayBackend):
+            ray.connect()  # blocks ~2 s, once, before the router serves
         self._reaper = asyncio.create_task(self._reap_idle(), name="reaper")
         self.spares.replenish()  # first: a load_on_startup model takes it as it is
         preload = {self.registry.resolve(name, use_default=False).id
@@ -294,8 +300,7 @@ class Supervisor:
         out = {}
         for e in asleep:
             worker = self._workers.get(e.id)
-            pids = ({worker.proc.pid, *(p.pid for p in worker.descendants)}
-                    if worker is not None else set())
+            pids = worker.handle.pids() if worker is not None else set()
             out[e.id] = await asyncio.to_thread(self.placer.held_asleep, e.spec, pids)
         return out
 
@@ -419,31 +424,24 @@ class Supervisor:
 
     async def _spawn(self, entry: ModelEntry) -> WorkerLink:
         started, started_wall = time.monotonic(), time.time()
-        # A socket path must fit in 107 bytes, so its name does not depend on the model's.
-        endpoint = f"ipc://{self.runtime_dir}/w{next(_generation)}.sock"
+        backend = self.backends[entry.spec.backend or "local"]
         log_path = self.log_path(entry)
         offset = log_path.stat().st_size if log_path.exists() else 0
         link: WorkerLink | None = None
-        spare: Spare | None = None
         try:
-            link = WorkerLink(self._ctx, endpoint, entry.id)
-            entry.placement = self.placer.place(entry.spec)
-            spare = await self.spares.take(entry)
-            if spare is not None:  # already running, vLLM imported: give it the model
-                proc = spare.proc
-                spare.log_path.unlink(missing_ok=True)
-            else:
-                with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append
-                    proc = await asyncio.create_subprocess_exec(
-                        *self._command(), stdin=asyncio.subprocess.PIPE,
-                        stdout=log_file, stderr=asyncio.subprocess.STDOUT,
-                        env=self.worker_env(entry), start_new_session=True)
+            link = WorkerLink(self._ctx, backend.endpoint(self.runtime_dir, next(_generation)),
+                              entry.id)
+            entry.placement = self.placer.place(entry.spec) if backend.place(entry) else {}
+            bound = link
+            handle = await backend.spawn(
+                entry, lambda own_log: self.worker_boot(entry, bound, bound.endpoint, own_log),
+                log_path, {**entry.spec.env, **entry.placement})
         except asyncio.CancelledError:  # an unload while the process started
             if link is not None:
                 link.close("load cancelled")
             self.placer.release(entry.id)
             raise  # _load marks the model unloaded
-        except (OSError, ValueError, zmq.ZMQError) as err:  # nothing started: say why
+        except (OSError, ValueError, zmq.ZMQError, SpawnError) as err:  # nothing started
             reason = f"could not start its worker: {type(err).__name__}: {err}"
             if link is not None:
                 link.close(reason)
@@ -451,21 +449,15 @@ class Supervisor:
             self.placer.release(entry.id)
             log.error("model %s: %s", entry.id, reason)
             raise ModelUnavailable(f"model '{entry.id}' {reason}") from None
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(self.worker_boot(entry, link, endpoint,
-                                              str(log_path) if spare else ""))
-            proc.stdin.close()  # the worker reads to the end: one JSON document
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # it died meanwhile: seen below as its exit
-        log.info("model %s: worker pid %d starting%s (%s)", entry.id, proc.pid,
-                 " from a spare" if spare else "",
+        spare = handle.from_spare
+        log.info("model %s: worker pid %d on %s starting%s (%s)", entry.id, handle.pid,
+                 handle.node, " from a spare" if spare else "",
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
-        worker = _Worker(proc, link, log_path, spare.started_at if spare else None)
+        worker = _Worker(handle, link)
         self._workers[entry.id] = worker
-        entry.pid = proc.pid
+        entry.pid, entry.node = handle.pid, handle.node
         self._publish_state(entry)
-        exited = asyncio.create_task(proc.wait())
+        exited = asyncio.create_task(handle.wait())
         ready = asyncio.create_task(link.wait_ready())
         try:
             # Bounded: a hung engine start must not hold the start lock (and its GPUs).
@@ -490,7 +482,7 @@ class Supervisor:
                       round(max(0.0, info.booted_at - started_wall), 3)} if info.booted_at else {}
             entry.load_phases = {**phases, **info.phases}
             self._publish_state(entry)
-            worker.descendants = descendants(proc.pid)
+            handle.note_children()
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
             self._spawn_task(self._log_ready(entry, worker, offset))
             self.spares.replenish()  # the spare's place, now the start no longer needs the CPU
@@ -498,12 +490,14 @@ class Supervisor:
         ready.cancel()
         exited.cancel()
         failure = (ready.exception() if ready.done() and not ready.cancelled() else None)
+        code = handle.returncode
         reason = (str(failure) if failure else
-                  f"worker exited with code {proc.returncode}" if proc.returncode is not None
+                  f"worker exited with code {code}" if code is not None
+                  else f"worker exited: {handle.lost}" if handle.lost
                   else f"worker did not become ready within {self.server.load_timeout:g} s")
         await self._reap(entry, worker, reason)
         tail = await asyncio.to_thread(log_tail, log_path)
-        self._failed(entry, reason, tail, proc.returncode)
+        self._failed(entry, reason, tail, code)
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
 
@@ -513,9 +507,9 @@ class Supervisor:
         if self._workers.get(entry.id) is worker:
             entry.load_phases = {**entry.load_phases, **found}
             self.events.publish("load", entry.id, load_seconds=entry.load_seconds,
-                                load_phases=entry.load_phases, pid=worker.proc.pid)
+                                load_phases=entry.load_phases, pid=worker.handle.pid)
         log.info("model %s: ready in %.1f s (pid %d): %s", entry.id, entry.load_seconds or 0,
-                 worker.proc.pid, ", ".join(f"{k} {v:.2f} s"
+                 worker.handle.pid, ", ".join(f"{k} {v:.2f} s"
                                             for k, v in entry.load_phases.items()))
 
     def _failed(self, entry: ModelEntry, reason: str, tail: str, code: int | None,
@@ -531,10 +525,11 @@ class Supervisor:
         self._publish_state(entry, reason)
 
     async def _watch(self, entry: ModelEntry, worker: _Worker) -> None:
-        code = await worker.proc.wait()
+        code = await worker.handle.wait()
         if self._workers.get(entry.id) is not worker:
             return
-        reason = f"worker exited unexpectedly with code {code}"
+        reason = (f"worker exited unexpectedly with code {code}" if code is not None
+                  else f"worker exited unexpectedly: {worker.handle.lost}")
         worker.link.fail(WorkerLost(f"model '{entry.id}': {reason}"))  # streams end now
         if entry.state == "stopping":
             return  # stop() owns the rest; with its streams ended, its drain ends at once
@@ -550,27 +545,15 @@ class Supervisor:
 
     async def _reap(self, entry: ModelEntry, worker: _Worker, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""
-        if worker.proc.returncode is None:
-            worker.descendants += descendants(worker.proc.pid)
-            kill_tree(worker.proc.pid, signal.SIGKILL)
-            await worker.proc.wait()
-        # EngineCore children may outlive the worker, in its group or out of it.
-        await asyncio.to_thread(self._kill_leftovers, worker.proc.pid, worker.started_at,
-                                worker.descendants)
+        await worker.handle.kill()
         worker.link.close(reason)
         if self._workers.get(entry.id) is worker:
             del self._workers[entry.id]
         self.placer.release(entry.id)
         if entry.link is worker.link:
             entry.link = None
-        if entry.pid == worker.proc.pid:
-            entry.pid = None
-
-    @staticmethod
-    def _kill_leftovers(pid: int, started_at: float, known: list[psutil.Process]) -> None:
-        """Kill what a dead worker (or spare) left: ``known`` descendants and members of
-        its process group born while it lived."""
-        signal_all(known + group_members(pid, started_at, time.time()), signal.SIGKILL)
+        if entry.pid == worker.handle.pid:
+            entry.pid = entry.node = None
 
     # -- idling ------------------------------------------------------------------------
     def _idle_expired(self, entry: ModelEntry, now: float) -> bool:
@@ -666,7 +649,7 @@ class Supervisor:
         began = time.monotonic()
         if not force:
             deadline = time.monotonic() + self.server.drain_timeout
-            while (worker.link.busy and worker.proc.returncode is None
+            while (worker.link.busy and worker.handle.returncode is None
                    and time.monotonic() < deadline):
                 await asyncio.sleep(POLL)
         ended = None
@@ -680,7 +663,7 @@ class Supervisor:
             worker.link.shutdown()
             if ended is not None:
                 worker.link.fail(ended)
-            await asyncio.wait_for(worker.proc.wait(), grace)
+            await asyncio.wait_for(worker.handle.wait(), grace)
         except (TimeoutError, APIError):
             log.warning("model %s: worker did not exit within %g s of Shutdown; killing",
                         entry.id, grace)
@@ -698,3 +681,5 @@ class Supervisor:
         await asyncio.gather(*(self.stop(e) for e in self.registry
                                if e.id in self._workers), return_exceptions=True)
         self._ctx.destroy(linger=0)  # closes any socket a cancelled start left behind
+        for backend in self.backends.values():
+            backend.close()
