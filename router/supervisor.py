@@ -431,7 +431,7 @@ class Supervisor:
         try:
             link = WorkerLink(self._ctx, backend.endpoint(self.runtime_dir, next(_generation)),
                               entry.id)
-            entry.placement = self.placer.place(entry.spec) if backend.place(entry) else {}
+            entry.placement = backend.place(entry, self.placer)
             bound = link
             handle = await backend.spawn(
                 entry, lambda own_log: self.worker_boot(entry, bound, bound.endpoint, own_log),

@@ -7,6 +7,7 @@ import abc
 from collections.abc import Callable
 from pathlib import Path
 
+from router.placement import Placer
 from router.registry import ModelEntry
 
 BootFor = Callable[[str], bytes]
@@ -64,9 +65,10 @@ class Backend(abc.ABC):
     def endpoint(self, runtime_dir: Path, number: int) -> str:
         """The address the router's link for a new worker binds (``*`` port: any)."""
 
-    def place(self, entry: ModelEntry) -> bool:
-        """Whether this host's ``Placer`` pins the worker (cores, GPUs) before it starts."""
-        return True
+    def place(self, entry: ModelEntry, placer: Placer) -> dict[str, str]:
+        """The environment that puts the worker where it belongs (shown in
+        ``/v1/models``): by default this host's ``Placer`` pins its cores or GPUs."""
+        return placer.place(entry.spec)
 
     @abc.abstractmethod
     async def spawn(self, entry: ModelEntry, boot_for: BootFor, log_path: Path,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from router.backends.base import Backend, BootFor, SpawnError, WorkerHandle
+from router.placement import Placer
 from router.registry import ModelEntry
 
 log = logging.getLogger("modelyard.router")
@@ -51,6 +52,7 @@ class WorkerHost:
         full.setdefault("HF_HUB_OFFLINE", "1")
         full.setdefault("TOKENIZERS_PARALLELISM", "false")
         full["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # vLLM's Ray executor
+        full["MODELYARD_CHILDREN_DIE_WITH_WORKER"] = "1"  # see worker/__main__.py
         with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append
             # The worker's parent (for PR_SET_PDEATHSIG) is the thread that starts it: the
             # actor's event loop thread, which lives as long as the actor.
@@ -154,8 +156,16 @@ class RayBackend(Backend):
     def endpoint(self, runtime_dir: Path, number: int) -> str:
         return f"tcp://{self.node_ip}:*"
 
-    def place(self, entry: ModelEntry) -> bool:
-        return False  # Ray places it; this host's cores and GPUs are not its to pin
+    def place(self, entry: ModelEntry, placer: Placer) -> dict[str, str]:
+        """Ray picks the node and its GPUs (``CUDA_VISIBLE_DEVICES``, which the worker
+        inherits from its actor); cores are pinned only where the preset names them."""
+        spec = entry.spec
+        if spec.device == "cuda":
+            return {}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib)}  # else vLLM takes most RAM
+        if spec.cpu_cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
+        return env
 
     @staticmethod
     def actor_options(entry: ModelEntry) -> dict[str, Any]:
