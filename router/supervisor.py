@@ -108,7 +108,7 @@ class Supervisor:
         self._published[entry.id] = now
         failed = entry.state == "failed"
         self.events.publish("state", entry.id, state=entry.state, pid=entry.pid,
-                            placement=entry.placement or None,
+                            node=entry.node, placement=entry.placement or None,
                             **({"reason": reason} if reason else {}),
                             **({"error": entry.error, "exit_code": entry.exit_code}
                                if failed else {}))
