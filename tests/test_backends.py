@@ -77,7 +77,7 @@ def ray_head() -> Iterator[str]:
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(20)
+            head.wait(5)
         except subprocess.TimeoutExpired:
             pass  # killed with the rest below
         for _ in range(50):
