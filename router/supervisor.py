@@ -46,6 +46,8 @@ log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
 POLL = 0.05  # seconds between looks at state that has no event of its own
 BACKOFF_MAX = 30.0
+LINK_GRACE = 0.3
+"""Seconds a dropped remote link waits for its backend's own word on the worker's end."""
 ACTIVE_GAP = 2.0
 """A model used this recently still has clients coming: a model waiting for room does not
 evict it at once, but after ``swap_wait``."""
@@ -525,11 +527,13 @@ class Supervisor:
         self._publish_state(entry, reason)
 
     async def _watch(self, entry: ModelEntry, worker: _Worker) -> None:
-        code = await worker.handle.wait()
+        code = await self._gone(worker)
         if self._workers.get(entry.id) is not worker:
             return
         reason = (f"worker exited unexpectedly with code {code}" if code is not None
-                  else f"worker exited unexpectedly: {worker.handle.lost}")
+                  else f"worker exited unexpectedly: {worker.handle.lost}" if worker.handle.lost
+                  else "worker exited unexpectedly: its link to the router dropped (no "
+                       "heartbeat; its node may be gone)")
         worker.link.fail(WorkerLost(f"model '{entry.id}': {reason}"))  # streams end now
         if entry.state == "stopping":
             return  # stop() owns the rest; with its streams ended, its drain ends at once
@@ -542,6 +546,24 @@ class Supervisor:
         tail = await asyncio.to_thread(log_tail, worker.log_path)
         if entry.state == "failed" and entry.exit_code == code:
             entry.error = f"{reason}\n{tail}".strip()
+
+    @staticmethod
+    async def _gone(worker: _Worker) -> int | None:
+        """Until the worker is gone: its exit code, or ``None``. A remote worker whose link
+        drops (a dead node sends nothing) is gone too; its backend may still say how
+        within ``LINK_GRACE`` seconds (a killed actor is reported in milliseconds)."""
+        exited: asyncio.Future[int | None] = asyncio.ensure_future(worker.handle.wait())
+        dropped = worker.link.disconnected
+        if dropped is None:
+            return await exited
+        either: set[asyncio.Future[Any]] = {exited, dropped}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not exited.done():
+            await asyncio.wait({exited}, timeout=LINK_GRACE)
+        if exited.done():
+            return exited.result()
+        exited.cancel()
+        return None
 
     async def _reap(self, entry: ModelEntry, worker: _Worker, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""

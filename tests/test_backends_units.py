@@ -3,17 +3,26 @@ placement, and which models a spare may serve."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from router.backends.local import LocalBackend
 from router.backends.ray_cluster import RayBackend
+from router.link import WorkerLink
 from router.placement import Placer
 from router.registry import ModelEntry, ModelRegistry
 from router.spares import SparePool
 from router.supervisor import Supervisor
 from shared.config import ConfigError, build_preset
+from tests.conftest import ROOT
 
 
 def preset(server: dict[str, object] | None = None, **models: dict[str, object]):  # type: ignore[no-untyped-def]
@@ -75,3 +84,47 @@ def test_spares_serve_local_models_only_and_ray_is_joined_only_when_used(
     assert set(Supervisor(ModelRegistry(local), local.server, tmp_path,
                           Placer(cores={0}, gpus={})).backends) == {"local"}
     assert sup.backends["local"].endpoint(tmp_path, 7) == f"ipc://{tmp_path}/w7.sock"
+
+
+PEER = """
+import sys, time, zmq
+from shared.protocol import Codec, Ready, ToRouter
+sock = zmq.Context().socket(zmq.DEALER)
+sock.curve_serverkey = sys.argv[2].encode()
+sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+sock.connect(sys.argv[1])
+sock.send(Codec(ToRouter).encode(Ready(model="m", max_model_len=1, pid=1)))
+time.sleep(60)
+"""
+
+
+def test_a_tcp_link_drops_a_silent_worker_within_2s_and_an_ipc_link_has_no_heartbeat(
+        tmp_path: Path) -> None:
+    """A worker whose node dies sends nothing: a stopped peer process stands for it."""
+
+    async def main() -> float:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        local = WorkerLink(ctx, f"ipc://{tmp_path}/w.sock", "m")
+        assert local.disconnected is None
+        link = WorkerLink(ctx, "tcp://127.0.0.1:*", "m")
+        assert link.endpoint.startswith("tcp://127.0.0.1:") and not link.endpoint.endswith("*")
+        peer = subprocess.Popen(  # noqa: ASYNC220  # starts at once; nothing to wait for
+            [sys.executable, "-c", PEER, link.endpoint, link.key],
+            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        try:
+            await asyncio.wait_for(link.wait_ready(), 30)
+            assert link.disconnected is not None
+            await asyncio.sleep(1.5)  # its heartbeats are answered: still connected
+            assert not link.disconnected.done()
+            os.kill(peer.pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            await asyncio.wait_for(asyncio.shield(link.disconnected), 5)
+            return time.monotonic() - stopped
+        finally:
+            peer.kill()
+            peer.wait()
+            link.close()
+            local.close()
+            ctx.destroy(linger=0)
+
+    assert asyncio.run(main()) < 2.0
