@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import zmq
 
@@ -128,3 +129,32 @@ def test_a_tcp_link_drops_a_silent_worker_within_2s_and_an_ipc_link_has_no_heart
             ctx.destroy(linger=0)
 
     assert asyncio.run(main()) < 2.0
+
+
+FORKER = """
+import os, sys, time
+from worker.__main__ import _children_die_with_us
+_children_die_with_us()
+child = os.fork()
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_process_forked_by_a_ray_owned_worker_dies_with_it() -> None:
+    """Ray SIGKILLs an actor's child (the worker), which cannot then end its group: what
+    the worker forked (EngineCore) must die by itself."""
+    worker = subprocess.Popen([sys.executable, "-c", FORKER], stdout=subprocess.PIPE,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert worker.stdout is not None
+    child = psutil.Process(int(worker.stdout.readline()))
+    assert child.is_running()
+    worker.kill()
+    worker.wait()
+    deadline = time.monotonic() + 5
+    while child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the forked process outlived its worker"
+        time.sleep(0.05)
