@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,6 +93,7 @@ def ray_head() -> Iterator[str]:
             time.sleep(0.2)
         head.wait(10)
         log.close()
+        shutil.rmtree(temp, ignore_errors=True)  # its logs and sockets
         assert not left, [p.pid for p in left]
 
 
