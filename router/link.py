@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import cast
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from router.errors import APIError, BadRequest, ClientTooSlow, ModelUnavailable, WorkerLost
 from shared.protocol import (
@@ -39,6 +40,10 @@ from shared.protocol import (
 
 log = logging.getLogger("modelyard.router")
 _ids = itertools.count()
+HEARTBEAT_IVL_MS = 300
+HEARTBEAT_TIMEOUT_MS = 1000
+"""TCP links (remote workers): ZeroMQ pings the worker every 0.3 s and drops a link silent
+for 1 s, so a dead node's streams end within the 2 s a local worker's death takes."""
 BUFFERED_PER_CHOICE = 64
 """Deltas a stream holds for its reader, per choice (at least 4096): a client that reads
 no faster than that has its generation cancelled, so it cannot grow the router's memory."""
@@ -191,7 +196,22 @@ class WorkerLink:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        self.disconnected: asyncio.Future[None] | None = None
+        """TCP only: done when the connected worker's link drops (a closed connection, or
+        no heartbeat for ``HEARTBEAT_TIMEOUT_MS``: a node that died sends nothing)."""
+        self._monitor: zmq.Socket[bytes] | None = None
+        if endpoint.startswith("tcp://"):
+            self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+            self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._sock.bind(endpoint)
+        # ``tcp://10.0.0.5:*`` binds an ephemeral port: workers need the one it got.
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if endpoint.startswith("tcp://"):
+            self.disconnected = asyncio.get_running_loop().create_future()
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor_fd = cast(int, self._monitor.getsockopt(zmq.FD))
+            asyncio.get_running_loop().add_reader(self._monitor_fd, self._read_monitor)
+            self._read_monitor()  # arms the edge-triggered fd
         self._routes: dict[str, tuple[RequestStream, int]] = {}
         self._calls: dict[str, asyncio.Future[object]] = {}
         self._loop = asyncio.get_running_loop()
@@ -205,6 +225,17 @@ class WorkerLink:
         self._probes = 0
         self.completed = 0
         """Generations this worker finished: proof it was healthy (resets crash backoff)."""
+
+    def _read_monitor(self) -> None:
+        """Drain the socket monitor's events (edge-triggered, like every ZeroMQ fd)."""
+        assert self._monitor is not None and self.disconnected is not None
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED and not self.disconnected.done():
+                self.disconnected.set_result(None)
 
     async def wait_ready(self) -> Ready:
         return await asyncio.shield(self._ready)
@@ -389,4 +420,8 @@ class WorkerLink:
             self._end_turn()  # what was sent this turn (a Shutdown) still goes
             self._closed = True
             self._loop.remove_reader(self._fd)
+            if self._monitor is not None:
+                self._loop.remove_reader(self._monitor_fd)
+                self._sock.disable_monitor()
+                self._monitor.close(0)
             self._sock.close(0)

@@ -33,6 +33,8 @@ class ModelEntry:
     state: str = "unloaded"
     link: WorkerLink | None = None
     pid: int | None = None
+    node: str | None = None
+    """Where the worker runs: this host's name (``local``), or its Ray node's address."""
     leases: int = 0
     last_used: float = 0.0
     loaded_at: float | None = None

@@ -79,7 +79,7 @@ class SparePool:
         which a spare did before it knew its model, and a variable set afterwards is not
         in its process environment as ``/proc`` shows it; such a model gets a fresh
         process, which has its environment from the start."""
-        return entry.spec.engine == "vllm" and not entry.spec.env
+        return entry.spec.engine == "vllm" and not entry.spec.env and entry.spec.backend != "ray"
 
     def replenish(self) -> None:
         """Keep ``size`` spares, started one at a time in the background."""

@@ -18,7 +18,6 @@ import itertools
 import logging
 import os
 import re
-import signal
 import sys
 import time
 from collections.abc import Coroutine
@@ -26,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import psutil
 import zmq
 
+from router.backends import Backend, SpawnError, WorkerHandle
+from router.backends.local import LocalBackend, LocalHandle
+from router.backends.ray_cluster import RayBackend
 from router.errors import (
     APIError,
     BadRequest,
@@ -41,21 +42,19 @@ from router.events import EventBus
 from router.link import WorkerLink
 from router.placement import Placer, fits
 from router.processes import (
-    descendants,
     engine_phases,
-    group_members,
-    kill_tree,
     log_tail,
-    signal_all,
 )
 from router.registry import Lease, ModelEntry, ModelRegistry
-from router.spares import Spare, SparePool
+from router.spares import SparePool
 from shared.config import ModelSpec, ServerConfig, WorkerBoot, restart_needed
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
 POLL = 0.05  # seconds between looks at state that has no event of its own
 BACKOFF_MAX = 30.0
+LINK_GRACE = 0.3
+"""Seconds a dropped remote link waits for its backend's own word on the worker's end."""
 ACTIVE_GAP = 2.0
 """A model used this recently still has clients coming: a model waiting for room does not
 evict it at once, but after ``swap_wait``."""
@@ -69,18 +68,18 @@ def backoff_seconds(failures: int) -> float:
 
 
 class _Worker:
-    """What the supervisor keeps per running worker process."""
+    """What the supervisor keeps per running worker: its backend's handle and its link."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, link: WorkerLink,
-                 log_path: Path, started_at: float | None = None,
-                 spec: ModelSpec | None = None) -> None:
-        self.proc = proc
+    def __init__(self, handle: WorkerHandle | asyncio.subprocess.Process, link: WorkerLink,
+                 log_path: Path | None = None, spec: ModelSpec | None = None) -> None:
+        if isinstance(handle, asyncio.subprocess.Process):  # a process started here
+            assert log_path is not None
+            handle = LocalHandle(handle, log_path)
+        self.handle = handle
         self.spec = spec
         """What it was started with (a reload may have changed its model's since)."""
         self.link = link
-        self.log_path = log_path
-        self.started_at = started_at or time.time()
-        self.descendants: list[psutil.Process] = []
+        self.log_path = handle.log_path
         self.watcher: asyncio.Task[None] | None = None
 
 
@@ -104,6 +103,11 @@ class Supervisor:
         self._closing = False
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
                                 self._command(spare=True), self.base_env, self._spawn_task)
+        self.backends: dict[str, Backend] = {
+            "local": LocalBackend(self.spares, self._command, self.base_env)}
+        if any(entry.spec.backend == "ray" for entry in registry):
+            self.backends["ray"] = RayBackend(server.ray_address, self._command()[3:],
+                                              server.load_timeout)
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -118,7 +122,7 @@ class Supervisor:
         self._published[entry.id] = now
         failed = entry.state == "failed"
         self.events.publish("state", entry.id, state=entry.state, pid=entry.pid,
-                            placement=entry.placement or None,
+                            node=entry.node, placement=entry.placement or None,
                             **({"reason": reason} if reason else {}),
                             **({"error": entry.error, "exit_code": entry.exit_code}
                                if failed else {}))
@@ -129,6 +133,9 @@ class Supervisor:
 
     def start(self) -> None:
         """Begin idle reaping and start the ``load_on_startup`` models."""
+        ray = self.backends.get("ray")
+        if isinstance(ray, RayBackend):
+            ray.connect()  # blocks ~2 s, once, before the router serves
         self._reaper = asyncio.create_task(self._reap_idle(), name="reaper")
         self.spares.replenish()  # first: a load_on_startup model takes it as it is
         for entry in self.startup_models():
@@ -313,8 +320,7 @@ class Supervisor:
         out = {}
         for e in asleep:
             worker = self._workers.get(e.id)
-            pids = ({worker.proc.pid, *(p.pid for p in worker.descendants)}
-                    if worker is not None else set())
+            pids = worker.handle.pids() if worker is not None else set()
             out[e.id] = await asyncio.to_thread(self.placer.held_asleep, e.spec, pids)
         return out
 
@@ -438,31 +444,25 @@ class Supervisor:
 
     async def _spawn(self, entry: ModelEntry) -> WorkerLink:
         started, started_wall = time.monotonic(), time.time()
-        # A socket path must fit in 107 bytes, so its name does not depend on the model's.
-        endpoint = f"ipc://{self.runtime_dir}/w{next(_generation)}.sock"
+        spec = entry.spec  # what this worker serves, whatever a reload makes of the entry
+        backend = self.backends[spec.backend or "local"]
         log_path = self.log_path(entry)
         offset = log_path.stat().st_size if log_path.exists() else 0
         link: WorkerLink | None = None
-        spare: Spare | None = None
         try:
-            link = WorkerLink(self._ctx, endpoint, entry.id)
-            entry.placement = self.placer.place(entry.spec)
-            spare = await self.spares.take(entry)
-            if spare is not None:  # already running, vLLM imported: give it the model
-                proc = spare.proc
-                spare.log_path.unlink(missing_ok=True)
-            else:
-                with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append
-                    proc = await asyncio.create_subprocess_exec(
-                        *self._command(), stdin=asyncio.subprocess.PIPE,
-                        stdout=log_file, stderr=asyncio.subprocess.STDOUT,
-                        env=self.worker_env(entry), start_new_session=True)
+            link = WorkerLink(self._ctx, backend.endpoint(self.runtime_dir, next(_generation)),
+                              entry.id)
+            entry.placement = backend.place(entry, self.placer)
+            bound = link
+            handle = await backend.spawn(
+                entry, lambda own_log: self.worker_boot(entry, bound, bound.endpoint, own_log),
+                log_path, {**entry.spec.env, **entry.placement})
         except asyncio.CancelledError:  # an unload while the process started
             if link is not None:
                 link.close("load cancelled")
             self.placer.release(entry.id)
             raise  # _load marks the model unloaded
-        except (OSError, ValueError, zmq.ZMQError) as err:  # nothing started: say why
+        except (OSError, ValueError, zmq.ZMQError, SpawnError) as err:  # nothing started
             reason = f"could not start its worker: {type(err).__name__}: {err}"
             if link is not None:
                 link.close(reason)
@@ -470,22 +470,15 @@ class Supervisor:
             self.placer.release(entry.id)
             log.error("model %s: %s", entry.id, reason)
             raise ModelUnavailable(f"model '{entry.id}' {reason}") from None
-        assert proc.stdin is not None
-        spec = entry.spec  # what this worker serves, whatever a reload makes of the entry
-        try:
-            proc.stdin.write(self.worker_boot(entry, link, endpoint,
-                                              str(log_path) if spare else ""))
-            proc.stdin.close()  # the worker reads to the end: one JSON document
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # it died meanwhile: seen below as its exit
-        log.info("model %s: worker pid %d starting%s (%s)", entry.id, proc.pid,
-                 " from a spare" if spare else "",
+        spare = handle.from_spare
+        log.info("model %s: worker pid %d on %s starting%s (%s)", entry.id, handle.pid,
+                 handle.node, " from a spare" if spare else "",
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
-        worker = _Worker(proc, link, log_path, spare.started_at if spare else None, spec)
+        worker = _Worker(handle, link, spec=spec)
         self._workers[entry.id] = worker
-        entry.pid = proc.pid
+        entry.pid, entry.node = handle.pid, handle.node
         self._publish_state(entry)
-        exited = asyncio.create_task(proc.wait())
+        exited = asyncio.create_task(handle.wait())
         ready = asyncio.create_task(link.wait_ready())
         try:
             # Bounded: a hung engine start must not hold the start lock (and its GPUs).
@@ -510,7 +503,7 @@ class Supervisor:
                       round(max(0.0, info.booted_at - started_wall), 3)} if info.booted_at else {}
             entry.load_phases = {**phases, **info.phases}
             self._publish_state(entry)
-            worker.descendants = descendants(proc.pid)
+            handle.note_children()
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
             self._spawn_task(self._log_ready(entry, worker, offset))
             self.spares.replenish()  # the spare's place, now the start no longer needs the CPU
@@ -518,12 +511,14 @@ class Supervisor:
         ready.cancel()
         exited.cancel()
         failure = (ready.exception() if ready.done() and not ready.cancelled() else None)
+        code = handle.returncode
         reason = (str(failure) if failure else
-                  f"worker exited with code {proc.returncode}" if proc.returncode is not None
+                  f"worker exited with code {code}" if code is not None
+                  else f"worker exited: {handle.lost}" if handle.lost
                   else f"worker did not become ready within {self.server.load_timeout:g} s")
         await self._reap(entry, worker, reason)
         tail = await asyncio.to_thread(log_tail, log_path)
-        self._failed(entry, reason, tail, proc.returncode)
+        self._failed(entry, reason, tail, code)
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
 
@@ -533,9 +528,9 @@ class Supervisor:
         if self._workers.get(entry.id) is worker:
             entry.load_phases = {**entry.load_phases, **found}
             self.events.publish("load", entry.id, load_seconds=entry.load_seconds,
-                                load_phases=entry.load_phases, pid=worker.proc.pid)
+                                load_phases=entry.load_phases, pid=worker.handle.pid)
         log.info("model %s: ready in %.1f s (pid %d): %s", entry.id, entry.load_seconds or 0,
-                 worker.proc.pid, ", ".join(f"{k} {v:.2f} s"
+                 worker.handle.pid, ", ".join(f"{k} {v:.2f} s"
                                             for k, v in entry.load_phases.items()))
 
     def _failed(self, entry: ModelEntry, reason: str, tail: str, code: int | None,
@@ -551,10 +546,13 @@ class Supervisor:
         self._publish_state(entry, reason)
 
     async def _watch(self, entry: ModelEntry, worker: _Worker) -> None:
-        code = await worker.proc.wait()
+        code = await self._gone(worker)
         if self._workers.get(entry.id) is not worker:
             return
-        reason = f"worker exited unexpectedly with code {code}"
+        reason = (f"worker exited unexpectedly with code {code}" if code is not None
+                  else f"worker exited unexpectedly: {worker.handle.lost}" if worker.handle.lost
+                  else "worker exited unexpectedly: its link to the router dropped (no "
+                       "heartbeat; its node may be gone)")
         worker.link.fail(WorkerLost(f"model '{entry.id}': {reason}"))  # streams end now
         if entry.state == "stopping":
             return  # stop() owns the rest; with its streams ended, its drain ends at once
@@ -568,29 +566,35 @@ class Supervisor:
         if entry.state == "failed" and entry.exit_code == code:
             entry.error = f"{reason}\n{tail}".strip()
 
+    @staticmethod
+    async def _gone(worker: _Worker) -> int | None:
+        """Until the worker is gone: its exit code, or ``None``. A remote worker whose link
+        drops (a dead node sends nothing) is gone too; its backend may still say how
+        within ``LINK_GRACE`` seconds (a killed actor is reported in milliseconds)."""
+        exited: asyncio.Future[int | None] = asyncio.ensure_future(worker.handle.wait())
+        dropped = worker.link.disconnected
+        if dropped is None:
+            return await exited
+        either: set[asyncio.Future[Any]] = {exited, dropped}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not exited.done():
+            await asyncio.wait({exited}, timeout=LINK_GRACE)
+        if exited.done():
+            return exited.result()
+        exited.cancel()
+        return None
+
     async def _reap(self, entry: ModelEntry, worker: _Worker, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""
-        if worker.proc.returncode is None:
-            worker.descendants += descendants(worker.proc.pid)
-            kill_tree(worker.proc.pid, signal.SIGKILL)
-            await worker.proc.wait()
-        # EngineCore children may outlive the worker, in its group or out of it.
-        await asyncio.to_thread(self._kill_leftovers, worker.proc.pid, worker.started_at,
-                                worker.descendants)
+        await worker.handle.kill()
         worker.link.close(reason)
         if self._workers.get(entry.id) is worker:
             del self._workers[entry.id]
         self.placer.release(entry.id)
         if entry.link is worker.link:
             entry.link = None
-        if entry.pid == worker.proc.pid:
-            entry.pid = None
-
-    @staticmethod
-    def _kill_leftovers(pid: int, started_at: float, known: list[psutil.Process]) -> None:
-        """Kill what a dead worker (or spare) left: ``known`` descendants and members of
-        its process group born while it lived."""
-        signal_all(known + group_members(pid, started_at, time.time()), signal.SIGKILL)
+        if entry.pid == worker.handle.pid:
+            entry.pid = entry.node = None
 
     # -- idling ------------------------------------------------------------------------
     def _idle_expired(self, entry: ModelEntry, now: float) -> bool:
@@ -686,7 +690,7 @@ class Supervisor:
         began = time.monotonic()
         if not force:
             deadline = time.monotonic() + self.server.drain_timeout
-            while (worker.link.busy and worker.proc.returncode is None
+            while (worker.link.busy and worker.handle.returncode is None
                    and time.monotonic() < deadline):
                 await asyncio.sleep(POLL)
         ended = None
@@ -700,7 +704,7 @@ class Supervisor:
             worker.link.shutdown()
             if ended is not None:
                 worker.link.fail(ended)
-            await asyncio.wait_for(worker.proc.wait(), grace)
+            await asyncio.wait_for(worker.handle.wait(), grace)
         except (TimeoutError, APIError):
             log.warning("model %s: worker did not exit within %g s of Shutdown; killing",
                         entry.id, grace)
@@ -755,3 +759,5 @@ class Supervisor:
         await asyncio.gather(*(self.stop(e) for e in (*self.registry, *self._removed)
                                if e.id in self._workers), return_exceptions=True)
         self._ctx.destroy(linger=0)  # closes any socket a cancelled start left behind
+        for backend in self.backends.values():
+            backend.close()

@@ -133,6 +133,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Worker processes kept started with vLLM and torch already imported and no model:
     a load turns one into the model's worker (seconds sooner) and a new one is started
     in the background once the model is ready. 0: every load starts a fresh process."""
+    backend: Literal["local", "ray"] = "local"
+    """Where workers run: ``local`` subprocesses of the router, or ``ray`` actors that a
+    Ray cluster places (``docs/multi-router.md``); a model's own ``backend`` overrides it."""
+    ray_address: str | None = None
+    """The Ray cluster to join (``ray.init(address=...)``, e.g. ``10.0.0.5:6379`` or
+    ``auto``); default: a Ray instance started in the router's process for its lifetime."""
 
 
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -151,6 +157,19 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """CPU KV cache size in whole GiB (``VLLM_CPU_KVCACHE_SPACE``, an integer in vLLM)."""
     gpus: list[int] = []
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: Annotated[int, msgspec.Meta(ge=1)] = 1
+    backend: Literal["local", "ray"] | None = None
+    """``local`` or ``ray``; default: the server's ``backend`` (filled in at load)."""
+    num_cpus: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    """Ray: CPUs the worker's actor reserves on its node (default 1)."""
+    num_gpus: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    """Ray: GPUs the actor reserves (default: ``tensor_parallel_size`` on ``cuda``, else 0;
+    a model spanning nodes reserves none itself: vLLM's Ray executor places its ranks)."""
+    resources: dict[str, float] = {}
+    """Ray: custom resources the actor needs, e.g. ``{"node:10.0.0.7": 0.01}`` or a
+    label-like resource a node was started with (``ray start --resources``)."""
+    label_selector: dict[str, str] = {}
+    """Ray: node labels the actor's node must have (``ray start --labels``)."""
     gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     max_model_len: int | None = None
@@ -276,6 +295,8 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
             raise ConfigError(f"{source}: model '{name}': must be a mapping of keys")
         merged = {**defaults, **body, "id": name}
         models[name] = _convert(merged, ModelSpec, f"{source}: model '{name}'")
+        if models[name].backend is None:
+            models[name].backend = server.backend
         _read_template(models[name], source)
     _check_names(models, server, source)
     return Preset(server=server, models=models, source=source)

@@ -44,8 +44,9 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
     async def spawn(entry: ModelEntry) -> Any:
         loads.append(entry.id)
         await asyncio.sleep(0.01)
+        pid = 1000 + len(loads)
         sup._workers[entry.id] = SimpleNamespace(  # type: ignore[assignment]
-            proc=SimpleNamespace(pid=1000 + len(loads)), descendants=[])
+            handle=SimpleNamespace(pids=lambda: {pid}))
         entry.state, entry.link = "ready", FakeLink()  # type: ignore[assignment]
         entry.loaded_at, entry.last_used, entry.load_seconds = time.time(), time.monotonic(), 5
         return entry.link

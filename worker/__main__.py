@@ -31,14 +31,32 @@ log = logging.getLogger("modelyard.worker")
 SHUTDOWN_GRACE = 15.0  # seconds engine.shutdown() may take before the group is killed
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us when the router dies (a belt to the watcher's braces)."""
+def _die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send ``sig`` when the router dies (a belt to the watcher's braces)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+        libc.prctl(pr_set_pdeathsig, sig)
     except OSError:  # not glibc Linux: the parent watcher in WorkerServer still works
         pass
+
+
+CHILDREN_DIE_WITH_IT = "MODELYARD_CHILDREN_DIE_WITH_WORKER"
+"""Set by the Ray backend's actor: Ray's raylet SIGKILLs a dead actor's child (this
+worker), which then cannot end its process group, so each process forked from here on
+(EngineCore, and its own children) gets SIGKILL when the process that forked it dies."""
+
+
+def _children_die_with_us() -> None:
+    forking = [0]  # the pid of the process that forks (this worker, or EngineCore)
+
+    def in_child() -> None:
+        _die_with_parent(signal.SIGKILL)
+        if os.getppid() != forking[0]:  # it died before the line above took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.register_at_fork(before=lambda: forking.__setitem__(0, os.getpid()),
+                        after_in_child=in_child)
 
 
 def _end_group(*_: object) -> None:
@@ -175,6 +193,8 @@ def main() -> None:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _die_with_parent()
+    if os.environ.get(CHILDREN_DIE_WITH_IT) == "1":
+        _children_die_with_us()
     if args.spare:
         _import_in_background()
     imported_at = _import_vllm() if args.spare else 0.0

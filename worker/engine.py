@@ -80,6 +80,12 @@ def engine_args_for(spec: ModelSpec, model_path: str,
         "tensor_parallel_size": spec.tensor_parallel_size,
         "disable_log_stats": True,
     }
+    if spec.pipeline_parallel_size > 1:
+        args["pipeline_parallel_size"] = spec.pipeline_parallel_size
+    if spec.backend == "ray" and spec.tensor_parallel_size * spec.pipeline_parallel_size > 1:
+        # Ranks that may span nodes: vLLM's Ray executor places them in its own placement
+        # group on the cluster the worker's actor runs in (RAY_ADDRESS, set by the actor).
+        args["distributed_executor_backend"] = "ray"
     if spec.max_model_len:
         args["max_model_len"] = spec.max_model_len
     if spec.max_num_seqs:

@@ -134,6 +134,7 @@ RESPONSES: dict[str, Schema] = {
                    "loads": _INT, "evictions": _INT, "keep_alive": _NUM,
                    "pinned": {"type": "boolean"}, "priority": _INT,
                    "loaded_at": _INT, "idle_seconds": _NUM, "placement": {"type": "object"},
+                   "node": {"type": "string"}, "backend": {"type": "string"},
                    "exit_code": _INT, "error": _STR, "worker_in_flight": _INT}),
     "ModelList": _obj({"object": _const("list"), "data": _array(_ref("Model"))}),
     "ModelOrList": {"anyOf": [_ref("Model"), _ref("ModelList")]},

@@ -126,7 +126,8 @@ function rowFor(m) {
   }
   const stateCell = el("td", {}, state);
   if (m.state === "failed" && m.error) stateCell.append(el("div", { class: "error" }, m.error));
-  const placement = Object.entries(m.placement || {}).map(([k, v]) => k + "=" + v).join(" ");
+  const placement = [m.node ? "node=" + m.node : "",
+    ...Object.entries(m.placement || {}).map(([k, v]) => k + "=" + v)].filter(Boolean).join(" ");
   const tps = m.recent_tps && m.recent_tps.length
     ? m.recent_tps.reduce((a, b) => a + b, 0) / m.recent_tps.length : null;
   const load = el("button", { type: "button", "data-action": "load" }, "Load");
@@ -210,6 +211,7 @@ function apply(ev) {
     m.state = ev.state;
     if (ev.pid) m.pid = ev.pid; else delete m.pid;
     if (ev.placement) m.placement = ev.placement; else delete m.placement;
+    if (ev.node) m.node = ev.node; else delete m.node;
     if (ev.state === "failed") m.error = ev.error; else delete m.error;
   } else if (ev.type === "load") {
     m.load_seconds = ev.load_seconds;

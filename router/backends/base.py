@@ -1,0 +1,81 @@
+"""The two shapes every backend fills: ``Backend`` starts workers, ``WorkerHandle`` is one
+started worker as the supervisor sees it."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from pathlib import Path
+
+from router.placement import Placer
+from router.registry import ModelEntry
+
+BootFor = Callable[[str], bytes]
+"""The worker's ``WorkerBoot`` (JSON) given where it must send its own output ("": its
+output is already where it belongs)."""
+
+
+class SpawnError(Exception):
+    """No worker could be started (its message says why); the model goes ``failed``."""
+
+
+class WorkerHandle(abc.ABC):
+    """One started worker process, wherever it runs."""
+
+    pid: int
+    node: str
+    """Where it runs: this host's name, or its Ray node's address."""
+    log_path: Path
+    started_at: float
+    from_spare: bool = False
+
+    @property
+    @abc.abstractmethod
+    def returncode(self) -> int | None:
+        """Its exit code once it is known to be gone; ``None`` while it may live."""
+
+    @property
+    def lost(self) -> str:
+        """Why it is gone without an exit code ("" when it exited with one)."""
+        return ""
+
+    @abc.abstractmethod
+    async def wait(self) -> int | None:
+        """Until it is gone: its exit code, or ``None`` when it was lost without one (its
+        Ray actor or node died). Any number of callers may wait."""
+
+    def note_children(self) -> None:
+        """Remember the processes it started (its engine), to kill them with it."""
+
+    def pids(self) -> set[int]:
+        """Its process and the ones it started, as this host sees them (GPU accounting)."""
+        return {self.pid}
+
+    @abc.abstractmethod
+    async def kill(self) -> None:
+        """Make sure it and every process it started are gone, then return."""
+
+
+class Backend(abc.ABC):
+    """Starts workers of one kind."""
+
+    name: str
+
+    @abc.abstractmethod
+    def endpoint(self, runtime_dir: Path, number: int) -> str:
+        """The address the router's link for a new worker binds (``*`` port: any)."""
+
+    def place(self, entry: ModelEntry, placer: Placer) -> dict[str, str]:
+        """The environment that puts the worker where it belongs (shown in
+        ``/v1/models``): by default this host's ``Placer`` pins its cores or GPUs."""
+        return placer.place(entry.spec)
+
+    @abc.abstractmethod
+    async def spawn(self, entry: ModelEntry, boot_for: BootFor, log_path: Path,
+                    env: dict[str, str]) -> WorkerHandle:
+        """Start ``entry``'s worker, its boot written; raises ``SpawnError`` (or
+        ``OSError``) when none could start. ``env`` is what the model adds to the
+        worker's environment (its ``env`` and placement)."""
+
+    def close(self) -> None:
+        """The router is stopping: let go of what the backend holds."""

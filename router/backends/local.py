@@ -1,0 +1,92 @@
+"""``local``: each worker is a subprocess of the router on this host (a spare, if one
+fits), in a process group of its own, killed with its engine's processes."""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from router.backends.base import Backend, BootFor, WorkerHandle
+from router.processes import descendants, group_members, kill_tree, signal_all
+from router.registry import ModelEntry
+from router.spares import SparePool
+
+
+class LocalHandle(WorkerHandle):
+    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path,
+                 started_at: float | None = None, from_spare: bool = False) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.node = platform.node() or "localhost"
+        self.log_path = log_path
+        self.started_at = started_at or time.time()
+        self.from_spare = from_spare
+        self.descendants: list[psutil.Process] = []
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def wait(self) -> int | None:
+        return await self.proc.wait()
+
+    def note_children(self) -> None:
+        self.descendants = descendants(self.pid)
+
+    def pids(self) -> set[int]:
+        return {self.pid, *(p.pid for p in self.descendants)}
+
+    async def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.descendants += descendants(self.pid)
+            kill_tree(self.pid, signal.SIGKILL)
+            await self.proc.wait()
+        # EngineCore children may outlive the worker, in its group or out of it.
+        await asyncio.to_thread(self._kill_leftovers)
+
+    def _kill_leftovers(self) -> None:
+        """Kill its known descendants and members of its group born while it lived."""
+        signal_all(self.descendants + group_members(self.pid, self.started_at, time.time()),
+                   signal.SIGKILL)
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self, spares: SparePool, command: Callable[[], list[str]],
+                 base_env: Callable[[], dict[str, str]]) -> None:
+        self.spares = spares
+        self.command = command
+        self.base_env = base_env
+
+    def endpoint(self, runtime_dir: Path, number: int) -> str:
+        # A socket path must fit in 107 bytes, so its name does not depend on the model's.
+        return f"ipc://{runtime_dir}/w{number}.sock"
+
+    async def spawn(self, entry: ModelEntry, boot_for: BootFor, log_path: Path,
+                    env: dict[str, str]) -> WorkerHandle:
+        spare = await self.spares.take(entry)
+        if spare is not None:  # already running, vLLM imported: give it the model
+            spare.log_path.unlink(missing_ok=True)
+            handle = LocalHandle(spare.proc, log_path, spare.started_at, from_spare=True)
+        else:
+            with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append
+                proc = await asyncio.create_subprocess_exec(
+                    *self.command(), stdin=asyncio.subprocess.PIPE,
+                    stdout=log_file, stderr=asyncio.subprocess.STDOUT,
+                    env={**self.base_env(), **env}, start_new_session=True)
+            handle = LocalHandle(proc, log_path)
+        stdin = handle.proc.stdin
+        assert stdin is not None
+        try:
+            stdin.write(boot_for(str(log_path) if spare else ""))
+            stdin.close()  # the worker reads to the end: one JSON document
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died meanwhile: the supervisor sees its exit
+        return handle

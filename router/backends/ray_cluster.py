@@ -1,0 +1,207 @@
+"""``ray``: each worker is a ``python -m worker`` process owned by a ``WorkerHost`` actor
+that Ray places on a node with the resources its preset asks (``num_cpus``, ``num_gpus``,
+``resources``).
+
+The router's link binds a TCP port on the router's node address; the worker connects to
+it with the link's CURVE key (minted per worker, handed over in the actor call that
+starts it), so the port admits nobody else. The actor watches its process; a worker whose
+actor dies gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and kills its process
+group, and Ray kills the actors of a router (its driver) that dies, so nothing outlives
+the router on any node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from router.backends.base import Backend, BootFor, SpawnError, WorkerHandle
+from router.placement import Placer
+from router.registry import ModelEntry
+
+log = logging.getLogger("modelyard.router")
+EXIT_POLL = 0.05  # seconds between the actor's looks at its process
+
+
+def _ray() -> Any:
+    """The ``ray`` module, imported on first use: a router with only local models never
+    pays for it (and its API is untyped)."""
+    return importlib.import_module("ray")
+
+
+class WorkerHost:
+    """A Ray actor that runs one worker process on its node and reports its exit."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self, args: list[str], env: dict[str, str], boot: bytes,
+                    log_path: str) -> tuple[str, int]:
+        """Start the worker, write its boot; its node's address and its pid."""
+        ray = _ray()
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        full = {**os.environ, **env}
+        full.setdefault("HF_HUB_OFFLINE", "1")
+        full.setdefault("TOKENIZERS_PARALLELISM", "false")
+        full["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # vLLM's Ray executor
+        full["MODELYARD_CHILDREN_DIE_WITH_WORKER"] = "1"  # see worker/__main__.py
+        with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append
+            # The worker's parent (for PR_SET_PDEATHSIG) is the thread that starts it: the
+            # actor's event loop thread, which lives as long as the actor.
+            self._proc = subprocess.Popen(  # noqa: ASYNC220
+                [sys.executable, "-m", "worker", *args], stdin=subprocess.PIPE,
+                stdout=log_file, stderr=subprocess.STDOUT, env=full, start_new_session=True)
+        assert self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(boot)
+            self._proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died meanwhile: wait() reports its exit
+        return ray.util.get_node_ip_address(), self._proc.pid
+
+    async def wait(self) -> int:
+        """The worker's exit code, once it exits."""
+        assert self._proc is not None
+        while (code := self._proc.poll()) is None:
+            await asyncio.sleep(EXIT_POLL)
+        return code
+
+    async def kill(self) -> None:
+        """Kill the worker's process group (its engine's processes with it)."""
+        if self._proc is None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone already
+        while self._proc.poll() is None:
+            await asyncio.sleep(EXIT_POLL)
+
+
+class RayHandle(WorkerHandle):
+    def __init__(self, actor: Any, pid: int, node: str, log_path: Path) -> None:
+        self.actor = actor
+        self.pid = pid
+        self.node = node
+        self.log_path = log_path
+        self.started_at = time.time()
+        self._code: int | None = None
+        self._lost = ""
+        self._exit = asyncio.create_task(self._watch(), name=f"ray-exit-{pid}")
+
+    async def _watch(self) -> int | None:
+        ray = _ray()
+        try:
+            self._code = int(await self.actor.wait.remote())
+            return self._code
+        except ray.exceptions.RayError as err:  # the actor, or its node, died
+            self._lost = f"its Ray actor died ({type(err).__name__})"
+            return None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._code if self._exit.done() else None
+
+    @property
+    def lost(self) -> str:
+        return self._lost
+
+    async def wait(self) -> int | None:
+        return await asyncio.shield(self._exit)
+
+    async def kill(self) -> None:
+        ray = _ray()
+        if not self._exit.done():
+            try:
+                await asyncio.wait_for(self.actor.kill.remote(), 5)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # the actor is gone or stuck: killing it below ends its worker too
+        ray.kill(self.actor, no_restart=True)  # its worker, if alive, gets PDEATHSIG
+        self._exit.cancel()
+
+
+class RayBackend(Backend):
+    """Workers as Ray actors on the cluster at ``address`` (``None``: a local instance
+    started for the router's lifetime). Joined once, at the router's start."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None, worker_args: list[str],
+                 load_timeout: float) -> None:
+        self.address = address
+        self.worker_args = worker_args
+        self.load_timeout = load_timeout
+        self._host: Any = None
+        self.node_ip = ""
+
+    def connect(self) -> None:
+        """Join the cluster (blocks ~2 s; before the router serves)."""
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init(address=self.address, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.WARNING, configure_logging=False)
+        self._host = ray.remote(WorkerHost)
+        self.node_ip = ray.util.get_node_ip_address()
+        log.info("ray: joined %s as node %s; cluster resources %s", self.address or
+                 "a local instance", self.node_ip, ray.cluster_resources())
+
+    def endpoint(self, runtime_dir: Path, number: int) -> str:
+        return f"tcp://{self.node_ip}:*"
+
+    def place(self, entry: ModelEntry, placer: Placer) -> dict[str, str]:
+        """Ray picks the node and its GPUs (``CUDA_VISIBLE_DEVICES``, which the worker
+        inherits from its actor); cores are pinned only where the preset names them."""
+        spec = entry.spec
+        if spec.device == "cuda":
+            return {}
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib)}  # else vLLM takes most RAM
+        if spec.cpu_cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_cores
+        return env
+
+    @staticmethod
+    def actor_options(entry: ModelEntry) -> dict[str, Any]:
+        """The resources the worker's actor reserves on its node."""
+        spec = entry.spec
+        ranks = spec.tensor_parallel_size * spec.pipeline_parallel_size
+        gpus = spec.num_gpus
+        if gpus is None:  # several ranks: vLLM's Ray executor reserves their GPUs itself
+            gpus = float(spec.tensor_parallel_size) if spec.device == "cuda" and ranks == 1 else 0.0
+        return {"num_cpus": 1.0 if spec.num_cpus is None else spec.num_cpus,
+                "num_gpus": gpus, "resources": dict(spec.resources),
+                **({"label_selector": dict(spec.label_selector)} if spec.label_selector else {})}
+
+    async def spawn(self, entry: ModelEntry, boot_for: BootFor, log_path: Path,
+                    env: dict[str, str]) -> WorkerHandle:
+        ray = _ray()
+        if self._host is None:
+            raise SpawnError("the ray backend is not connected")
+        actor = self._host.options(max_restarts=0, max_concurrency=8,
+                                   **self.actor_options(entry)).remote()
+        try:
+            # Pending until a node with the resources has room: bounded like any start.
+            node, pid = await asyncio.wait_for(
+                actor.start.remote(self.worker_args, env, boot_for(""),
+                                   str(log_path)), self.load_timeout)
+        except (ray.exceptions.RayError, TimeoutError) as err:
+            ray.kill(actor, no_restart=True)
+            raise SpawnError(f"its Ray actor did not start: {type(err).__name__}: {err}") from None
+        except asyncio.CancelledError:
+            ray.kill(actor, no_restart=True)
+            raise
+        log.info("model %s: Ray placed its worker on node %s (%s)", entry.id, node,
+                 self.actor_options(entry))
+        return RayHandle(actor, int(pid), str(node), log_path)
+
+    def close(self) -> None:
+        ray = _ray()
+        if ray.is_initialized():
+            ray.shutdown()

@@ -1,0 +1,227 @@
+"""The same lifecycle through both backends: ``local`` subprocesses and ``ray`` actors.
+
+Each test runs once per backend against a router with two real vLLM CPU workers
+(``alpha``, ``beta``: the embedded model). For ``ray`` the module starts a one-node Ray
+instance (2 CPUs, no dashboard, its own temp dir and session) and the router joins it
+with ``ray_address``; the instance and every process it started are gone afterwards.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.conftest import ROOT, RouterProcess, free_port
+
+pytestmark = pytest.mark.integration
+
+PRESET = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  backend: {backend}
+  {ray_address}
+  spare_workers: 0
+  load_timeout: 600
+  drain_timeout: 5
+models:
+  alpha: {model: "builtin:smollm2", max_model_len: 512, num_cpus: 1, load_on_startup: true}
+  beta: {model: "builtin:smollm2", max_model_len: 512, num_cpus: 1}
+"""
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+
+
+def _session_members(sid: int) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == sid:
+                found.append(process)
+        except (psutil.Error, OSError):
+            pass  # gone while we looked
+    return found
+
+
+@pytest.fixture(scope="module")
+def ray_head() -> Iterator[str]:
+    """``ray start --head`` (2 CPUs, 100 MB object store, no dashboard) in a session of its
+    own; at the end every process of that session is killed, and none is left."""
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
+    log = open(Path(temp) / "head.log", "wb")  # noqa: SIM115  # closed below
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+         f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+         "--object-store-memory=100000000", f"--temp-dir={temp}", "--disable-usage-stats"],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while b"Ray runtime started" not in (Path(temp) / "head.log").read_bytes():
+            assert head.poll() is None and time.monotonic() < deadline, \
+                (Path(temp) / "head.log").read_text(errors="replace")[-3000:]
+            time.sleep(0.3)
+        yield f"127.0.0.1:{port}"
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(5)
+        except subprocess.TimeoutExpired:
+            pass  # killed with the rest below
+        for _ in range(50):
+            left = [p for p in _session_members(head.pid) if p.status() != psutil.STATUS_ZOMBIE]
+            if not left:
+                break
+            for process in left:
+                try:
+                    process.kill()
+                except psutil.Error:
+                    pass  # exited meanwhile
+            time.sleep(0.2)
+        head.wait(10)
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)  # its logs and sockets
+        assert not left, [p.pid for p in left]
+
+
+@pytest.fixture(scope="module", params=["local", "ray"])
+def backend_router(request: pytest.FixtureRequest,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    backend = request.param
+    address = (f"ray_address: \"{request.getfixturevalue('ray_head')}\""
+               if backend == "ray" else "")
+    r = RouterProcess(PRESET, tmp_path_factory.mktemp(backend), backend,
+                      {"backend": backend, "ray_address": address})
+    r.start()
+    try:
+        r.wait_healthy(60)
+        r.wait_model("alpha", timeout=600)
+        yield r
+    finally:
+        r.stop()
+
+
+def models(r: RouterProcess) -> dict[str, dict[str, object]]:
+    return {m["id"]: m for m in r.client.get(f"{r.url}/v1/models").json()["data"]}
+
+
+def sdk(r: RouterProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{r.url}/v1", api_key="x", max_retries=0, timeout=600)
+
+
+def chat(r: RouterProcess, model: str, **extra: object) -> httpx.Response:
+    return httpx.post(f"{r.url}/v1/chat/completions", timeout=600, json={
+        "model": model, "messages": STORY, "max_tokens": 8, **extra})
+
+
+def test_both_models_stream_and_show_their_node(backend_router: RouterProcess) -> None:
+    backend = backend_router.preset.stem
+    client = sdk(backend_router)
+    for model in ("alpha", "beta"):
+        stream = client.chat.completions.create(model=model, messages=STORY,  # type: ignore[arg-type]
+                                                max_tokens=12, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text.strip(), model
+    listed = models(backend_router)
+    for model in ("alpha", "beta"):
+        assert listed[model]["state"] == "ready"
+        assert listed[model]["backend"] == backend
+        assert isinstance(listed[model]["node"], str) and listed[model]["node"]
+        assert psutil.pid_exists(int(listed[model]["pid"]))  # type: ignore[call-overload]
+    assert listed["alpha"]["pid"] != listed["beta"]["pid"]
+    if backend == "ray":  # each worker is a child of its own actor process
+        parents = {psutil.Process(int(listed[m]["pid"])).parent()  # type: ignore[call-overload]
+                   for m in ("alpha", "beta")}
+        assert all(p is not None and "WorkerHost" in " ".join(p.cmdline()) for p in parents)
+
+
+def test_unload_then_load_again(backend_router: RouterProcess) -> None:
+    pid = models(backend_router)["beta"]["pid"]
+    reply = backend_router.client.post(f"{backend_router.url}/v1/models/unload",
+                                       json={"model": "beta"}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["state"] == "unloaded"
+    assert "node" not in reply.json() and "pid" not in reply.json()
+    assert not psutil.pid_exists(int(pid))  # type: ignore[call-overload]
+    reply = backend_router.client.post(f"{backend_router.url}/v1/models/load",
+                                       json={"model": "beta"}, timeout=600)
+    assert reply.status_code == 200 and reply.json()["state"] == "ready", reply.text
+    assert reply.json()["pid"] != pid
+    assert chat(backend_router, "beta").status_code == 200
+
+
+def test_killed_worker_ends_its_streams_within_2s_and_restarts(
+        backend_router: RouterProcess) -> None:
+    """Local: SIGKILL of the worker. Ray: SIGKILL of its actor's process (as when its node
+    dies), which the worker does not outlive."""
+    backend = backend_router.preset.stem
+    pid = int(models(backend_router)["alpha"]["pid"])  # type: ignore[call-overload]
+    victim = psutil.Process(pid)
+    if backend == "ray":
+        parent = victim.parent()
+        assert parent is not None
+        victim = parent
+    stream = sdk(backend_router).chat.completions.create(
+        model="alpha", messages=STORY, max_tokens=400, stream=True,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True})
+    next(iter(stream))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        blocking = pool.submit(chat, backend_router, "alpha", max_tokens=400, ignore_eos=True)
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        victim.kill()
+        with pytest.raises(openai.APIError) as info:
+            for _ in stream:
+                pass
+        stream_ended = time.monotonic() - killed_at
+        reply = blocking.result()
+        other_ended = time.monotonic() - killed_at
+    assert stream_ended < 2.0 and other_ended < 2.0, (stream_ended, other_ended)
+    assert "exited unexpectedly" in str(info.value)
+    assert reply.status_code == 502 and reply.json()["error"]["code"] == "worker_lost"
+    state = models(backend_router)["alpha"]
+    assert state["state"] == "failed" and state["failures"] == 1
+    if backend == "local":
+        assert state["exit_code"] == -9
+    else:
+        assert "Ray actor died" in str(state["error"])
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not psutil.pid_exists(pid)  # the worker did not outlive its actor
+    assert chat(backend_router, "alpha").status_code == 200, backend_router.tail()
+    assert models(backend_router)["alpha"]["pid"] != pid
+
+
+def test_router_sigkill_leaves_no_worker(backend_router: RouterProcess) -> None:
+    """Last: it kills the module's router. Every worker, its engine processes and (Ray)
+    its actor process are gone soon after."""
+    listed = models(backend_router)
+    workers = [psutil.Process(int(listed[m]["pid"]))  # type: ignore[call-overload]
+               for m in ("alpha", "beta") if listed[m].get("pid")]
+    assert len(workers) == 2
+    watched = [p for w in workers for p in (w, *w.children(recursive=True))]
+    if backend_router.preset.stem == "ray":
+        watched += [p for w in workers if (p := w.parent()) is not None]
+    assert backend_router.proc is not None
+    backend_router.proc.kill()
+    backend_router.proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        alive = [p for p in watched if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            break
+        time.sleep(0.2)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
