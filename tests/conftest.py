@@ -6,6 +6,7 @@ Nothing here talks to any address but 127.0.0.1.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,6 +158,36 @@ def router_with_runtime(preset: str, workdir: Path, name: str) -> Iterator[Route
             yield r
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+LONG_STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+
+
+def kill_mid_stream(r: RouterProcess, model: str, victim: psutil.Process) -> None:
+    """SIGKILL ``victim`` (``model``'s worker, or what it does not outlive) while a stream
+    and a plain request of ``model`` are in flight: both end with an error within 2 s, the
+    stream in-band, the other a 502 ``worker_lost``."""
+    client = openai.OpenAI(base_url=f"{r.url}/v1", api_key="x", max_retries=0, timeout=600)
+    stream = client.chat.completions.create(
+        model=model, messages=LONG_STORY, max_tokens=400, stream=True,  # type: ignore[arg-type]
+        extra_body={"ignore_eos": True})
+    next(iter(stream))
+    body = {"model": model, "messages": LONG_STORY, "max_tokens": 400, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        blocking = pool.submit(httpx.post, f"{r.url}/v1/chat/completions", json=body,
+                               timeout=600)
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        victim.kill()
+        with pytest.raises(openai.APIError) as info:
+            for _ in stream:
+                pass
+        stream_ended = time.monotonic() - killed_at
+        reply = blocking.result()
+        other_ended = time.monotonic() - killed_at
+    assert stream_ended < 2.0 and other_ended < 2.0, (stream_ended, other_ended)
+    assert "exited unexpectedly" in str(info.value)
+    assert reply.status_code == 502 and reply.json()["error"]["code"] == "worker_lost"
 
 
 MAIN_PRESET = """

@@ -8,7 +8,6 @@ with ``ray_address``; the instance and every process it started are gone afterwa
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import shutil
 import signal
@@ -24,7 +23,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import ROOT, RouterProcess, free_port
+from tests.conftest import ROOT, RouterProcess, free_port, kill_mid_stream
 
 pytestmark = pytest.mark.integration
 
@@ -173,24 +172,7 @@ def test_killed_worker_ends_its_streams_within_2s_and_restarts(
         parent = victim.parent()
         assert parent is not None
         victim = parent
-    stream = sdk(backend_router).chat.completions.create(
-        model="alpha", messages=STORY, max_tokens=400, stream=True,  # type: ignore[arg-type]
-        extra_body={"ignore_eos": True})
-    next(iter(stream))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        blocking = pool.submit(chat, backend_router, "alpha", max_tokens=400, ignore_eos=True)
-        time.sleep(0.5)
-        killed_at = time.monotonic()
-        victim.kill()
-        with pytest.raises(openai.APIError) as info:
-            for _ in stream:
-                pass
-        stream_ended = time.monotonic() - killed_at
-        reply = blocking.result()
-        other_ended = time.monotonic() - killed_at
-    assert stream_ended < 2.0 and other_ended < 2.0, (stream_ended, other_ended)
-    assert "exited unexpectedly" in str(info.value)
-    assert reply.status_code == 502 and reply.json()["error"]["code"] == "worker_lost"
+    kill_mid_stream(backend_router, "alpha", victim)
     state = models(backend_router)["alpha"]
     assert state["state"] == "failed" and state["failures"] == 1
     if backend == "local":
