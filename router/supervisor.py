@@ -518,7 +518,7 @@ class Supervisor:
                   else f"worker did not become ready within {self.server.load_timeout:g} s")
         await self._reap(entry, worker, reason)
         tail = await asyncio.to_thread(log_tail, log_path)
-        self._failed(entry, reason, tail, code)
+        self._failed(entry, reason, tail, handle.returncode)  # after the reap: it has one
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
 
