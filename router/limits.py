@@ -3,7 +3,7 @@
     ConnectionCap      at most ``max_connections`` requests in flight; more get a 503
     ProxyHeaders       (uvicorn's) ``X-Forwarded-For`` believed only from ``trusted_proxies``
     BodyDeadline       a body that has not arrived after ``read_timeout`` s gets a 408
-                       (``header_deadline``, for uvicorn: late headers close the connection)
+                       (``http_protocol``, for uvicorn: late headers close the connection)
     KeyGuard           (``admission.py``) 401/403 without a key
     RateLimit          a token bucket per client; an empty one gets a 429 with Retry-After
 
@@ -23,7 +23,7 @@ from collections.abc import Callable, Hashable
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from router.admission import OPEN_PATHS, KeyGuard, Keys, presented_key, send_error
 from router.errors import APIError
@@ -57,13 +57,56 @@ def uvicorn_backstop(max_connections: int) -> int:
     return max_connections + max(16, max_connections // 8)
 
 
-def header_deadline(seconds: float) -> type[HttpToolsProtocol]:
-    """uvicorn's HTTP protocol, but a request's headers must be complete within ``seconds``
-    of the connection opening or of the request's first byte, or the connection is
-    closed. uvicorn itself times out only idle connections between requests: one that
-    sends nothing after connecting, or its headers a byte at a time, is held for ever."""
+class _HeadWithBody:
+    """A response's transport as uvicorn's request cycle sees it: the response head (the
+    status line and headers, uvicorn's first write once the response has started) waits
+    for the body's first write, so a small response leaves in one write and one TCP
+    segment instead of two. The head goes alone at the end of the event-loop turn if no
+    body was written in it (a stream that has nothing to send yet)."""
 
-    class HeaderDeadline(HttpToolsProtocol):
+    __slots__ = ("_cycle", "_held", "_loop", "_sent_head", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, cycle: RequestResponseCycle,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._cycle = cycle
+        self._loop = loop
+        self._held: bytes | None = None
+        self._sent_head = False
+
+    def write(self, data: bytes) -> None:
+        if self._held is not None:
+            data, self._held = self._held + data, None
+        elif not self._sent_head and self._cycle.response_started:  # not "100 Continue"
+            self._sent_head = True
+            self._held = data
+            self._loop.call_soon(self._flush)
+            return
+        self._transport.write(data)
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            if not self._transport.is_closing():
+                self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._transport, name)
+
+
+def http_protocol(header_seconds: float) -> type[HttpToolsProtocol]:
+    """uvicorn's HTTP protocol with the router's two changes: each response's head leaves
+    with its body (``_HeadWithBody``), and, when ``header_seconds`` is set, a request's
+    headers must be complete within that many seconds of the connection opening or of
+    the request's first byte, or the connection is closed. uvicorn itself times out only
+    idle connections between requests: one that sends nothing after connecting, or its
+    headers a byte at a time, is held for ever."""
+
+    class RouterProtocol(HttpToolsProtocol):
         _deadline: asyncio.TimerHandle | None = None
 
         def _expired(self) -> None:
@@ -77,22 +120,27 @@ def header_deadline(seconds: float) -> type[HttpToolsProtocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            self._deadline = self.loop.call_later(seconds, self._expired)
+            if header_seconds:
+                self._deadline = self.loop.call_later(header_seconds, self._expired)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            if self._deadline is None:  # the first request keeps the connection's deadline
-                self._deadline = self.loop.call_later(seconds, self._expired)
+            # The first request keeps the connection's deadline.
+            if header_seconds and self._deadline is None:
+                self._deadline = self.loop.call_later(header_seconds, self._expired)
 
         def on_headers_complete(self) -> None:
             self._disarm()
             super().on_headers_complete()
+            cycle = self.cycle  # this request's (uvicorn queues it if one is pipelined)
+            if cycle is not None and cycle.transport is self.transport:
+                cycle.transport = _HeadWithBody(self.transport, cycle, self.loop)  # type: ignore[assignment]
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-    return HeaderDeadline
+    return RouterProtocol
 
 
 class _Bucket:

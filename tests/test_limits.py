@@ -12,7 +12,7 @@ import asyncio
 import socket
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
@@ -20,12 +20,18 @@ import msgspec
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from router.admission import Keys
-from router.limits import MAX_CLIENTS, ConnectionCap, TokenBuckets, middleware_stack
+from router.limits import (
+    MAX_CLIENTS,
+    ConnectionCap,
+    TokenBuckets,
+    http_protocol,
+    middleware_stack,
+)
 from shared.config import ServerConfig
 from tests.conformance import validate
 from tests.conftest import RouterProcess, running_router
@@ -359,3 +365,82 @@ def test_connections_that_never_finish_their_headers_are_closed(capped: RouterPr
     kept.settimeout(5)
     assert kept.recv(65536).startswith(b"HTTP/1.1 200")
     assert 1.8 < closed_after(kept) < 4
+
+
+class _RecordingTransport(asyncio.Transport):
+    """What uvicorn's protocol writes, one entry per ``write`` (a send syscall each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"peername": ("127.0.0.1", 5000), "sockname": ("127.0.0.1", 8000)}.get(
+            name, default)
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def _serve(app: Starlette, request: bytes) -> _RecordingTransport:
+    """Feed ``request`` to the router's HTTP protocol (``http_protocol``) on a recording
+    transport; the app runs in this loop from the next turn."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    config = Config(app, http=http_protocol(5.0), log_level="warning")
+    config.load()
+    transport = _RecordingTransport()
+    protocol = config.http_protocol_class(config=config, server_state=ServerState(),  # type: ignore[call-arg]
+                                          app_state={})
+    protocol.connection_made(transport)
+    protocol.data_received(request)
+    return transport
+
+
+def test_a_small_response_leaves_in_one_write_and_a_stream_s_head_at_once() -> None:
+    """uvicorn writes the status line and headers, then the body: two send calls (two TCP
+    segments, two wake-ups of the client) per answer. The head now waits for the body's
+    first write in the same event-loop turn; a stream whose body comes later gets its
+    head at the end of the turn, before the body."""
+
+    async def small(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
+    async def later(request: Request) -> Response:
+        async def body() -> AsyncIterator[bytes]:
+            await asyncio.sleep(0.1)
+            yield b"data: 1\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/small", small), Route("/later", later)])
+    get = b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n"
+
+    async def run() -> tuple[list[bytes], list[bytes], list[bytes]]:
+        one = await _serve(app, get % b"/small")
+        streamed = await _serve(app, get % b"/later")
+        await asyncio.sleep(0.05)
+        head = list(streamed.writes)  # the stream's head has gone, its body not yet
+        await asyncio.sleep(0.2)
+        return one.writes, head, streamed.writes
+
+    one, head, streamed = asyncio.run(run())
+    assert len(one) == 1, one
+    assert one[0].startswith(b"HTTP/1.1 200") and one[0].endswith(b"\r\n\r\nok")
+    assert len(head) == 1 and head[0].startswith(b"HTTP/1.1 200"), head
+    assert head[0].endswith(b"\r\n\r\n"), head
+    assert streamed[0] == head[0] and b"data: 1" in b"".join(streamed[1:]), streamed

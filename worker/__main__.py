@@ -23,6 +23,7 @@ import threading
 import time
 
 import msgspec
+import uvloop
 
 from shared.config import WorkerBoot
 from worker.server import WorkerServer
@@ -207,7 +208,9 @@ def main() -> None:
     if boot.log_path:
         _take_output(boot.log_path)
     os.environ.update(boot.env)  # before any engine reads it (placement, the model's env)
-    sys.exit(asyncio.run(_main(args, boot, phases)))
+    # uvloop, as vLLM's own API server runs: the stdlib loop's Python ``_run_once`` cost the
+    # synthetic worker about half its time per request.
+    sys.exit(uvloop.run(_main(args, boot, phases)))
 
 
 if __name__ == "__main__":

@@ -117,7 +117,12 @@ class Relay:
         finally:
             stream.close()
             lease.release()
-            self._log(endpoint, lease.entry.id, False, status, usage)
+            if status == 200:  # counted and logged once the answer is written
+                asyncio.get_running_loop().call_soon(
+                    self._log, endpoint, lease.entry.id, False, status, usage,
+                    time.perf_counter())
+            else:  # before the answer: ``HotPath`` asks whether it was counted
+                self._log(endpoint, lease.entry.id, False, status, usage)
         return JSONResponse(shaper.body(usage))
 
     async def _start(self, lease: Lease, link: WorkerLink, gens: list[Generate], usage: Usage,
@@ -246,9 +251,10 @@ class Relay:
             self._log(endpoint, lease.entry.id, True, status, usage)
 
     def _log(self, endpoint: str, model: str, streaming: bool, status: int,
-             usage: Usage) -> None:
-        """One line and one count per request: what was asked, what came back, how fast."""
-        now = time.perf_counter()
+             usage: Usage, now: float = 0.0) -> None:
+        """One line and one count per request: what was asked, what came back, how fast
+        (``now``: when it ended, if not now)."""
+        now = now or time.perf_counter()
         self.metrics.request(endpoint, model, status, usage, now)
         ttft = (usage.first_at - usage.started) * 1000 if usage.first_at else 0.0
         decode = (usage.completion / (now - usage.first_at)
