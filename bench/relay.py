@@ -8,6 +8,13 @@ samples the router under streaming load to show where its time goes.
 Targets: >= 50 000 chunks/s, non-streaming requests/s >= 45 % of the bare app's, added
 latency p50 <= 0.2 ms. Added latency is the router's p50 (stamp → client read) less the
 bare app's, whose chunks carry the time they were written, read by the same client.
+
+The machine's speed drifts (a VM's neighbours): each point alternates router and bare
+``ROUNDS`` times and reports the medians and the median of the per-round shares. The run
+also measures the floor the router's link sets: a CURVE ZeroMQ round trip between the
+two cores with nothing else in it (``zmq_round_trip_us``). At one connection a request
+takes the bare app's round trip plus at least that one, so the router's share there
+cannot exceed ``one_connection_ceiling`` even with no Python work at all.
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import multiprocessing
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -25,11 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import zmq
 
 from bench.common import PY, Server, free_port, modelyard, pct, report
 
 TOKENS = 200
-SECONDS = 8
+SECONDS = 4
+ROUNDS = 3
 CONCURRENCY = (1, 16, 64)
 ROUTER_CPU, LOAD_CPU = 0, 1
 
@@ -97,6 +108,50 @@ def profile(pid: int, url: str) -> list[dict[str, Any]]:
     return [{"function": fn, "share": round(n / total, 3)} for fn, n in counts.most_common(12)]
 
 
+def _echo(endpoint: str, server_key: bytes, cpu: int) -> None:
+    """The worker's side of ``zmq_round_trip``: send back every message until ``b""``."""
+    os.sched_setaffinity(0, {cpu})
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.curve_serverkey = server_key
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(endpoint)
+    while message := sock.recv():
+        sock.send(message)
+    sock.close(0)
+    ctx.term()
+
+
+def zmq_round_trip(n: int = 5000) -> float:
+    """Median microseconds of a 200-byte CURVE round trip over ``ipc://`` between the
+    router's core and the worker's, blocking reads, as the router's link is set up."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    public, secret = zmq.curve_keypair()
+    sock.curve_server, sock.curve_secretkey, sock.curve_publickey = True, secret, public
+    endpoint = f"ipc://{tempfile.mkdtemp()}/rt.sock"
+    sock.bind(endpoint)
+    echo = multiprocessing.get_context("spawn").Process(
+        target=_echo, args=(endpoint, public, LOAD_CPU))
+    echo.start()
+    os.sched_setaffinity(0, {ROUTER_CPU})
+    try:
+        payload, samples = b"x" * 200, []
+        for i in range(n + 200):
+            start = time.perf_counter_ns()
+            sock.send(payload)
+            sock.recv()
+            if i >= 200:  # warm-up: the handshake and first wake-ups
+                samples.append((time.perf_counter_ns() - start) / 1000)
+        sock.send(b"")
+    finally:
+        os.sched_setaffinity(0, {LOAD_CPU})
+        echo.join(10)
+        sock.close(0)
+        ctx.term()
+    return statistics.median(samples)
+
+
 def main() -> None:
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed (make bench installs it with apt-get)")
@@ -117,15 +172,28 @@ def main() -> None:
                  ("req/s", "requests", {**CHAT, "max_tokens": 1}, "/json", 1)]
         for label, key, body, bare_path, per_request in cases:
             for conns in CONCURRENCY:
-                y = wrk(chat_url, body, conns)
-                b = wrk(bare.url + bare_path, {"x": 1}, conns)
-                router_rate = round(y["requests_per_s"] * per_request)
-                bare_rate = round(b["requests_per_s"] * per_request)
-                share = round(router_rate / max(1, bare_rate), 3)
-                result[f"{key}_{conns}"] = {"router_per_s": router_rate,
-                                            "bare_per_s": bare_rate, "share_of_bare": share,
-                                            "router_errors": y["non_2xx"]}
+                ys, bs = [], []
+                for _ in range(ROUNDS):
+                    ys.append(wrk(chat_url, body, conns))
+                    bs.append(wrk(bare.url + bare_path, {"x": 1}, conns))
+                router_rates = [y["requests_per_s"] * per_request for y in ys]
+                bare_rates = [b["requests_per_s"] * per_request for b in bs]
+                router_rate = round(statistics.median(router_rates))
+                bare_rate = round(statistics.median(bare_rates))
+                share = round(statistics.median(
+                    r / max(1.0, b) for r, b in zip(router_rates, bare_rates)), 3)
+                result[f"{key}_{conns}"] = {
+                    "router_per_s": router_rate, "bare_per_s": bare_rate,
+                    "share_of_bare": share, "shares": [round(r / max(1.0, b), 3) for r, b
+                                                       in zip(router_rates, bare_rates)],
+                    "router_errors": sum(y["non_2xx"] for y in ys)}
                 rows.append((label, str(conns), str(router_rate), str(bare_rate), f"{share:.0%}"))
+        rtt = zmq_round_trip()
+        bare_rtt = 1e6 / max(1, result["requests_1"]["bare_per_s"])
+        result["zmq_round_trip_us"] = round(rtt, 1)
+        result["one_connection_ceiling"] = round(bare_rtt / (bare_rtt + rtt), 3)
+        rows.append(("zmq rtt us", "1", f"{rtt:.0f}", f"{bare_rtt:.0f}",
+                     f"max {result['one_connection_ceiling']:.0%}"))
         for conns in (1, 16):
             # Stamp to client read through the router (worker → ZeroMQ → relay → HTTP)
             # and through the bare app (HTTP only): the difference is what the router adds.
