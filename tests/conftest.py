@@ -176,7 +176,13 @@ def kill_mid_stream(r: RouterProcess, model: str, victim: psutil.Process) -> Non
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         blocking = pool.submit(httpx.post, f"{r.url}/v1/chat/completions", json=body,
                                timeout=600)
-        time.sleep(0.5)
+        # Kill once the plain request is in flight too (its lease is taken in the turn it
+        # is sent to the worker): a fixed sleep lost that race on a loaded machine, and the
+        # request then waited, rightly, for the restart.
+        deadline = time.monotonic() + 60
+        while r.client.get(f"{r.url}/v1/models/{model}").json()["in_flight"] < 2:
+            assert time.monotonic() < deadline, "the plain request never reached the model"
+            time.sleep(0.02)
         killed_at = time.monotonic()
         victim.kill()
         with pytest.raises(openai.APIError) as info:
