@@ -66,7 +66,7 @@ def test_fields_without_meaning_here_are_accepted(client) -> None:  # type: igno
 
 
 def test_a_30_mib_prompt_is_refused_without_stalling_other_streams(client, base_url: str) -> None:  # type: ignore[no-untyped-def]
-    answer: dict[str, object] = {}
+    answer: dict[str, float | str] = {}
 
     # Encoded up front: json.dumps of 30 MiB holds this process's GIL for a while, which
     # would stall the reading thread here and be blamed on the server.
@@ -74,24 +74,34 @@ def test_a_30_mib_prompt_is_refused_without_stalling_other_streams(client, base_
         {"role": "user", "content": "lorem ipsum " * ((30 << 20) // 12)}]}).encode()
 
     def huge() -> None:
-        started = time.monotonic()
+        answer["sent"] = time.monotonic()
         r = httpx.post(f"{base_url}/chat/completions", content=body, timeout=120,
                        headers={"content-type": "application/json"})
         answer.update(status=r.status_code, code=r.json()["error"]["code"],
-                      seconds=time.monotonic() - started)
+                      answered=time.monotonic())
 
-    stream = client.chat.completions.create(model="smollm2", messages=HI, max_tokens=80,
-                                            temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
-    arrivals, sender = [], threading.Thread(target=huge)
-    for i, chunk in enumerate(stream):
-        arrivals.append(time.monotonic())
-        if i == 5:
-            sender.start()
+    def stream_arrivals(start_huge_at: int = -1) -> list[float]:
+        stream = client.chat.completions.create(
+            model="smollm2", messages=HI, max_tokens=80, temperature=0, stream=True,
+            extra_body={"ignore_eos": True})
+        arrivals = []
+        for i, _ in enumerate(stream):
+            arrivals.append(time.monotonic())
+            if i == start_huge_at:
+                sender.start()
+        return arrivals
+
+    sender = threading.Thread(target=huge)
+    # A young CPU engine pauses up to 2 s at its first runs of a sequence length (seen
+    # with no other request at all): one stream as long as the measured one first.
+    stream_arrivals()
+    arrivals = stream_arrivals(start_huge_at=5)
     sender.join()
     assert answer["status"] == 400 and answer["code"] == "context_length_exceeded", answer
-    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    assert max(gaps) < 1.0, f"the stream stalled for {max(gaps):.2f} s"
+    # A stall the huge request caused overlaps the time it was being sent and refused.
+    during = [b - a for a, b in itertools.pairwise(arrivals)
+              if b >= float(answer["sent"]) and a <= float(answer["answered"])]
+    assert during and max(during) < 1.0, f"the stream stalled for {max(during):.2f} s"
 
 
 def test_one_log_line_per_request(router, client) -> None:  # type: ignore[no-untyped-def]
