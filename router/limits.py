@@ -2,8 +2,6 @@
 
     ConnectionCap      at most ``max_connections`` requests in flight; more get a 503
     ProxyHeaders       (uvicorn's) ``X-Forwarded-For`` believed only from ``trusted_proxies``
-    BodyDeadline       a body that has not arrived after ``read_timeout`` s gets a 408
-                       (``http_protocol``, for uvicorn: late headers close the connection)
     KeyGuard           (``admission.py``) 401/403 without a key
     RateLimit          a token bucket per client; an empty one gets a 429 with Retry-After
 
@@ -19,9 +17,11 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from typing import ClassVar
 
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn._types import ASGIReceiveEvent, HTTPRequestEvent
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
@@ -40,8 +40,6 @@ def middleware_stack(server: ServerConfig, keys: Keys) -> list[Middleware]:
     if server.trusted_proxies:  # uvicorn's own is turned off: it trusts 127.0.0.1 by default
         stack.append(Middleware(ProxyHeadersMiddleware,
                                 trusted_hosts=server.trusted_proxies))
-    if server.read_timeout:
-        stack.append(Middleware(BodyDeadline, seconds=server.read_timeout))
     if keys.required:  # an open server has nothing to check: no layer at all
         stack.append(Middleware(KeyGuard, keys=keys))
     if server.rate_limit_per_minute:
@@ -101,46 +99,139 @@ class _HeadWithBody:
         return getattr(self._transport, name)
 
 
-def http_protocol(header_seconds: float) -> type[HttpToolsProtocol]:
-    """uvicorn's HTTP protocol with the router's two changes: each response's head leaves
-    with its body (``_HeadWithBody``), and, when ``header_seconds`` is set, a request's
-    headers must be complete within that many seconds of the connection opening or of
-    the request's first byte, or the connection is closed. uvicorn itself times out only
-    idle connections between requests: one that sends nothing after connecting, or its
-    headers a byte at a time, is held for ever."""
+class _RouterCycle(RequestResponseCycle):
+    """uvicorn's request cycle, whose ``receive`` raises the 408 (``request_timeout``) once
+    the protocol's sweep found the body late (``body_late``): the handler is inside
+    ``read_body`` then, and the app's error handling answers it like any other error."""
+
+    body_late = 0.0  # the read_timeout that passed, once it has
+
+    async def receive(self) -> ASGIReceiveEvent:  # uvicorn 0.54's, with the deadline
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.waiting_for_100_continue = False
+        if not self.disconnected and not self.response_complete:
+            if self.body_late:
+                raise _late(self.body_late)
+            self.flow.resume_reading()
+            await self.message_event.wait()
+            self.message_event.clear()
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        if self.body_late and self.more_body:
+            raise _late(self.body_late)
+        message: HTTPRequestEvent = {"type": "http.request", "body": bytes(self.body),
+                                     "more_body": self.more_body}
+        self.body = bytearray()
+        return message
+
+
+def _late(seconds: float) -> APIError:
+    return APIError(f"the request body did not arrive within {seconds:g} s", status=408,
+                    type="invalid_request_error", code="request_timeout")
+
+
+def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
+    """uvicorn's HTTP protocol with the router's changes:
+
+    - each response's head leaves with its body (``_HeadWithBody``);
+    - when ``read_timeout`` is set, a request's headers must be complete within that many
+      seconds of the connection opening or of the request's first byte, or the connection
+      is closed (uvicorn itself times out only idle connections between requests: one that
+      sends nothing after connecting, or its headers a byte at a time, is held for ever);
+      and its body must be complete within that many seconds of its headers, or the
+      handler reading it gets a 408 (``_RouterCycle``);
+    - these deadlines and the keep-alive timeout between requests are kept by one sweep of
+      the open connections every quarter of the shortest (a second at most), not by timers
+      armed and cancelled for every request: a request only stores the time. A deadline
+      is never early and at most that quarter late.
+    """
 
     class RouterProtocol(HttpToolsProtocol):
-        _deadline: asyncio.TimerHandle | None = None
-
-        def _expired(self) -> None:
-            if not self.transport.is_closing():
-                self.transport.close()
-
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
+        _open: ClassVar[set[RouterProtocol]] = set()
+        _sweep: ClassVar[asyncio.TimerHandle | None] = None
+        _tick: ClassVar[float] = 1.0
+        # Loop times: since when the headers (of the connection's first request, or of
+        # the request whose first byte came) are awaited; since when the body is; since
+        # when the connection has been idle between requests. 0: not waiting.
+        _headers_since = 0.0
+        _body_since = 0.0
+        _idle_since = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if header_seconds:
-                self._deadline = self.loop.call_later(header_seconds, self._expired)
+            cls = type(self)
+            if not cls._open:
+                cls._tick = min((1.0, *(t / 4 for t in (read_timeout, self.timeout_keep_alive)
+                                        if t > 0)))
+            cls._open.add(self)
+            if read_timeout:
+                self._headers_since = self.loop.time()
+            if cls._sweep is None:
+                cls._sweep = self.loop.call_later(cls._tick, cls._sweep_all, self.loop)
+
+        @classmethod
+        def _sweep_all(cls, loop: asyncio.AbstractEventLoop) -> None:
+            now = loop.time()
+            for protocol in list(cls._open):
+                protocol._check(now)
+            cls._sweep = loop.call_later(cls._tick, cls._sweep_all, loop) if cls._open else None
+
+        def _check(self, now: float) -> None:
+            if self.transport.is_closing():
+                return
+            idle = self._idle_since
+            if (idle and now - idle >= self.timeout_keep_alive
+                    or read_timeout and self._headers_since
+                    and now - self._headers_since >= read_timeout):
+                self.transport.close()
+            elif read_timeout and self._body_since and now - self._body_since >= read_timeout:
+                self._body_since = 0.0
+                cycle = self.cycle
+                if cycle is None or cycle.response_started:  # nobody waits for this body
+                    self.transport.close()
+                elif isinstance(cycle, _RouterCycle):
+                    cycle.body_late = read_timeout
+                    cycle.message_event.set()  # a handler reading the body raises the 408
+
+        def data_received(self, data: bytes) -> None:
+            self._idle_since = 0.0
+            super().data_received(data)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             # The first request keeps the connection's deadline.
-            if header_seconds and self._deadline is None:
-                self._deadline = self.loop.call_later(header_seconds, self._expired)
+            if read_timeout and not self._headers_since:
+                self._headers_since = self.loop.time()
 
         def on_headers_complete(self) -> None:
-            self._disarm()
+            if read_timeout:
+                self._headers_since = 0.0
+                self._body_since = self.loop.time()
             super().on_headers_complete()
             cycle = self.cycle  # this request's (uvicorn queues it if one is pipelined)
             if cycle is not None and cycle.transport is self.transport:
+                cycle.__class__ = _RouterCycle
                 cycle.transport = _HeadWithBody(self.transport, cycle, self.loop)  # type: ignore[assignment]
 
+        def on_message_complete(self) -> None:
+            self._body_since = 0.0
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:  # uvicorn 0.54's, with no timer
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self._unset_keepalive_if_required()
+            self.flow.resume_reading()
+            if self.pipeline:
+                cycle, app = self.pipeline.pop()
+                self._start_asgi_task(cycle, app)
+            else:  # the sweep closes the connection after ``timeout_keep_alive`` idle
+                self._idle_since = self.loop.time()
+
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            type(self)._open.discard(self)
             super().connection_lost(exc)
 
     return RouterProtocol
@@ -268,42 +359,3 @@ class ConnectionCap:
             await self.app(scope, receive, send)
         finally:
             self.in_flight -= 1
-
-
-class BodyDeadline:
-    """ASGI middleware: the whole request body must arrive within ``seconds`` of the
-    request's start, or the handler reading it gets a 408 (``request_timeout``) and the
-    connection is closed, so a client trickling its body cannot hold a connection.
-
-    The 408 is raised from ``receive`` as an ``APIError``: the handler is inside
-    ``read_body`` then, and the app's error handler answers it like any other.
-    """
-
-    def __init__(self, app: ASGIApp, seconds: float) -> None:
-        self.app = app
-        self.seconds = seconds
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        deadline = asyncio.get_running_loop().time() + self.seconds
-        body_done = False
-
-        async def timed_receive() -> Message:
-            nonlocal body_done
-            if body_done:  # later reads only wait for a disconnect: no deadline
-                return await receive()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    message = await receive()
-            except TimeoutError:
-                raise APIError(f"the request body did not arrive within {self.seconds:g} s",
-                               status=408, type="invalid_request_error",
-                               code="request_timeout") from None
-            body_done = message["type"] != "http.request" or not message.get("more_body")
-            return message
-
-        # The 408's response closes the connection (``error_response``): the rest of the
-        # body may never come. ``send`` is not wrapped: that would cost every chunk a call.
-        await self.app(scope, timed_receive, send)

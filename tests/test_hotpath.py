@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from starlette.applications import Starlette
@@ -26,6 +27,7 @@ from router.link import WorkerLink
 from shared.config import build_preset
 from shared.protocol import Cancel, Generate, worker_codec
 from tests.conftest import connected_peer, from_router
+from tests.test_limits import serve
 
 ASGIMessage = MutableMapping[str, Any]
 CHAT = b'{"model": "chat-a", "messages": [{"role": "user", "content": "hi"}]}'
@@ -181,26 +183,27 @@ def test_a_bug_is_the_same_500_either_way(hot: bool, tmp_path: Path,
 
 
 def test_a_late_body_is_the_same_408_either_way(tmp_path: Path) -> None:
-    async def run(hot: bool) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        app = make_app(hot, tmp_path, read_timeout=0.05)
-        never = asyncio.get_running_loop().create_future()
-        sent: list[ASGIMessage] = []
+    """The router's HTTP protocol keeps the body deadline (``read_timeout``): a body still
+    missing then is the same 408, closing the connection, on either path, not before the
+    deadline and at most a sweep (a quarter of it) after."""
 
-        async def receive() -> ASGIMessage:
-            await never  # the body never comes
-            return {}
+    async def run(hot: bool) -> tuple[bytes, float, bool]:
+        app = make_app(hot, tmp_path, read_timeout=0.2)
+        start = time.monotonic()
+        transport = await serve(app, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+                                     b"Content-Type: application/json\r\n"
+                                     b"Content-Length: 100\r\n\r\n{", read_timeout=0.2)
+        while not transport.writes and time.monotonic() - start < 5:
+            await asyncio.sleep(0.005)
+        return b"".join(transport.writes), time.monotonic() - start, transport.closed
 
-        async def send(message: ASGIMessage) -> None:
-            sent.append(message)
-
-        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
-                 "root_path": "", "query_string": b"", "headers": [], "state": {},
-                 "client": ("127.0.0.1", 5000)}
-        await app(scope, receive, send)
-        return answer(sent)
-
-    hot, cold = asyncio.run(run(True)), asyncio.run(run(False))
-    assert hot == cold and hot[0] == 408 and (b"connection", b"close") in hot[1]
+    (hot, hot_after, hot_closed), (cold, cold_after, cold_closed) = (
+        asyncio.run(run(True)), asyncio.run(run(False)))
+    assert hot == cold and hot.startswith(b"HTTP/1.1 408"), (hot, cold)
+    head, _, body = hot.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower() and hot_closed and cold_closed
+    assert msgspec.json.decode(body)["error"]["code"] == "request_timeout"
+    assert 0.2 <= hot_after < 0.4 and 0.2 <= cold_after < 0.4, (hot_after, cold_after)
 
 
 Scenario = Callable[[Starlette, WorkerLink, Any], Awaitable[None]]

@@ -22,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.admission import Keys
 from router.limits import (
@@ -395,13 +395,13 @@ class _RecordingTransport(asyncio.Transport):
         pass
 
 
-async def _serve(app: Starlette, request: bytes) -> _RecordingTransport:
+async def serve(app: ASGIApp, request: bytes, read_timeout: float = 5.0) -> _RecordingTransport:
     """Feed ``request`` to the router's HTTP protocol (``http_protocol``) on a recording
     transport; the app runs in this loop from the next turn."""
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
-    config = Config(app, http=http_protocol(5.0), log_level="warning")
+    config = Config(app, http=http_protocol(read_timeout), log_level="warning")
     config.load()
     transport = _RecordingTransport()
     protocol = config.http_protocol_class(config=config, server_state=ServerState(),  # type: ignore[call-arg]
@@ -431,8 +431,8 @@ def test_a_small_response_leaves_in_one_write_and_a_stream_s_head_at_once() -> N
     get = b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n"
 
     async def run() -> tuple[list[bytes], list[bytes], list[bytes]]:
-        one = await _serve(app, get % b"/small")
-        streamed = await _serve(app, get % b"/later")
+        one = await serve(app, get % b"/small")
+        streamed = await serve(app, get % b"/later")
         await asyncio.sleep(0.05)
         head = list(streamed.writes)  # the stream's head has gone, its body not yet
         await asyncio.sleep(0.2)
