@@ -21,9 +21,16 @@ from typing import ClassVar
 
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn._types import ASGIReceiveEvent, HTTPRequestEvent
+from uvicorn._types import ASGIReceiveEvent, ASGISendEvent, HTTPRequestEvent
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from router.admission import OPEN_PATHS, KeyGuard, Keys, presented_key, send_error
 from router.errors import APIError
@@ -55,58 +62,37 @@ def uvicorn_backstop(max_connections: int) -> int:
     return max_connections + max(16, max_connections // 8)
 
 
-class _HeadWithBody:
-    """A response's transport as uvicorn's request cycle sees it: the response head (the
-    status line and headers, uvicorn's first write once the response has started) waits
-    for the body's first write, so a small response leaves in one write and one TCP
-    segment instead of two. The head goes alone at the end of the event-loop turn if no
-    body was written in it (a stream that has nothing to send yet). Once the head is out
-    the cycle gets its transport back: a stream's chunks pay no extra call."""
+_defaults: tuple[object, bytes] = (None, b"")
+"""uvicorn's default headers (``date``, ``server``: a new list each second) as they are
+written, checked once per list instead of once per response."""
 
-    __slots__ = ("_cycle", "_held", "_loop", "_sent_head", "_transport")
 
-    def __init__(self, transport: asyncio.Transport, cycle: RequestResponseCycle,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._cycle = cycle
-        self._loop = loop
-        self._held: bytes | None = None
-        self._sent_head = False
-
-    def write(self, data: bytes) -> None:
-        if self._held is not None:
-            data, self._held = self._held + data, None
-            self._cycle.transport = self._transport  # the rest (a stream's chunks) goes straight
-        elif not self._sent_head and self._cycle.response_started:  # not "100 Continue"
-            self._sent_head = True
-            self._held = data
-            self._loop.call_soon(self._flush)
-            return
-        self._transport.write(data)
-
-    def _flush(self) -> None:
-        if self._held is not None:
-            held, self._held = self._held, None
-            self._cycle.transport = self._transport
-            if not self._transport.is_closing():
-                self._transport.write(held)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._transport, name)
+def _default_block(headers: list[tuple[bytes, bytes]]) -> bytes:
+    global _defaults
+    if _defaults[0] is not headers:
+        for name, value in headers:
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+                raise RuntimeError("Invalid HTTP header.")
+        _defaults = (headers, b"".join(name.lower() + b": " + value + b"\r\n"
+                                       for name, value in headers))
+    return _defaults[1]
 
 
 class _RouterCycle(RequestResponseCycle):
-    """uvicorn's request cycle, whose ``receive`` raises the 408 (``request_timeout``) once
-    the protocol's sweep found the body late (``body_late``): the handler is inside
-    ``read_body`` then, and the app's error handling answers it like any other error."""
+    """uvicorn's request cycle (0.54) with the router's two changes:
+
+    - a response's head (its status line and headers) waits for its body's first write,
+      so a small answer leaves in one write and one TCP segment, not two; a stream's head
+      goes at the end of the event-loop turn if no chunk came in it;
+    - ``receive`` raises the 408 (``request_timeout``) once the protocol's sweep found the
+      body late (``body_late``): the handler is inside ``read_body`` then, and the app's
+      error handling answers it like any other error.
+    """
 
     body_late = 0.0  # the read_timeout that passed, once it has
+    _head: bytes | None = None
 
-    async def receive(self) -> ASGIReceiveEvent:  # uvicorn 0.54's, with the deadline
+    async def receive(self) -> ASGIReceiveEvent:
         if self.waiting_for_100_continue and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             self.waiting_for_100_continue = False
@@ -125,6 +111,90 @@ class _RouterCycle(RequestResponseCycle):
         self.body = bytearray()
         return message
 
+    def _flush_head(self) -> None:
+        head, self._head = self._head, None
+        if head is not None and not self.transport.is_closing():
+            self.transport.write(head)
+
+    async def send(self, message: ASGISendEvent) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        if not self.response_started:
+            if message["type"] != "http.response.start":
+                raise RuntimeError("Expected ASGI message 'http.response.start', but got "
+                                   f"'{message['type']}'.")
+            self.response_started = True
+            self.waiting_for_100_continue = False
+            status_code = message["status"]
+            if self.access_log:
+                self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope),
+                                        self.scope["method"],
+                                        get_path_with_query_string(self.scope),
+                                        self.scope["http_version"], status_code)
+            content = [STATUS_LINE[status_code], _default_block(self.default_headers)]
+            has_connection_close = False
+            for name, value in message.get("headers", ()):
+                if HEADER_RE.search(name):
+                    raise RuntimeError("Invalid HTTP header name.")
+                if HEADER_VALUE_RE.search(value):
+                    raise RuntimeError("Invalid HTTP header value.")
+                name = name.lower()
+                if name == b"content-length" and self.chunked_encoding is None:
+                    self.expected_content_length = int(value.decode())
+                    self.chunked_encoding = False
+                elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                    self.expected_content_length = 0
+                    self.chunked_encoding = True
+                elif name == b"connection" and b"close" in [
+                        token.lower().strip() for token in value.split(b",")]:
+                    self.keep_alive = False
+                    has_connection_close = True
+                content.extend([name, b": ", value, b"\r\n"])
+            if not self.keep_alive and not has_connection_close:
+                content.append(b"connection: close\r\n")
+            if (self.chunked_encoding is None and self.scope["method"] != "HEAD"
+                    and status_code not in (204, 304)):
+                self.chunked_encoding = True
+                content.append(b"transfer-encoding: chunked\r\n")
+            content.append(b"\r\n")
+            self._head = b"".join(content)
+            if self.chunked_encoding or self.scope["method"] == "HEAD" or status_code in (204, 304):
+                asyncio.get_running_loop().call_soon(self._flush_head)  # a body may be far off
+        elif not self.response_complete:
+            if message["type"] != "http.response.body":
+                raise RuntimeError("Expected ASGI message 'http.response.body', but got "
+                                   f"'{message['type']}'.")
+            body = message.get("body", b"")
+            more_body = message.get("more_body", False)
+            head, self._head = self._head or b"", None
+            if self.scope["method"] == "HEAD":
+                self.expected_content_length = 0
+                if head:
+                    self.transport.write(head)
+            elif self.chunked_encoding:
+                chunk = [head, b"%x\r\n" % len(body), body, b"\r\n"] if body else [head]
+                if not more_body:
+                    chunk.append(b"0\r\n\r\n")
+                self.transport.write(b"".join(chunk))
+            else:
+                if len(body) > self.expected_content_length:
+                    raise RuntimeError("Response content longer than Content-Length")
+                self.expected_content_length -= len(body)
+                self.transport.write(head + body if head else body)
+            if not more_body:
+                if self.expected_content_length != 0:
+                    raise RuntimeError("Response content shorter than Content-Length")
+                self.response_complete = True
+                self.message_event.set()
+                if not self.keep_alive:
+                    self.transport.close()
+                self.on_response()
+        else:
+            raise RuntimeError(f"Unexpected ASGI message '{message['type']}' sent, after "
+                               "response already completed.")
+
 
 def _late(seconds: float) -> APIError:
     return APIError(f"the request body did not arrive within {seconds:g} s", status=408,
@@ -134,7 +204,7 @@ def _late(seconds: float) -> APIError:
 def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
     """uvicorn's HTTP protocol with the router's changes:
 
-    - each response's head leaves with its body (``_HeadWithBody``);
+    - each response's head leaves with its body (``_RouterCycle``);
     - when ``read_timeout`` is set, a request's headers must be complete within that many
       seconds of the connection opening or of the request's first byte, or the connection
       is closed (uvicorn itself times out only idle connections between requests: one that
@@ -210,9 +280,8 @@ def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
                 self._body_since = self.loop.time()
             super().on_headers_complete()
             cycle = self.cycle  # this request's (uvicorn queues it if one is pipelined)
-            if cycle is not None and cycle.transport is self.transport:
+            if cycle is not None:
                 cycle.__class__ = _RouterCycle
-                cycle.transport = _HeadWithBody(self.transport, cycle, self.loop)  # type: ignore[assignment]
 
         def on_message_complete(self) -> None:
             self._body_since = 0.0
