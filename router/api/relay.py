@@ -260,15 +260,17 @@ class Relay:
         decode = (usage.completion / (now - usage.first_at)
                   if usage.first_at and now > usage.first_at else 0.0)
         total = (now - usage.started) * 1000
-        log.info("%s model=%s stream=%s status=%d prompt=%d cached=%d completion=%d "
-                 "ttft_ms=%.0f decode_tps=%.1f total_ms=%.0f finish=%s", endpoint, model,
-                 str(streaming).lower(), status, usage.prompt_tokens, usage.cached_tokens,
-                 usage.completion, ttft, decode, total, ",".join(usage.finish) or "-")
+        prompt, cached = usage.prompt_tokens, usage.cached_tokens
+        if log.isEnabledFor(logging.INFO):  # its arguments cost more than the check
+            log.info("%s model=%s stream=%s status=%d prompt=%d cached=%d completion=%d "
+                     "ttft_ms=%.0f decode_tps=%.1f total_ms=%.0f finish=%s", endpoint, model,
+                     "true" if streaming else "false", status, prompt, cached,
+                     usage.completion, ttft, decode, total, ",".join(usage.finish) or "-")
         self.supervisor.events.publish(
             "request", model, endpoint=endpoint, stream=streaming, status=status,
-            prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-            completion_tokens=usage.completion, ttft_ms=round(ttft, 1),
-            decode_tps=round(decode, 1), total_ms=round(total, 1), finish=list(usage.finish) or None)
+            prompt_tokens=prompt, cached_tokens=cached, completion_tokens=usage.completion,
+            ttft_ms=round(ttft, 1), decode_tps=round(decode, 1), total_ms=round(total, 1),
+            finish=list(usage.finish) or None)
 
     async def call(self, endpoint: str, model: str | None, task: str,
                    work: Callable[[WorkerLink], Awaitable[Any]]) -> tuple[ModelEntry, Any]:
