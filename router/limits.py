@@ -8,6 +8,10 @@
 ``middleware_stack`` builds them in that order, outermost first: a refused request costs
 nothing further in, and a stranger without a key never takes a token from a bucket.
 ``/health`` is never capped or limited, so monitoring still sees an overloaded router.
+
+How long a client may take is kept below them, in the router's uvicorn protocol
+(``http_protocol``): headers and body within ``read_timeout`` (a late body is a 408 from
+``_RouterCycle.receive``), and the keep-alive timeout between requests.
 """
 
 from __future__ import annotations
