@@ -172,21 +172,24 @@ class _RouterCycle(RequestResponseCycle):
                                    f"'{message['type']}'.")
             body = message.get("body", b"")
             more_body = message.get("more_body", False)
-            head, self._head = self._head or b"", None
+            head = self._head  # None once out: every chunk of a stream after the first
+            self._head = None
             if self.scope["method"] == "HEAD":
                 self.expected_content_length = 0
-                if head:
-                    self.transport.write(head)
+                data = b""
             elif self.chunked_encoding:
-                chunk = [head, b"%x\r\n" % len(body), body, b"\r\n"] if body else [head]
+                data = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
                 if not more_body:
-                    chunk.append(b"0\r\n\r\n")
-                self.transport.write(b"".join(chunk))
+                    data += b"0\r\n\r\n"
             else:
                 if len(body) > self.expected_content_length:
                     raise RuntimeError("Response content longer than Content-Length")
                 self.expected_content_length -= len(body)
-                self.transport.write(head + body if head else body)
+                data = body
+            if head is not None:
+                data = head + data
+            if data:
+                self.transport.write(data)
             if not more_body:
                 if self.expected_content_length != 0:
                     raise RuntimeError("Response content shorter than Content-Length")
@@ -235,13 +238,12 @@ def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             cls = type(self)
-            if not cls._open:
-                cls._tick = min((1.0, *(t / 4 for t in (read_timeout, self.timeout_keep_alive)
-                                        if t > 0)))
             cls._open.add(self)
             if read_timeout:
                 self._headers_since = self.loop.time()
-            if cls._sweep is None:
+            if cls._sweep is None:  # the first connection (or the first since all closed)
+                cls._tick = min((1.0, *(t / 4 for t in (read_timeout, self.timeout_keep_alive)
+                                        if t > 0)))
                 cls._sweep = self.loop.call_later(cls._tick, cls._sweep_all, self.loop)
 
         @classmethod
