@@ -11,6 +11,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from router.api.responses import shaper as shaper_module
 from router.api.responses.background import BackgroundRuns
 from router.api.responses.schema import (
     CreateResponseRequest,
@@ -130,7 +131,10 @@ def test_stream_events_carry_sequence_numbers_and_items_in_order() -> None:
         "call_id": "call_7", "name": "get_time", "arguments": ""}
 
 
-def test_aggregate_body_equals_the_streamed_final_object() -> None:
+def test_aggregate_body_equals_the_streamed_final_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both objects stamp ``completed_at`` with the clock's second: a second boundary
+    # between the two calls made them differ (seen once in a full unit run).
+    monkeypatch.setattr(shaper_module.time, "time", lambda: 1_800_000_000.5)
     r = request(input="hi", tools=[TOOL])
     gen, _ = create_generate(r, "resp_abc", [])
     streamed = ResponseShaper("resp_abc", echo(r, gen), streaming=True, created_at=1).bind("m")
