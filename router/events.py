@@ -16,6 +16,11 @@ behind loses its oldest events (counted, and told as a ``dropped`` event) instea
 holding the publisher, which is the supervisor or a request's relay. A new subscriber
 first gets the last ``history`` events, so a page that connects sees what just happened.
 Everything runs on the router's event loop; nothing here is thread-safe.
+
+``request`` events come with every request and are mostly read by nobody: ``publish_with``
+keeps such an event's arguments and makes its dict only when someone reads it (a
+subscriber at once, the recent list when it is read). Its ``id`` and ``time`` are taken
+when it is published either way.
 """
 
 from __future__ import annotations
@@ -24,9 +29,13 @@ import asyncio
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Self
 
 Event = dict[str, Any]
+
+Fields = Callable[..., dict[str, Any]]
+"""What makes a ``publish_with`` event's own fields from the arguments it kept."""
 
 
 class Subscription:
@@ -75,7 +84,8 @@ class EventBus:
     """In-process publish/subscribe of events (see the module docstring)."""
 
     def __init__(self, history: int = 200, queue_size: int = 1000) -> None:
-        self.recent: deque[Event] = deque(maxlen=history)
+        # Events, and ``publish_with``'s not made yet: (type, id, time, model, fields, args).
+        self._recent: deque[Event | tuple[Any, ...]] = deque(maxlen=history)
         self.queue_size = queue_size
         self._subscribers: set[Subscription] = set()
         self._ids = itertools.count(1)
@@ -84,14 +94,35 @@ class EventBus:
     def subscribers(self) -> int:
         return len(self._subscribers)
 
+    @property
+    def recent(self) -> list[Event]:
+        """The last ``history`` events, oldest first."""
+        recent = self._recent
+        for i, event in enumerate(recent):
+            if type(event) is tuple:
+                recent[i] = _made(*event)
+        return list(recent)  # type: ignore[arg-type]  # all made now
+
     def publish(self, type: str, model: str | None = None, **fields: Any) -> Event:
         """Make an event and hand it to every subscriber at once; never waits."""
         event: Event = {"type": type, "id": next(self._ids), "time": round(time.time(), 3),
                         "model": model, **fields}
-        self.recent.append(event)
+        self._recent.append(event)
         for sub in self._subscribers:
             sub.offer(event)
         return event
+
+    def publish_with(self, type: str, model: str | None, fields: Fields, *args: Any) -> None:
+        """``publish`` an event whose own fields are ``fields(*args)``, made only when
+        someone reads the event."""
+        pending = (type, next(self._ids), time.time(), model, fields, args)
+        if not self._subscribers:
+            self._recent.append(pending)
+            return
+        event = _made(*pending)
+        self._recent.append(event)
+        for sub in self._subscribers:
+            sub.offer(event)
 
     def subscribe(self, replay: bool = True) -> Subscription:
         """A new subscription, holding the recent events first when ``replay``."""
@@ -104,3 +135,8 @@ class EventBus:
 
     def unsubscribe(self, sub: Subscription) -> None:
         self._subscribers.discard(sub)
+
+
+def _made(type: str, id: int, at: float, model: str | None, fields: Fields,
+          args: tuple[Any, ...]) -> Event:
+    return {"type": type, "id": id, "time": round(at, 3), "model": model, **fields(*args)}

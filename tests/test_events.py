@@ -58,6 +58,38 @@ def test_subscribers_get_events_in_order_and_new_ones_the_recent_first() -> None
     asyncio.run(scenario())
 
 
+def test_an_event_published_with_its_fields_later_reads_the_same_as_one_made_at_once() -> None:
+    """``publish_with`` (every request's event) makes the dict only when someone reads
+    it; its id, time and order are the publish's, and it reads as ``publish`` would."""
+
+    async def scenario() -> None:
+        bus = EventBus(history=3)
+        made: list[int] = []
+
+        def fields(n: int) -> dict[str, Any]:
+            made.append(n)
+            return {"n": n}
+
+        bus.publish("state", "m0", state="ready")
+        before = time.time()
+        bus.publish_with("request", "m1", fields, 1)
+        bus.publish_with("request", "m2", fields, 2)
+        assert made == []  # nobody has read them
+        assert [(e["type"], e["id"], e["model"], e.get("n")) for e in bus.recent] == [
+            ("state", 1, "m0", None), ("request", 2, "m1", 1), ("request", 3, "m2", 2)]
+        assert before - 0.001 <= bus.recent[1]["time"] <= time.time()
+        assert made == [1, 2]  # once each, however often read
+        listening = bus.subscribe(replay=False)
+        bus.publish_with("request", "m3", fields, 3)
+        assert made == [1, 2, 3]  # a subscriber gets it made at once
+        got = await listening.get()
+        assert got is not None and (got["id"], got["n"]) == (4, 3)
+        assert bus.recent[-1] is got
+        listening.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_slow_subscriber_loses_its_oldest_events_and_never_blocks_the_publisher() -> None:
     async def scenario() -> None:
         bus = EventBus(history=10, queue_size=10)

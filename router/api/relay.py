@@ -256,21 +256,17 @@ class Relay:
         (``now``: when it ended, if not now)."""
         now = now or time.perf_counter()
         self.metrics.request(endpoint, model, status, usage, now)
-        ttft = (usage.first_at - usage.started) * 1000 if usage.first_at else 0.0
-        decode = (usage.completion / (now - usage.first_at)
-                  if usage.first_at and now > usage.first_at else 0.0)
-        total = (now - usage.started) * 1000
-        prompt, cached = usage.prompt_tokens, usage.cached_tokens
         if log.isEnabledFor(logging.INFO):  # its arguments cost more than the check
+            ttft, decode, total = _timings(usage, now)
             log.info("%s model=%s stream=%s status=%d prompt=%d cached=%d completion=%d "
                      "ttft_ms=%.0f decode_tps=%.1f total_ms=%.0f finish=%s", endpoint, model,
-                     "true" if streaming else "false", status, prompt, cached,
-                     usage.completion, ttft, decode, total, ",".join(usage.finish) or "-")
-        self.supervisor.events.publish(
-            "request", model, endpoint=endpoint, stream=streaming, status=status,
-            prompt_tokens=prompt, cached_tokens=cached, completion_tokens=usage.completion,
-            ttft_ms=round(ttft, 1), decode_tps=round(decode, 1), total_ms=round(total, 1),
-            finish=list(usage.finish) or None)
+                     "true" if streaming else "false", status, usage.prompt_tokens,
+                     usage.cached_tokens, usage.completion, ttft, decode, total,
+                     ",".join(usage.finish) or "-")
+        # Made only if someone reads it (``EventBus.publish_with``); ``usage`` is not
+        # touched again once its request is logged.
+        self.supervisor.events.publish_with("request", model, _request_event, endpoint,
+                                            streaming, status, usage, now)
 
     async def call(self, endpoint: str, model: str | None, task: str,
                    work: Callable[[WorkerLink], Awaitable[Any]]) -> tuple[ModelEntry, Any]:
@@ -286,6 +282,26 @@ class Relay:
             raise
         finally:
             self._log(endpoint, lease.entry.id, False, status, usage)
+
+
+def _timings(usage: Usage, now: float) -> tuple[float, float, float]:
+    """Time to first token (ms), decode tokens/s and total time (ms) of a request that
+    ended at ``now``."""
+    ttft = (usage.first_at - usage.started) * 1000 if usage.first_at else 0.0
+    decode = (usage.completion / (now - usage.first_at)
+              if usage.first_at and now > usage.first_at else 0.0)
+    return ttft, decode, (now - usage.started) * 1000
+
+
+def _request_event(endpoint: str, streaming: bool, status: int, usage: Usage,
+                   now: float) -> dict[str, Any]:
+    """A ``request`` event's fields: what its log line says."""
+    ttft, decode, total = _timings(usage, now)
+    return {"endpoint": endpoint, "stream": streaming, "status": status,
+            "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
+            "completion_tokens": usage.completion, "ttft_ms": round(ttft, 1),
+            "decode_tps": round(decode, 1), "total_ms": round(total, 1),
+            "finish": list(usage.finish) or None}
 
 
 WATCH_AFTER = 0.05
