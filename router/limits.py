@@ -20,7 +20,7 @@ import asyncio
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import ClassVar
 
 from starlette.middleware import Middleware
@@ -82,6 +82,19 @@ def _default_block(headers: list[tuple[bytes, bytes]]) -> bytes:
     return _defaults[1]
 
 
+_valid_names: set[bytes] = set()
+_valid_values: set[bytes] = set()
+"""Header names and values a response has sent already, so found valid: most responses
+repeat the same few (``content-type: application/json``), and a set lookup costs less than
+uvicorn's regex search of each."""
+
+
+def _remember(valid: set[bytes], item: bytes) -> None:
+    if len(valid) >= 4096:  # bounded: values such as lengths and ids keep coming
+        valid.clear()
+    valid.add(item)
+
+
 class _RouterCycle(RequestResponseCycle):
     """uvicorn's request cycle (0.54) with the router's two changes:
 
@@ -129,78 +142,98 @@ class _RouterCycle(RequestResponseCycle):
             if message["type"] != "http.response.start":
                 raise RuntimeError("Expected ASGI message 'http.response.start', but got "
                                    f"'{message['type']}'.")
-            self.response_started = True
-            self.waiting_for_100_continue = False
-            status_code = message["status"]
-            if self.access_log:
-                self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope),
-                                        self.scope["method"],
-                                        get_path_with_query_string(self.scope),
-                                        self.scope["http_version"], status_code)
-            content = [STATUS_LINE[status_code], _default_block(self.default_headers)]
-            has_connection_close = False
-            for name, value in message.get("headers", ()):
-                if HEADER_RE.search(name):
-                    raise RuntimeError("Invalid HTTP header name.")
-                if HEADER_VALUE_RE.search(value):
-                    raise RuntimeError("Invalid HTTP header value.")
-                name = name.lower()
-                if name == b"content-length" and self.chunked_encoding is None:
-                    self.expected_content_length = int(value.decode())
-                    self.chunked_encoding = False
-                elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                    self.expected_content_length = 0
-                    self.chunked_encoding = True
-                elif name == b"connection" and b"close" in [
-                        token.lower().strip() for token in value.split(b",")]:
-                    self.keep_alive = False
-                    has_connection_close = True
-                content.extend([name, b": ", value, b"\r\n"])
-            if not self.keep_alive and not has_connection_close:
-                content.append(b"connection: close\r\n")
-            if (self.chunked_encoding is None and self.scope["method"] != "HEAD"
-                    and status_code not in (204, 304)):
-                self.chunked_encoding = True
-                content.append(b"transfer-encoding: chunked\r\n")
-            content.append(b"\r\n")
-            self._head = b"".join(content)
-            if self.chunked_encoding or self.scope["method"] == "HEAD" or status_code in (204, 304):
-                asyncio.get_running_loop().call_soon(self._flush_head)  # a body may be far off
+            self._start(message["status"], message.get("headers", ()))
         elif not self.response_complete:
             if message["type"] != "http.response.body":
                 raise RuntimeError("Expected ASGI message 'http.response.body', but got "
                                    f"'{message['type']}'.")
-            body = message.get("body", b"")
-            more_body = message.get("more_body", False)
-            head = self._head  # None once out: every chunk of a stream after the first
-            self._head = None
-            if self.scope["method"] == "HEAD":
-                self.expected_content_length = 0
-                data = b""
-            elif self.chunked_encoding:
-                data = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
-                if not more_body:
-                    data += b"0\r\n\r\n"
-            else:
-                if len(body) > self.expected_content_length:
-                    raise RuntimeError("Response content longer than Content-Length")
-                self.expected_content_length -= len(body)
-                data = body
-            if head is not None:
-                data = head + data
-            if data:
-                self.transport.write(data)
-            if not more_body:
-                if self.expected_content_length != 0:
-                    raise RuntimeError("Response content shorter than Content-Length")
-                self.response_complete = True
-                self.message_event.set()
-                if not self.keep_alive:
-                    self.transport.close()
-                self.on_response()
+            self._body(message.get("body", b""), message.get("more_body", False))
         else:
             raise RuntimeError(f"Unexpected ASGI message '{message['type']}' sent, after "
                                "response already completed.")
+
+    async def respond(self, status: int, headers: Iterable[tuple[bytes, bytes]],
+                      body: bytes | memoryview) -> None:
+        """A whole response, as ``send`` of its start and its only body message would
+        write it, without the two messages (``router.api.hotpath`` answers so)."""
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        if self.response_started:
+            raise RuntimeError("Unexpected response after the response started.")
+        self._start(status, headers)
+        self._body(body if type(body) is bytes else bytes(body), False)
+
+    def _start(self, status_code: int, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        if self.access_log:
+            self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(self.scope),
+                                    self.scope["method"],
+                                    get_path_with_query_string(self.scope),
+                                    self.scope["http_version"], status_code)
+        content = [STATUS_LINE[status_code], _default_block(self.default_headers)]
+        has_connection_close = False
+        for name, value in headers:
+            if name not in _valid_names:
+                if HEADER_RE.search(name):
+                    raise RuntimeError("Invalid HTTP header name.")
+                _remember(_valid_names, name)
+            if value not in _valid_values:
+                if HEADER_VALUE_RE.search(value):
+                    raise RuntimeError("Invalid HTTP header value.")
+                _remember(_valid_values, value)
+            name = name.lower()
+            if name == b"content-length" and self.chunked_encoding is None:
+                self.expected_content_length = int(value.decode())
+                self.chunked_encoding = False
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                self.expected_content_length = 0
+                self.chunked_encoding = True
+            elif name == b"connection" and b"close" in [
+                    token.lower().strip() for token in value.split(b",")]:
+                self.keep_alive = False
+                has_connection_close = True
+            content.extend([name, b": ", value, b"\r\n"])
+        if not self.keep_alive and not has_connection_close:
+            content.append(b"connection: close\r\n")
+        if (self.chunked_encoding is None and self.scope["method"] != "HEAD"
+                and status_code not in (204, 304)):
+            self.chunked_encoding = True
+            content.append(b"transfer-encoding: chunked\r\n")
+        content.append(b"\r\n")
+        self._head = b"".join(content)
+        if self.chunked_encoding or self.scope["method"] == "HEAD" or status_code in (204, 304):
+            asyncio.get_running_loop().call_soon(self._flush_head)  # a body may be far off
+
+    def _body(self, body: bytes, more_body: bool) -> None:
+        head = self._head  # None once out: every chunk of a stream after the first
+        self._head = None
+        if self.scope["method"] == "HEAD":
+            self.expected_content_length = 0
+            data = b""
+        elif self.chunked_encoding:
+            data = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
+            if not more_body:
+                data += b"0\r\n\r\n"
+        else:
+            if len(body) > self.expected_content_length:
+                raise RuntimeError("Response content longer than Content-Length")
+            self.expected_content_length -= len(body)
+            data = body
+        if head is not None:
+            data = head + data
+        if data:
+            self.transport.write(data)
+        if not more_body:
+            if self.expected_content_length != 0:
+                raise RuntimeError("Response content shorter than Content-Length")
+            self.response_complete = True
+            self.message_event.set()
+            if not self.keep_alive:
+                self.transport.close()
+            self.on_response()
 
 
 def _late(seconds: float) -> APIError:

@@ -162,6 +162,47 @@ def test_the_hot_path_answers_as_starlette_does(tmp_path: Path) -> None:
     assert hot_metrics["models"]["-"]["requests"]["chat"]["400"] >= 5
 
 
+def raw_request(path: str, body: bytes | list[bytes], method: str,
+                headers: list[tuple[bytes, bytes]] | None) -> bytes:
+    """``call``'s request as the bytes a client sends (a list: chunked transfer)."""
+    head = [b"%s %s HTTP/1.1" % (method.encode(), path.encode()), b"Host: x"]
+    given = headers if headers is not None else [(b"content-type", b"application/json")]
+    head += [name + b": " + value for name, value in given]
+    if isinstance(body, list):
+        head.append(b"Transfer-Encoding: chunked")
+        payload = b"".join(b"%x\r\n%b\r\n" % (len(c), c) for c in body) + b"0\r\n\r\n"
+    else:
+        if headers is None or not any(n == b"content-length" for n, _ in headers):
+            head.append(b"Content-Length: %d" % len(body))
+        payload = body
+    return b"\r\n".join(head) + b"\r\n\r\n" + payload
+
+
+def test_the_hot_path_writes_the_same_bytes_as_starlette_over_http(tmp_path: Path) -> None:
+    """Through the router's HTTP protocol, where the hot path writes a whole JSON answer
+    with ``_RouterCycle.respond`` instead of two ASGI messages: every case is the same
+    bytes on the wire, and the same connection state (closed or kept)."""
+
+    async def run(hot: bool) -> list[tuple[bytes, bool]]:
+        app = make_app(hot, tmp_path)
+        out = []
+        for path, body, headers, method in CASES:
+            transport = await serve(app, raw_request(path, body, method, headers))
+            for _ in range(200):
+                if transport.writes and b"\r\n\r\n" in b"".join(transport.writes):
+                    break
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.01)  # anything written after the answer, too
+            out.append((b"".join(transport.writes), transport.closed))
+        return out
+
+    hot, cold = asyncio.run(run(True)), asyncio.run(run(False))
+    for case, h, c in zip(CASES, hot, cold, strict=True):
+        assert h == c, case
+    statuses = {int(raw.split(b" ", 2)[1]) for raw, _ in hot}
+    assert statuses == {400, 404, 405, 307, 413, 415}, statuses
+
+
 @pytest.mark.parametrize("hot", [True, False])
 def test_a_bug_is_the_same_500_either_way(hot: bool, tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,8 +25,9 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.api.metrics import endpoint_name
-from router.api.wire import error_response, server_error_handler
+from router.api.wire import JSONResponse, error_response, server_error_handler
 from router.errors import APIError
+from router.limits import _RouterCycle
 from router.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request
 
 HOT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -73,4 +74,9 @@ class HotPath:
             self.metrics.request(endpoint, UNKNOWN_MODEL, response.status_code)
         # Sending starts with the response's first message; a failure after that has
         # nothing left to answer (Starlette's middleware would send no 500 either).
-        await response(scope, receive, send)
+        cycle = getattr(send, "__self__", None)  # uvicorn's, unless a middleware wraps it
+        if (type(response) is JSONResponse and response.background is None
+                and type(cycle) is _RouterCycle):
+            await cycle.respond(response.status_code, response.raw_headers, response.body)
+        else:
+            await response(scope, receive, send)
