@@ -238,6 +238,8 @@ def check_free_json(value: Any, param: str) -> None:
     """Free-form JSON (tool parameters, template kwargs, schemas) crosses the msgpack wire
     too: an integer beyond int64 there is a 400 naming the field, not an encoder error.
     Iterative: the value may nest as deep as the decoder allows."""
+    if value is None:  # the usual case: the field was not given
+        return
     stack = [value]
     while stack:
         item = stack.pop()
