@@ -12,6 +12,8 @@ have done with it; any other request goes on to Starlette.
     protocol_route               an ``APIError`` becomes the path's error response
     MetricsAPI.counted           a refusal the relay did not count is counted (or a 500)
     ServerErrorMiddleware        a bug: logged, a JSON 500 if nothing was sent, re-raised
+    Response.__call__            a JSON answer is written whole (``_RouterCycle.respond``)
+                                 when ``send`` is uvicorn's cycle's own
 
 ``tests/test_hotpath.py`` holds both paths to the same answers, headers and counts.
 """
