@@ -39,6 +39,7 @@ from router.errors import (
     WorkerLost,
 )
 from router.events import EventBus
+from router.idling import Idling
 from router.link import WorkerLink
 from router.placement import Placer
 from router.processes import (
@@ -78,7 +79,7 @@ class _Worker:
         self.watcher: asyncio.Task[None] | None = None
 
 
-class Supervisor(Scheduling):
+class Supervisor(Scheduling, Idling):
     def __init__(self, registry: ModelRegistry, server: ServerConfig, runtime_dir: Path,
                  placer: Placer | None = None, events: EventBus | None = None) -> None:
         self.registry = registry
@@ -141,19 +142,6 @@ class Supervisor(Scheduling):
         preload = {self.registry.resolve(name, use_default=False).id
                    for name in self.server.preload}
         return [e for e in self.registry if e.spec.load_on_startup or e.id in preload]
-
-    def ttl(self, entry: ModelEntry) -> float:
-        return entry.spec.ttl if entry.spec.ttl is not None else self.server.ttl
-
-    def idle_limit(self, entry: ModelEntry) -> float | None:
-        """Seconds idle before the model is stopped (or put to sleep); ``None``: never.
-        A request's ``keep_alive`` overrides the preset's ``ttl``; a pinned model stays."""
-        if entry.spec.pinned:
-            return None
-        if entry.keep_alive is not None:
-            return None if entry.keep_alive < 0 else entry.keep_alive
-        ttl = self.ttl(entry)
-        return ttl if ttl > 0 else None
 
     # -- requests ----------------------------------------------------------------------
     async def acquire(self, name: str | None, task: str = "any") -> tuple[Lease, WorkerLink]:
@@ -485,68 +473,6 @@ class Supervisor(Scheduling):
             entry.link = None
         if entry.pid == worker.handle.pid:
             entry.pid = entry.node = None
-
-    # -- idling ------------------------------------------------------------------------
-    def _idle_expired(self, entry: ModelEntry, now: float) -> bool:
-        limit = self.idle_limit(entry)
-        return (entry.state == "ready" and limit is not None and entry.leases == 0
-                and entry.link is not None and not entry.link.busy
-                and now - entry.last_used >= limit)
-
-    async def _reap_idle(self) -> None:
-        """Stop (or put to sleep) models idle past their ttl; checked every POLL seconds."""
-        while True:
-            await asyncio.sleep(POLL)
-            try:
-                self._reap_idle_once(time.monotonic())
-            except Exception:  # a bug here must not end reaping for good: log, go on
-                log.exception("idle reaper failed; retrying")
-
-    def _reap_idle_once(self, now: float) -> None:
-        for entry in self.registry:
-            # The check and stop()'s first state change run with no await between
-            # them, so a request cannot take a lease in between.
-            if self._idle_expired(entry, now):
-                log.info("model %s: idle for %.1f s; %s", entry.id,
-                         now - entry.last_used, entry.spec.idle_action)
-                if entry.spec.idle_action == "sleep" and entry.spec.device == "cuda":
-                    entry.state = "sleeping"
-                    self._publish_state(entry, "idle")
-                    self._spawn_task(self._sleep(entry))
-                else:
-                    entry.state = "stopping"  # now, not when the task first runs
-                    self._publish_state(entry, "idle")
-                    self._spawn_task(self._finish_stop(entry, self._workers[entry.id]))
-
-    async def _sleep(self, entry: ModelEntry) -> None:
-        link = entry.link
-        if link is None:
-            return
-        try:
-            await link.sleep(1)
-        except APIError as err:
-            log.warning("model %s: sleep failed (%s); stopping instead", entry.id, err.message)
-            await self.stop(entry)
-
-    def _wake(self, entry: ModelEntry) -> asyncio.Task[None]:
-        task = self._wakes.get(entry.id)
-        if task is None:
-            task = asyncio.create_task(self._do_wake(entry))
-            self._wakes[entry.id] = task
-            task.add_done_callback(lambda t: self._wakes.pop(entry.id, None))
-        return task
-
-    async def _do_wake(self, entry: ModelEntry) -> None:
-        link = entry.link
-        if entry.state != "sleeping" or link is None:
-            return
-        try:
-            await link.wake()
-            entry.state, entry.last_used = "ready", time.monotonic()
-            self._publish_state(entry, "woken")
-        except APIError as err:
-            log.warning("model %s: wake failed (%s); restarting", entry.id, err.message)
-            await self.stop(entry)
 
     # -- stopping ----------------------------------------------------------------------
     async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 1.0) -> None:
