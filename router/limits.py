@@ -96,14 +96,17 @@ def _remember(valid: set[bytes], item: bytes) -> None:
 
 
 class _RouterCycle(RequestResponseCycle):
-    """uvicorn's request cycle (0.54) with the router's two changes:
+    """uvicorn's request cycle (0.54) with the router's changes:
 
     - a response's head (its status line and headers) waits for its body's first write,
       so a small answer leaves in one write and one TCP segment, not two; a stream's head
       goes at the end of the event-loop turn if no chunk came in it;
     - ``receive`` raises the 408 (``request_timeout``) once the protocol's sweep found the
       body late (``body_late``): the handler is inside ``read_body`` then, and the app's
-      error handling answers it like any other error.
+      error handling answers it like any other error;
+    - ``respond`` writes a whole response without its two ASGI messages;
+    - uvicorn's header checks run once per default-header list and once per header name
+      or value sent (``_default_block``, ``_remember``), not for every response.
     """
 
     body_late = 0.0  # the read_timeout that passed, once it has
