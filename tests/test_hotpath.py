@@ -19,9 +19,11 @@ import msgspec
 import pytest
 import zmq
 from starlette.applications import Starlette
+from starlette.responses import Response
 
 from router.api.hotpath import HOT_PATHS, HotPath
 from router.api.relay import WATCH_AFTER, Relay
+from router.api.wire import JSONResponse
 from router.app import build_app
 from router.link import WorkerLink
 from shared.config import build_preset
@@ -201,6 +203,19 @@ def test_the_hot_path_writes_the_same_bytes_as_starlette_over_http(tmp_path: Pat
         assert h == c, case
     statuses = {int(raw.split(b" ", 2)[1]) for raw, _ in hot}
     assert statuses == {400, 404, 405, 307, 413, 415}, statuses
+
+
+@pytest.mark.parametrize(("status", "headers", "media"), [
+    (200, None, None), (400, None, None), (503, {"Retry-After": "1"}, None),
+    (204, None, None), (200, None, "application/problem+json")])
+def test_json_response_heads_as_starlette_s(status: int, headers: dict[str, str] | None,
+                                            media: str | None) -> None:
+    """``JSONResponse`` builds its usual two headers itself; every case reads as
+    Starlette's own ``init_headers`` would have made it."""
+    ours = JSONResponse({"a": 1}, status_code=status, headers=headers, media_type=media)
+    theirs = Response(ours.body, status_code=status, headers=headers,
+                      media_type=media or "application/json")
+    assert ours.raw_headers == theirs.raw_headers
 
 
 @pytest.mark.parametrize("hot", [True, False])

@@ -9,7 +9,7 @@ import itertools
 import logging
 import re
 import secrets
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -40,6 +40,15 @@ class JSONResponse(Response):
 
     def render(self, content: Any) -> bytes:
         return _json.encode(content)
+
+    def init_headers(self, headers: Mapping[str, str] | None = None) -> None:
+        if (headers is None and self.media_type == "application/json"
+                and self.status_code >= 200 and self.status_code not in (204, 304)):
+            # the usual answer: Starlette's two headers, without its general case
+            self.raw_headers = [(b"content-length", b"%d" % len(self.body)),
+                                (b"content-type", b"application/json")]
+        else:
+            super().init_headers(headers)
 
 
 def error_response(err: APIError, path: str = "") -> JSONResponse:
