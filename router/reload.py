@@ -1,8 +1,8 @@
 """Hot reload: read the preset file again and apply what changed, without a restart.
 
 Triggers: ``POST /v1/config/reload`` (answers what changed), SIGHUP, and with
-``modelyard serve --watch-config`` a change of the file's content (looked at every
-second). Reloads run one at a time. A file that does not load (unreadable, invalid, an
+``modelyard serve --watch-config`` a change of the content of the file or of a file it
+names (a model's ``chat_template`` file, the ``api_key_file``; looked at every second). Reloads run one at a time. A file that does not load (unreadable, invalid, an
 unset ``${env:…}``, a model past its memory budget) changes nothing: the error names file,
 model and key, and the running configuration stays.
 
@@ -27,7 +27,6 @@ as long as keys stay required (or stay off). Any other key that differs is repor
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import os
@@ -101,6 +100,7 @@ class Reloader:
     def __init__(self, path: str, preset: Preset, supervisor: Supervisor, keys: Keys,
                  overrides: dict[str, Any] | None = None) -> None:
         self.path = path
+        self.watched = watched_files(path, preset)
         self.models: dict[str, ModelSpec] = dict(preset.models)
         self.supervisor = supervisor
         self.keys = keys
@@ -118,6 +118,7 @@ class Reloader:
             try:
                 preset, keys = await asyncio.to_thread(self._read)
                 diff = self._apply(preset, keys)
+                self.watched = watched_files(self.path, preset)
             except ConfigError as err:
                 log.error("config reload (%s) refused; the running config stays: %s",
                           trigger, err)
@@ -218,27 +219,49 @@ class Reloader:
             log.exception("config reload (%s) failed", trigger)
 
     async def _watch(self, interval: float = WATCH_SECONDS) -> None:
-        """Reload when the file's content changes: size and mtime are looked at every
-        ``interval``, the content hashed only when they move (a ``touch`` alone does not
-        reload)."""
-        seen: Fingerprint | None = None
-        with contextlib.suppress(OSError):  # no file yet: any that appears is a change
-            seen = await asyncio.to_thread(fingerprint, self.path, None)
+        """Reload when the content of the preset file, or of a file it names (``watched``:
+        a model's ``chat_template`` file, the ``api_key_file``), changes: size and mtime
+        are looked at every ``interval``, the content hashed only when they move (a
+        ``touch`` alone does not reload)."""
+        seen = await asyncio.to_thread(_look, self.watched, {})
         while True:
             await asyncio.sleep(interval)
-            try:
-                now = await asyncio.to_thread(fingerprint, self.path, seen)
-            except OSError as err:  # being replaced, or gone: look again next time
-                log.debug("config watch: %s: %s", self.path, err)
-                continue
-            if seen is not None and now[2] == seen[2]:
-                seen = now
-                continue
+            now = await asyncio.to_thread(_look, self.watched, seen)
+            changed = []
+            for path, look in now.items():
+                last = seen.get(path, look)  # a file new to the list: its reload read it
+                if look is None:
+                    now[path] = last  # being replaced, or gone: keep what was seen
+                elif last is None or look[2] != last[2]:
+                    changed.append(path)
             seen = now
-            await self._logged("file changed")
+            if changed:
+                await self._logged("file changed" if changed == [self.path] else
+                                   f"changed: {', '.join(changed)}")
 
 
 Fingerprint = tuple[int, int, bytes]
+
+
+def watched_files(path: str, preset: Preset) -> list[str]:
+    """The files a reload of ``path`` reads: the preset, its models' chat templates, the
+    API key file."""
+    key_file = preset.server.api_key_file
+    return [path, *preset.read_files, *([key_file] if key_file else [])]
+
+
+def _look(paths: list[str], seen: dict[str, Fingerprint | None]
+          ) -> dict[str, Fingerprint | None]:
+    """Each path's fingerprint, ``None`` for one that cannot be read (no file yet: any that
+    appears is a change; being replaced, or gone: looked at again next time)."""
+    out: dict[str, Fingerprint | None] = {}
+    for path in paths:
+        try:
+            out[path] = fingerprint(path, seen.get(path))
+        except OSError as err:
+            log.debug("config watch: %s: %s", path, err)
+            out[path] = None
+    return out
 
 
 def fingerprint(path: str, last: Fingerprint | None,

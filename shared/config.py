@@ -245,6 +245,9 @@ class Preset(msgspec.Struct, kw_only=True):
     server: ServerConfig
     models: dict[str, ModelSpec]
     source: str = ""
+    read_files: list[str] = []
+    """The other files the preset's text was read from: its models' ``chat_template``
+    files (``--watch-config`` watches them with the preset file)."""
 
 
 _LIST_KEYS = ("aliases", "gpus", "trusted_proxies", "preload", "api_keys",  # comma-separated
@@ -289,6 +292,7 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
     if not isinstance(models_raw, dict) or not models_raw:
         raise ConfigError(f"{source}: 'models' must name at least one model")
     models: dict[str, ModelSpec] = {}
+    read_files: list[str] = []
     for name, body in models_raw.items():
         name = str(name)
         if not isinstance(body, dict):
@@ -297,16 +301,18 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
         models[name] = _convert(merged, ModelSpec, f"{source}: model '{name}'")
         if models[name].backend is None:
             models[name].backend = server.backend
-        _read_template(models[name], source)
+        template = _read_template(models[name], source)
+        if template is not None and template not in read_files:
+            read_files.append(template)
     _check_names(models, server, source)
-    return Preset(server=server, models=models, source=source)
+    return Preset(server=server, models=models, source=source, read_files=read_files)
 
 
-def _read_template(spec: ModelSpec, source: str) -> None:
-    """A ``chat_template`` that is not Jinja text names a file: read it now."""
+def _read_template(spec: ModelSpec, source: str) -> str | None:
+    """A ``chat_template`` that is not Jinja text names a file: read it now; its path."""
     value = spec.chat_template
     if value is None or "{{" in value or "{%" in value:
-        return
+        return None
     base = Path(source).parent if source and not source.startswith("<") else Path.cwd()
     path = Path(value).expanduser()
     path = path if path.is_absolute() else base / path
@@ -315,6 +321,7 @@ def _read_template(spec: ModelSpec, source: str) -> None:
     except OSError as err:
         raise ConfigError(f"{source}: model '{spec.id}': key 'chat_template': cannot read "
                           f"{path}: {err.strerror}") from None
+    return str(path)
 
 
 def _check_names(models: dict[str, ModelSpec], server: ServerConfig, source: str) -> None:

@@ -147,6 +147,62 @@ def test_a_reload_switches_names_default_keys_and_runtime_keys_at_once(
         rl.supervisor.start_loading(third)  # a request queued before the reload
 
 
+def test_the_watch_sees_the_files_a_preset_names(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--watch-config`` reloads when a model's ``chat_template`` file or the
+    ``api_key_file`` changes, not only the preset file; a touch alone is no change, and a
+    template the last reload named is watched from then on. (Before: the preset file
+    alone was watched, and an edited template waited for a SIGHUP.)"""
+    (tmp_path / "a.jinja").write_text("{{ messages }} a")
+    (tmp_path / "b.jinja").write_text("{{ messages }} b")
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k1\n")
+    path = tmp_path / "p.yaml"
+    preset = ("server: {{port: 9999, api_key_file: {keys}}}\n"
+              "models:\n  m: {{model: /m, chat_template: {template}}}\n")
+    path.write_text(preset.format(keys=keys, template="a.jinja"))
+    rl = reloader_for(path)
+    assert rl.watched == [str(path), str(tmp_path / "a.jinja"), str(keys)]
+    triggers: list[str] = []
+
+    async def logged(trigger: str) -> None:
+        triggers.append(trigger)
+        await rl.reload(trigger)
+
+    monkeypatch.setattr(rl, "_logged", logged)
+
+    async def scenario() -> None:
+        watch = asyncio.create_task(rl._watch(interval=0.02))
+
+        async def after(change: Any) -> list[str]:
+            await asyncio.sleep(0.1)
+            before = len(triggers)
+            change()
+            for _ in range(50):
+                await asyncio.sleep(0.02)
+                if len(triggers) > before:
+                    break
+            await asyncio.sleep(0.1)
+            return triggers[before:]
+
+        assert await after(lambda: os.utime(tmp_path / "a.jinja")) == []  # a touch alone
+        got = await after(lambda: (tmp_path / "a.jinja").write_text("{{ messages }} A!"))
+        assert got == [f"changed: {tmp_path / 'a.jinja'}"]
+        assert rl.models["m"].chat_template == "{{ messages }} A!"
+        got = await after(lambda: keys.write_text("k2\n"))
+        assert got == [f"changed: {keys}"] and rl.keys.user == [b"k2"]
+        got = await after(lambda: path.write_text(preset.format(keys=keys, template="b.jinja")))
+        assert got == ["file changed"] and rl.watched[1] == str(tmp_path / "b.jinja")
+        got = await after(lambda: (tmp_path / "b.jinja").write_text("{{ messages }} B!"))
+        assert got == [f"changed: {tmp_path / 'b.jinja'}"]
+        assert rl.models["m"].chat_template == "{{ messages }} B!"
+        assert await after(lambda: (tmp_path / "a.jinja").write_text("gone from the list")) == []
+        watch.cancel()
+        await asyncio.sleep(0.1)  # the removed model's stop, if any, runs
+
+    asyncio.run(scenario())
+
+
 def test_a_lease_taken_before_a_reload_gives_its_slot_back_to_its_own_semaphore(
         tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
