@@ -160,6 +160,10 @@ class Placer:
         """
         env: dict[str, str] = {}
         if spec.device == "cuda":
+            # GPU numbers are NVML's (``read_gpus``, ``nvml_process_memory``), which go by
+            # PCI bus; CUDA numbers the fastest first unless told otherwise, so on a
+            # machine of mixed GPUs "1" would be another card.
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in (spec.gpus or [0]))
             return env
         if spec.cpu_cores:

@@ -85,7 +85,8 @@ def test_worker_env_for_cpu_and_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert cmd[1:3] == ["-m", "worker"] and "--spare" not in cmd
     assert "--spare" in sup._command(spare=True)
     assert "NCCL_DEBUG" not in " ".join(cmd)  # the spec and its env go over stdin
-    assert sup.registry.entries["gpu-b"].placement == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert sup.registry.entries["gpu-b"].placement == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+                                                       "CUDA_VISIBLE_DEVICES": "2,3"}
 
 
 def test_wait_queue_is_bounded_and_load_timeout_is_503(tmp_path: Path) -> None:

@@ -30,4 +30,5 @@ def test_auto_placement_gives_disjoint_cores_while_free() -> None:
 def test_gpu_placement_sets_visible_devices_and_env() -> None:
     env = Placer(cores={0}).place(ModelSpec(id="g", model="/g", device="cuda", gpus=[2, 3],
                                             env={"NCCL_DEBUG": "WARN"}))
-    assert env == {"CUDA_VISIBLE_DEVICES": "2,3"}  # a model's env is not placement
+    # a model's env is not placement; CUDA numbers the GPUs as NVML does (PCI bus order)
+    assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "2,3"}
