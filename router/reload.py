@@ -2,8 +2,9 @@
 
 Triggers: ``POST /v1/config/reload`` (answers what changed), SIGHUP, and with
 ``modelyard serve --watch-config`` a change of the content of the file or of a file it
-names (a model's ``chat_template`` file, the ``api_key_file``; looked at every second). Reloads run one at a time. A file that does not load (unreadable, invalid, an
-unset ``${env:…}``, a model past its memory budget) changes nothing: the error names file,
+names (a model's ``chat_template`` file, the ``api_key_file``; looked at every second).
+Reloads run one at a time. A file that does not load (unreadable, invalid, an unset
+``${env:…}``, a model past its memory budget) changes nothing: the error names file,
 model and key, and the running configuration stays.
 
 Models, compared by their whole ``ModelSpec``:
