@@ -107,19 +107,19 @@ class EventBus:
         """Make an event and hand it to every subscriber at once; never waits."""
         event: Event = {"type": type, "id": next(self._ids), "time": round(time.time(), 3),
                         "model": model, **fields}
-        self._recent.append(event)
-        for sub in self._subscribers:
-            sub.offer(event)
+        self._deliver(event)
         return event
 
     def publish_with(self, type: str, model: str | None, fields: Fields, *args: Any) -> None:
         """``publish`` an event whose own fields are ``fields(*args)``, made only when
         someone reads the event."""
         pending = (type, next(self._ids), time.time(), model, fields, args)
-        if not self._subscribers:
+        if self._subscribers:
+            self._deliver(_made(*pending))
+        else:
             self._recent.append(pending)
-            return
-        event = _made(*pending)
+
+    def _deliver(self, event: Event) -> None:
         self._recent.append(event)
         for sub in self._subscribers:
             sub.offer(event)
