@@ -11,7 +11,7 @@ nothing further in, and a stranger without a key never takes a token from a buck
 
 How long a client may take is kept below them, in the router's uvicorn protocol
 (``http_protocol``): headers and body within ``read_timeout`` (a late body is a 408 from
-``_RouterCycle.receive``), and the keep-alive timeout between requests.
+``RouterCycle.receive``), and the keep-alive timeout between requests.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _remember(valid: set[bytes], item: bytes) -> None:
     valid.add(item)
 
 
-class _RouterCycle(RequestResponseCycle):
+class RouterCycle(RequestResponseCycle):
     """uvicorn's request cycle (0.54) with the router's changes:
 
     - a response's head (its status line and headers) waits for its body's first write,
@@ -247,13 +247,13 @@ def _late(seconds: float) -> APIError:
 def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
     """uvicorn's HTTP protocol with the router's changes:
 
-    - each response's head leaves with its body (``_RouterCycle``);
+    - each response's head leaves with its body (``RouterCycle``);
     - when ``read_timeout`` is set, a request's headers must be complete within that many
       seconds of the connection opening or of the request's first byte, or the connection
       is closed (uvicorn itself times out only idle connections between requests: one that
       sends nothing after connecting, or its headers a byte at a time, is held for ever);
       and its body must be complete within that many seconds of its headers, or the
-      handler reading it gets a 408 (``_RouterCycle``);
+      handler reading it gets a 408 (``RouterCycle``);
     - these deadlines and the keep-alive timeout between requests are kept by one sweep of
       the open connections every quarter of the shortest (a second at most), not by timers
       armed and cancelled for every request: a request only stores the time. A deadline
@@ -302,7 +302,7 @@ def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
                 cycle = self.cycle
                 if cycle is None or cycle.response_started:  # nobody waits for this body
                     self.transport.close()
-                elif isinstance(cycle, _RouterCycle):
+                elif isinstance(cycle, RouterCycle):
                     cycle.body_late = read_timeout
                     cycle.message_event.set()  # a handler reading the body raises the 408
 
@@ -323,7 +323,7 @@ def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
             super().on_headers_complete()
             cycle = self.cycle  # this request's (uvicorn queues it if one is pipelined)
             if cycle is not None:
-                cycle.__class__ = _RouterCycle
+                cycle.__class__ = RouterCycle
 
         def on_message_complete(self) -> None:
             self._body_since = 0.0

@@ -182,7 +182,7 @@ def raw_request(path: str, body: bytes | list[bytes], method: str,
 
 def test_the_hot_path_writes_the_same_bytes_as_starlette_over_http(tmp_path: Path) -> None:
     """Through the router's HTTP protocol, where the hot path writes a whole JSON answer
-    with ``_RouterCycle.respond`` instead of two ASGI messages: every case is the same
+    with ``RouterCycle.respond`` instead of two ASGI messages: every case is the same
     bytes on the wire, and the same connection state (closed or kept)."""
 
     async def run(hot: bool) -> list[tuple[bytes, bool]]:

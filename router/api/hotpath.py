@@ -12,7 +12,7 @@ have done with it; any other request goes on to Starlette.
     protocol_route               an ``APIError`` becomes the path's error response
     MetricsAPI.counted           a refusal the relay did not count is counted (or a 500)
     ServerErrorMiddleware        a bug: logged, a JSON 500 if nothing was sent, re-raised
-    Response.__call__            a JSON answer is written whole (``_RouterCycle.respond``)
+    Response.__call__            a JSON answer is written whole (``RouterCycle.respond``)
                                  when ``send`` is uvicorn's cycle's own
 
 ``tests/test_hotpath.py`` holds both paths to the same answers, headers and counts.
@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from router.api.metrics import endpoint_name
 from router.api.wire import JSONResponse, error_response, server_error_handler
 from router.errors import APIError
-from router.limits import _RouterCycle
+from router.limits import RouterCycle
 from router.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request
 
 HOT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -78,7 +78,7 @@ class HotPath:
         # nothing left to answer (Starlette's middleware would send no 500 either).
         cycle = getattr(send, "__self__", None)  # uvicorn's, unless a middleware wraps it
         if (type(response) is JSONResponse and response.background is None
-                and type(cycle) is _RouterCycle):
+                and type(cycle) is RouterCycle):
             await cycle.respond(response.status_code, response.raw_headers, response.body)
         else:
             await response(scope, receive, send)
