@@ -92,6 +92,8 @@ class Supervisor(Scheduling, Idling):
         self._workers: dict[str, _Worker] = {}
         self._loads: dict[str, asyncio.Task[WorkerLink]] = {}
         self._wakes: dict[str, asyncio.Task[None]] = {}
+        self._stops: dict[str, asyncio.Task[None]] = {}
+        """Each model's one stop under way (``stopping``)."""
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._removed: set[ModelEntry] = set()
@@ -478,7 +480,31 @@ class Supervisor(Scheduling, Idling):
     async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 1.0) -> None:
         """Stop a model's worker. In-flight requests finish first (up to
         ``drain_timeout``) unless ``force``, which ends them with a 503 at once. Requests
-        that arrive meanwhile wait and start the model again."""
+        that arrive meanwhile wait and start the model again.
+
+        A stop, once begun, is never cancelled by whoever waits for it: it runs as the
+        model's one stop task (``stopping``), which every caller awaits shielded. A caller
+        that comes while one runs waits for that one (its ``force`` is not applied)."""
+        await asyncio.shield(self.stopping(entry, force=force, grace=grace))
+
+    def stopping(self, entry: ModelEntry, *, force: bool = False,
+                 grace: float = 1.0) -> asyncio.Task[None]:
+        """The model's one stop task, begun now if none runs."""
+        task = self._stops.get(entry.id)
+        if task is None or task.done():
+            task = asyncio.create_task(self._stop(entry, force, grace), name=f"stop-{entry.id}")
+            self._stops[entry.id] = task
+            task.add_done_callback(self._stop_done)
+        return task
+
+    def _stop_done(self, task: asyncio.Task[None]) -> None:
+        for model_id, running in list(self._stops.items()):
+            if running is task:
+                del self._stops[model_id]
+        if not task.cancelled() and task.exception() is not None:  # retrieved: logged here
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
+
+    async def _stop(self, entry: ModelEntry, force: bool, grace: float) -> None:
         load = self._loads.get(entry.id)
         if load is not None:  # loading, or still in its backoff or waiting for room
             load.cancel()
@@ -489,10 +515,6 @@ class Supervisor(Scheduling, Idling):
             if entry.state != "failed":
                 entry.state = "unloaded"
                 self._publish_state(entry)
-            return
-        if entry.state == "stopping":
-            while entry.id in self._workers and self._workers[entry.id] is worker:
-                await asyncio.sleep(POLL)  # another stop is under way; wait for it
             return
         entry.state = "stopping"
         self._publish_state(entry)
