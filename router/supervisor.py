@@ -14,6 +14,7 @@ Lifecycle: ``unloaded → loading → ready ⇄ sleeping → stopping → unload
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -308,14 +309,10 @@ class Supervisor(Scheduling, Idling):
             # No await between finding room and claiming it: two loads cannot both fit.
             entry.state, entry.error, entry.exit_code = "loading", None, None
             self._publish_state(entry)
-            locks = self.placer.start_locks(entry.spec)
-            for lock in locks:
-                await lock.acquire()
-            try:
+            async with contextlib.AsyncExitStack() as held:
+                for lock in self.placer.start_locks(entry.spec):
+                    await held.enter_async_context(lock)  # each one held is let go
                 return await self._spawn(entry)
-            finally:
-                for lock in locks:
-                    lock.release()
         except asyncio.CancelledError:
             if entry.state == "loading":
                 entry.state = "unloaded"

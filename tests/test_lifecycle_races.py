@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from router.errors import ModelUnavailable
-from router.placement import Placer
+from router.placement import GIB, GpuMemory, Placer
 from router.registry import ModelEntry, ModelRegistry
 from router.supervisor import Supervisor
 from shared.config import build_preset
@@ -135,5 +135,35 @@ def test_every_caller_of_a_stop_shares_it_and_none_cancels_it(tmp_path: Path) ->
         async with asyncio.timeout(1):
             await second
         assert entry.state == "unloaded" and "m" not in sup._workers
+
+    run(go())
+
+
+# -- defect 2: a multi-GPU load cancelled between its start locks ------------------------
+
+def test_a_load_cancelled_while_waiting_for_its_second_gpu_lock_lets_the_first_go(
+        tmp_path: Path) -> None:
+    """Defect 2: ``_load`` took its start locks one by one before its ``try``, so a load
+    cancelled while it waited for the second kept the first for good: no model could
+    start on that GPU again."""
+    gpus = {g: GpuMemory(g, 80 * GIB, 80 * GIB) for g in (0, 1)}
+    sup = supervisor(tmp_path, {"wide": {"device": "cuda", "gpus": [0, 1]}},
+                     placer=Placer(cores={0}, gpus=gpus, process_memory=lambda pids: {}))
+
+    async def go() -> None:
+        entry = sup.registry.entries["wide"]
+        first, second = sup.placer.start_locks(entry.spec)
+        await second.acquire()  # another worker starts on GPU 1
+        waiter = asyncio.create_task(sup.acquire("wide"))
+        await until(first.locked, 2, "the load holds GPU 0's lock")
+        await sup.stop(entry)  # an unload while it waits for GPU 1's
+        with pytest.raises(ModelUnavailable):
+            await waiter
+        assert not first.locked(), "GPU 0's start lock is held by a load that is gone"
+        second.release()
+        async with asyncio.timeout(2):
+            lease, _ = await sup.acquire("wide")
+        lease.release()
+        assert not first.locked() and not second.locked()
 
     run(go())
