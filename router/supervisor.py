@@ -177,34 +177,33 @@ class Supervisor(Scheduling, Idling):
                              param="model", code="wrong_model_task")
         slots = entry.slots
         if (entry.state == "ready" and entry.link is not None and entry.yield_to is None
-                and (slots is None or not slots.locked())):
+                and (slots is None or slots.try_take())):
             lease = Lease(entry)
-            if slots is not None:
-                slots._value -= 1  # asyncio.Semaphore.acquire's own step when one is free
-                lease.slot = slots
+            lease.slot = slots
             return lease, entry.link
         return entry
 
     async def _take_slot(self, lease: Lease) -> None:
         """One of the model's ``max_concurrent`` slots; wait in its queue for one."""
         entry, slots = lease.entry, lease.entry.slots
-        if slots is None:
+        if slots is None or slots.try_take():
+            lease.slot = slots
             return
-        if slots.locked():
-            if entry.queued >= self.server.max_queue_depth:
-                raise TooManyRequests(f"model '{entry.id}' serves {entry.spec.max_concurrent} "
-                                      f"requests and {entry.queued} more wait; retry later")
-            entry.queued += 1
-            try:
-                await asyncio.wait_for(slots.acquire(), self.server.load_timeout)
-            except TimeoutError:
-                raise ModelUnavailable(f"model '{entry.id}' had no free slot within "
-                                       f"{self.server.load_timeout:g} s") from None
-            finally:
-                entry.queued -= 1
-        else:
-            await slots.acquire()  # free: returns without yielding
-        lease.slot = slots
+        if entry.queued >= self.server.max_queue_depth:
+            raise TooManyRequests(f"model '{entry.id}' serves {entry.spec.max_concurrent} "
+                                  f"requests and {entry.queued} more wait; retry later")
+        entry.queued += 1
+        try:
+            # A cancel (a client gone) always lands here as CancelledError, and ``take``
+            # passes on a slot it was handed meanwhile: nothing is kept by nobody.
+            async with asyncio.timeout(self.server.load_timeout):
+                await slots.take()
+        except TimeoutError:
+            raise ModelUnavailable(f"model '{entry.id}' had no free slot within "
+                                   f"{self.server.load_timeout:g} s") from None
+        finally:
+            entry.queued -= 1
+        lease.slot = slots  # no await since ``take``: the lease gives it back from here
 
     async def ensure_ready(self, entry: ModelEntry) -> WorkerLink:
         """Wait (bounded) until ``entry`` serves: load it, wake it, or find it room."""
@@ -215,21 +214,23 @@ class Supervisor(Scheduling, Idling):
                                   f"'{entry.id}'; retry later")
         entry.queued += 1
         try:
-            if entry.state == "sleeping":
-                await asyncio.wait_for(asyncio.shield(self._wake(entry)),
-                                       self.server.load_timeout)
-                if entry.state == "ready" and entry.link is not None:
-                    return entry.link
-            task = self.start_loading(entry)
-            try:
-                return await asyncio.wait_for(asyncio.shield(task), self.server.load_timeout)
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if task.cancelled() and not (current and current.cancelling()):
-                    # the shared load was cancelled (an unload), not this request
-                    raise ModelUnavailable(f"model '{entry.id}' was unloaded while it was "
-                                           "loading") from None
-                raise
+            # ``asyncio.timeout``, not ``wait_for``: on 3.11 ``wait_for`` returns a result
+            # that arrives in the turn it is cancelled, and the cancel is lost.
+            async with asyncio.timeout(self.server.load_timeout):
+                if entry.state == "sleeping":
+                    await asyncio.shield(self._wake(entry))
+                    if entry.state == "ready" and entry.link is not None:
+                        return entry.link
+                task = self.start_loading(entry)
+                try:
+                    return await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if task.cancelled() and not (current and current.cancelling()):
+                        # the shared load was cancelled (an unload), not this request
+                        raise ModelUnavailable(f"model '{entry.id}' was unloaded while it "
+                                               "was loading") from None
+                    raise
         except TimeoutError:
             raise ModelUnavailable(f"model '{entry.id}' did not become ready within "
                                    f"{self.server.load_timeout:g} s") from None

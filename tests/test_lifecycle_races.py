@@ -17,8 +17,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from starlette.requests import Request
 
-from router.errors import ModelUnavailable
+from router.api.relay import Relay
+from router.api.wire import unless_disconnected
+from router.errors import ClientGone, ModelUnavailable
+from router.link import Usage
 from router.placement import GIB, GpuMemory, Placer
 from router.registry import ModelEntry, ModelRegistry
 from router.supervisor import Supervisor
@@ -165,5 +169,130 @@ def test_a_load_cancelled_while_waiting_for_its_second_gpu_lock_lets_the_first_g
             lease, _ = await sup.acquire("wide")
         lease.release()
         assert not first.locked() and not second.locked()
+
+    run(go())
+
+
+# -- defect 3: a client that leaves in the turn its slot frees ---------------------------
+
+def leaving_request() -> tuple[Request, asyncio.Event]:
+    """A request whose client leaves when the returned event is set."""
+    gone = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    return Request({"type": "http", "method": "POST", "path": "/", "headers": []},
+                   receive), gone
+
+
+ORDERS = [("free", k) for k in range(4)] + [("leave", k) for k in range(4)]
+"""Which happens first, the slot freeing or the client leaving, and how many loop turns
+later the other: every interleaving of the two within a few turns."""
+
+
+async def settle() -> None:
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+def assert_nothing_held(sup: Supervisor, entry: ModelEntry) -> None:
+    assert (entry.leases, entry.queued) == (0, 0), f"{entry.leases} leases, {entry.queued} queued"
+    now = sup.acquire_now(entry.id)
+    assert isinstance(now, tuple), "the model's only slot is held by nobody"
+    now[0].release()
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_client_leaving_as_its_slot_frees_leaks_no_lease_or_slot(
+        tmp_path: Path, order: tuple[str, int]) -> None:
+    """Defect 3: ``unless_disconnected`` cancelled the waiting ``acquire`` without
+    awaiting it, and ``wait_for`` (Python 3.11) returns a result whose cancel lands in the
+    same turn: the lease and the only ``max_concurrent`` slot were kept by nobody, and the
+    model never served again."""
+    sup = supervisor(tmp_path, {"m": {"max_concurrent": 1}})
+    first, turns = order
+
+    async def go() -> None:
+        entry = sup.registry.entries["m"]
+        held, _ = await sup.acquire("m")
+        request, gone = leaving_request()
+        waiter = asyncio.create_task(unless_disconnected(request, sup.acquire("m")))
+        await until(lambda: entry.queued == 1, 1, "the second request waits for a slot")
+        (held.release if first == "free" else gone.set)()
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        (gone.set if first == "free" else held.release)()
+        try:
+            lease, _ = await waiter  # it may have got in first: then it is its to release
+            lease.release()
+        except ClientGone:
+            pass
+        await settle()
+        assert_nothing_held(sup, entry)
+        async with asyncio.timeout(1):  # the model still serves
+            lease, _ = await sup.acquire("m")
+        lease.release()
+
+    run(go())
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_a_cold_stream_left_as_its_slot_frees_leaks_no_lease_or_slot(
+        tmp_path: Path, order: tuple[str, int]) -> None:
+    """Defect 3: the relay's ``_cold_stream`` (a stream that begins before its model
+    serves) cancelled its ``acquire`` without awaiting it when the client left, and
+    released only a lease that had already arrived: one arriving in the same turn leaked
+    with its slot."""
+    sup = supervisor(tmp_path, {"m": {"max_concurrent": 1}})
+    relay = Relay(sup)
+    first, turns = order
+
+    async def go() -> None:
+        entry = sup.registry.entries["m"]
+        held, _ = await sup.acquire("m")
+        body = relay._cold_stream("m", "m", [], None, b": ping\n\n", Usage(),  # type: ignore[arg-type]
+                                  "/v1/messages", None)
+        assert await body.__anext__() == b": ping\n\n"
+        await until(lambda: entry.queued == 1, 1, "the stream waits for a slot")
+        if first == "free":
+            held.release()
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            await body.aclose()  # the client left
+        else:
+            closing = asyncio.create_task(body.aclose())
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            held.release()
+            await closing
+        await settle()
+        assert_nothing_held(sup, entry)
+
+    run(go())
+
+
+def test_slots_go_in_line_and_a_cancelled_waiter_passes_its_slot_on() -> None:
+    """Defect 3: the ``asyncio.Semaphore`` was taken by ``_value -= 1`` (a private
+    attribute); ``Slots`` is first come, first served and loses no slot to a cancel."""
+    from router.registry import Slots  # (new with the fix)
+
+    async def go() -> None:
+        slots = Slots(1)
+        assert slots.try_take() and not slots.try_take()
+        a = asyncio.create_task(slots.take())
+        b = asyncio.create_task(slots.take())
+        await settle()
+        assert slots.waiting == 2 and slots.free == 0
+        slots.give()  # handed to ``a``, which is cancelled before it runs
+        a.cancel()
+        assert not slots.try_take()  # a newcomer does not pass the line
+        await asyncio.wait({a})
+        async with asyncio.timeout(1):
+            await b  # ``a``'s slot went on to ``b``
+        assert slots.free == 0 and slots.waiting == 0
+        slots.give()
+        assert slots.free == 1 and slots.try_take()
 
     run(go())
