@@ -10,6 +10,7 @@ stays as a guard and says so.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -17,16 +18,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import zmq
 from starlette.requests import Request
 
 from router.api.relay import Relay
 from router.api.wire import unless_disconnected
 from router.errors import ClientGone, ModelUnavailable
-from router.link import Usage
+from router.link import Usage, WorkerLink
 from router.placement import GIB, GpuMemory, Placer
 from router.registry import ModelEntry, ModelRegistry
 from router.supervisor import Supervisor
 from shared.config import build_preset
+from tests.conftest import connected_peer
 
 
 class FakeLink:
@@ -294,5 +297,37 @@ def test_slots_go_in_line_and_a_cancelled_waiter_passes_its_slot_on() -> None:
         assert slots.free == 0 and slots.waiting == 0
         slots.give()
         assert slots.free == 1 and slots.try_take()
+
+    run(go())
+
+
+# -- defect 4: a port scan of a tcp:// link ----------------------------------------------
+
+def test_a_stranger_connecting_to_a_tcp_link_does_not_make_its_worker_lost() -> None:
+    """Defect 4: every ZeroMQ ``EVENT_DISCONNECTED`` of a tcp:// link (Ray workers)
+    counted as the worker's loss, and libzmq emits one for every failed handshake: any
+    TCP connection to the link's port (a port scan) failed a healthy worker's streams."""
+
+    async def go() -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        link = WorkerLink(ctx, "tcp://127.0.0.1:*", "remote")
+        peer = await connected_peer(ctx, link, link.endpoint)
+        try:
+            port = int(link.endpoint.rsplit(":", 1)[1])
+            for payload in (b"", b"GET / HTTP/1.0\r\n\r\n", b"\xff" + b"\0" * 8 + b"\x7f"):
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as stranger:
+                    if payload:
+                        stranger.sendall(payload)
+                    await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # every stranger's handshake failed and was reported
+            assert link.disconnected is not None
+            assert not link.disconnected.done(), "a stranger's connection lost the worker"
+            peer.close(0)  # the worker's own connection drops: that is a loss
+            async with asyncio.timeout(5):
+                await asyncio.shield(link.disconnected)
+        finally:
+            link.close()
+            peer.close(0)
+            ctx.destroy(linger=0)
 
     run(go())
