@@ -331,3 +331,46 @@ def test_a_stranger_connecting_to_a_tcp_link_does_not_make_its_worker_lost() -> 
             ctx.destroy(linger=0)
 
     run(go())
+
+
+# -- defect 5 (suspected) ----------------------------------------------------------------
+
+def test_two_loads_cannot_both_take_the_last_room_across_a_gpu_reading(
+        tmp_path: Path) -> None:
+    """Defect 5a (confirmed): ``_make_room`` listed the loaded models and checked the line
+    before awaiting the sleeping models' GPU reading (a thread), then judged ``fits`` with
+    that list: a load that claimed room meanwhile was not counted, and two loads took
+    the last room together."""
+
+    def slow_reading(pids: set[int]) -> dict[int, float]:
+        time.sleep(0.2)  # NVML, under load
+        return {}
+
+    gpus = {0: GpuMemory(0, 80 * GIB, 80 * GIB)}
+    sup = supervisor(tmp_path, {"asleep": {"device": "cuda", "pinned": True},
+                                "a": {}, "b": {"priority": 5}},
+                     placer=Placer(cores={0}, gpus=gpus, process_memory=slow_reading),
+                     max_loaded_models=2, load_timeout=1.5)
+
+    async def go() -> None:
+        asleep = sup.registry.entries["asleep"]
+        lease, _ = await sup.acquire("asleep")
+        lease.release()
+        asleep.state = "sleeping"  # its idle sleep
+        a = asyncio.create_task(sup.acquire("a"))
+        await asyncio.sleep(0.05)  # a reads the GPUs ...
+        b = asyncio.create_task(sup.acquire("b"))  # ... and b, first in line, too
+        most = 0
+        for _ in range(100):
+            most = max(most, sum(e.state in ("loading", "ready", "sleeping", "stopping")
+                                 for e in sup.registry))
+            await asyncio.sleep(0.01)
+        for task in (a, b):
+            task.cancel()
+        got = await asyncio.gather(a, b, return_exceptions=True)
+        for result in got:
+            if isinstance(result, tuple):
+                result[0].release()
+        assert most <= 2, f"{most} models held room where max_loaded_models is 2"
+
+    run(go())
