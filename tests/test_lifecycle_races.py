@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import psutil
 import pytest
 import zmq
 from starlette.requests import Request
@@ -372,5 +374,36 @@ def test_two_loads_cannot_both_take_the_last_room_across_a_gpu_reading(
             if isinstance(result, tuple):
                 result[0].release()
         assert most <= 2, f"{most} models held room where max_loaded_models is 2"
+
+    run(go())
+
+
+def test_a_worker_whose_boot_cannot_be_written_is_not_left_running(tmp_path: Path) -> None:
+    """Defect 5b (confirmed): ``LocalBackend.spawn`` started the process (or took a
+    spare), then ``boot_for`` raised: the process, blocked on its stdin, was left running
+    with nobody to stop it."""
+    from router.backends.local import LocalBackend
+    from router.spares import SparePool
+
+    preset = build_preset({"server": {"spare_workers": 0},
+                           "models": {"m": {"model": "/m", "engine": "synthetic"}}})
+    registry = ModelRegistry(preset)
+    command = [sys.executable, "-c", "import sys, time; sys.stdin.read(); time.sleep(60)"]
+
+    def boot_for(log_path: str) -> bytes:
+        raise ValueError("no boot for you")
+
+    async def go() -> None:
+        spares = SparePool(0, registry, tmp_path, command, dict, lambda coro: None)
+        backend = LocalBackend(spares, lambda: command, dict)
+        before = {p.pid for p in psutil.Process().children()}
+        with pytest.raises(ValueError):
+            await backend.spawn(registry.entries["m"], boot_for, tmp_path / "m.log", {})
+        born = [p for p in psutil.Process().children() if p.pid not in before]
+        await asyncio.sleep(0.2)
+        alive = [p for p in born if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for p in alive:
+            p.kill()
+        assert not alive, f"worker process {[p.pid for p in alive]} left running"
 
     run(go())
