@@ -407,3 +407,35 @@ def test_a_worker_whose_boot_cannot_be_written_is_not_left_running(tmp_path: Pat
         assert not alive, f"worker process {[p.pid for p in alive]} left running"
 
     run(go())
+
+
+def test_background_responses_count_against_max_connections(tmp_path: Path) -> None:
+    """Defect 5d (suspected, confirmed): a background response ran after its create
+    request's handler returned, outside ``max_connections``: any number of them could
+    run at once. Each now counts until it ends (the load here never finishes)."""
+    from starlette.testclient import TestClient
+
+    from router.app import build_app
+
+    preset = build_preset({"server": {"max_connections": 2, "spare_workers": 0,
+                                      "runtime_dir": str(tmp_path / "run")},
+                           "models": {"m": {"model": "/m"}}})
+    app = build_app(preset)
+
+    async def never_ready(entry: ModelEntry) -> Any:
+        await asyncio.sleep(3600)
+
+    app.state.supervisor._spawn = never_ready
+    body = {"model": "m", "input": "hi", "background": True}
+    with TestClient(app) as client:
+        first = client.post("/v1/responses", json=body)
+        assert first.status_code == 200 and first.json()["status"] == "queued", first.text
+        assert client.get("/v1/models").status_code == 200  # the run and this one: 2
+        second = client.post("/v1/responses", json=body)
+        assert second.status_code == 503, "a second background run past max_connections"
+        assert second.json()["error"]["code"] == "server_overloaded"
+        rid = first.json()["id"]
+        assert client.post(f"/v1/responses/{rid}/cancel").status_code == 200
+        again = client.post("/v1/responses", json=body)
+        assert again.status_code == 200, again.text  # the cancelled run counts no more
+        client.post(f"/v1/responses/{again.json()['id']}/cancel")
