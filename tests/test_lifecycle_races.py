@@ -439,3 +439,48 @@ def test_background_responses_count_against_max_connections(tmp_path: Path) -> N
         again = client.post("/v1/responses", json=body)
         assert again.status_code == 200, again.text  # the cancelled run counts no more
         client.post(f"/v1/responses/{again.json()['id']}/cancel")
+
+
+def test_log_followers_leave_the_default_executor_to_the_supervisor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect 5e (suspected, confirmed when reads are slow): every log follower read its
+    log in the default executor every 0.2 s, so followers of a log on a slow disk took
+    all its threads, and the supervisor's reap (``asyncio.to_thread``) waited behind
+    them. Log reads now have threads of their own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from router.api.events import EventsAPI, LogFollower
+    from router.events import EventBus
+
+    def slow_read(self: LogFollower) -> list[str]:
+        time.sleep(0.3)  # a log on a busy or network disk
+        return []
+
+    monkeypatch.setattr(LogFollower, "read", slow_read)
+    sup = supervisor(tmp_path, {"m": {}})
+    api = EventsAPI(sup, EventBus())
+    api.log_poll = 0.01
+    sup.log_path(sup.registry.entries["m"]).write_text("starting\n")
+
+    async def follow() -> None:
+        async for _ in api._log_stream("m", [], LogFollower(
+                sup.log_path(sup.registry.entries["m"]), 0, 0)):
+            pass
+
+    async def go() -> None:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(4))
+        followers = [asyncio.create_task(follow()) for _ in range(8)]
+        await asyncio.sleep(0.2)  # every follower is reading
+        slowest = 0.0
+        for _ in range(5):
+            began = time.monotonic()
+            await asyncio.to_thread(lambda: None)  # what ``_reap`` waits for
+            slowest = max(slowest, time.monotonic() - began)
+            await asyncio.sleep(0.05)
+        for task in followers:
+            task.cancel()
+        await asyncio.wait(followers)
+        assert slowest < 0.1, f"a thread for the supervisor took {slowest:.2f} s"
+        api.close()
+
+    run(go())
