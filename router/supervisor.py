@@ -384,6 +384,8 @@ class Supervisor(Scheduling, Idling):
             handle.note_children()
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
             self._spawn_task(self._log_ready(entry, worker, offset))
+            if isinstance(handle, LocalHandle):
+                self.spares.worker_ready()  # this host can start workers (again)
             self.spares.replenish()  # the spare's place, now the start no longer needs the CPU
             return link
         ready.cancel()

@@ -78,10 +78,12 @@ def run(coro: Awaitable[None]) -> None:
 
 
 async def until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.005)
-    del what  # named for the reader of a failure's traceback
+    try:
+        async with asyncio.timeout(timeout):
+            while not check():
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {timeout} s") from None
 
 
 def idle(entry: ModelEntry) -> None:
@@ -482,5 +484,66 @@ def test_log_followers_leave_the_default_executor_to_the_supervisor(
         await asyncio.wait(followers)
         assert slowest < 0.1, f"a thread for the supervisor took {slowest:.2f} s"
         api.close()
+
+    run(go())
+
+
+SPARE = """
+import os, sys, time
+count, fd = sys.argv[1], int(sys.argv[sys.argv.index("--ready-fd") + 1])
+n = len(open(count).read()) if os.path.exists(count) else 0
+open(count, "a").write("x")  # one byte a start: never read half-written
+if n == 2:  # the third comes up ready and waits for its model
+    os.write(fd, b"1")
+    sys.stdin.read()
+    time.sleep(60)
+sys.exit(3)
+"""
+
+
+def test_spares_start_again_after_one_came_up_ready(tmp_path: Path) -> None:
+    """Defect 5c (suspected, confirmed): ``SparePool`` counted spares that died unused
+    and never forgot them, so three deaths over the router's whole life (a full disk
+    once, an OOM kill later) stopped spares for good. A spare that comes up ready, or a
+    worker of this host that becomes ready, now starts the count again."""
+    import os
+
+    from router.spares import SparePool
+
+    preset = build_preset({"server": {"spare_workers": 1}, "models": {"m": {"model": "/m"}}})
+    registry = ModelRegistry(preset)
+    count = tmp_path / "count"
+    tasks: set[asyncio.Task[None]] = set()
+
+    def spawn_task(coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def started() -> int:
+        return len(count.read_text()) if count.exists() else 0
+
+    async def go() -> None:
+        pool = SparePool(1, registry, tmp_path, [sys.executable, "-c", SPARE, str(count)],
+                         lambda: dict(os.environ), spawn_task)
+        try:
+            pool.replenish()  # two die, the third comes up ready
+            await until(lambda: started() == 3 and bool(pool._spares)
+                        and pool._spares[0].poll_ready(), 10, "a spare is ready")
+            spare = await pool.take(registry.entries["m"])
+            assert spare is not None and spare.ready
+            spare.proc.kill()
+            await spare.proc.wait()
+            pool.replenish()  # its place: these die again
+            await until(lambda: started() >= 6 and not tasks, 10,
+                        "three more spares are tried after the ready one")
+            await asyncio.sleep(0.3)
+            assert started() == 6 and not pool._spares  # then it stops, as before
+            pool.worker_ready()  # a worker started on this host
+            pool.replenish()
+            await until(lambda: started() == 7, 10, "spares are tried again")
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     run(go())
