@@ -1,10 +1,10 @@
 """Lifecycle races found by review, each caught here without vLLM or a real worker.
 
-The supervisor's process work is replaced by stand-ins (a load is ``ready`` at once, a
-stop takes a set time), as in ``test_scheduling``; the link test uses a real ZeroMQ
-socket and a real TCP connection on 127.0.0.1. Each test names the defect whose old
-behaviour (at 651c79a) it catches; a test of a suspected defect that proved unfounded
-stays as a guard and says so.
+The supervisor's process work is replaced by stand-ins (a load is ``ready`` 10 ms after
+it has room, a stop takes a set time), as in ``test_scheduling``; the link test uses a
+real ZeroMQ socket and real TCP connections on 127.0.0.1, and the backend and spare
+tests start small ``python -c`` processes. Each test names the defect whose old
+behaviour (at 651c79a) it catches, and every one of them failed there.
 """
 
 from __future__ import annotations
