@@ -547,3 +547,44 @@ def test_spares_start_again_after_one_came_up_ready(tmp_path: Path) -> None:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     run(go())
+
+
+def test_a_wake_sent_while_the_worker_still_falls_asleep_leaves_it_awake(
+        tmp_path: Path) -> None:
+    """The worker's Sleep/Wake race (suspected, confirmed): the worker ran each Sleep and
+    Wake as its own task at once, so a Wake that came while a Sleep still ran (a request
+    just after the idle sleep began) finished first, the Sleep after it, and the engine
+    stayed asleep while the router counted it ready. They now run in the order sent."""
+    from shared.protocol import Sleep, Wake
+    from worker.server import WorkerServer
+
+    class Engine:
+        awake = True
+
+        async def sleep(self, level: int) -> None:
+            await asyncio.sleep(0.2)  # vLLM offloads the weights
+            self.awake = False
+
+        async def wake(self) -> None:
+            await asyncio.sleep(0.01)
+            self.awake = True
+
+        def in_flight(self) -> int:
+            return 0
+
+    async def go() -> None:
+        server = WorkerServer(f"ipc://{tmp_path}/w.sock", "m", zmq.curve_keypair()[0].decode())
+        engine = Engine()
+        replies: list[object] = []
+        server._engine = engine  # type: ignore[assignment]
+        server._send = replies.append  # type: ignore[method-assign]
+        try:
+            server._handle(Sleep(id="s", level=1))
+            server._handle(Wake(id="w"))
+            await until(lambda: len(replies) == 2, 2, "both are answered")
+            assert [getattr(r, "id", None) for r in replies] == ["s", "w"]
+            assert engine.awake, "the engine is asleep after its Wake was answered"
+        finally:
+            server._ctx.destroy(linger=0)
+
+    run(go())
