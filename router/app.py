@@ -115,6 +115,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
             yield
         finally:
             reloader.close()
+            watch.close()
             await responses.background.cancel_all()
             await supervisor.stop_all()
             if own_runtime_dir:

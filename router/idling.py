@@ -44,8 +44,8 @@ class Idling:
     async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 1.0) -> None:
         raise NotImplementedError  # Supervisor's
 
-    async def _finish_stop(self, entry: ModelEntry, worker: _Worker, force: bool = False,
-                           grace: float = 1.0) -> None:
+    def stopping(self, entry: ModelEntry, *, force: bool = False,
+                 grace: float = 1.0) -> asyncio.Task[None]:
         raise NotImplementedError  # Supervisor's
 
     def ttl(self, entry: ModelEntry) -> float:
@@ -90,7 +90,7 @@ class Idling:
                 else:
                     entry.state = "stopping"  # now, not when the task first runs
                     self._publish_state(entry, "idle")
-                    self._spawn_task(self._finish_stop(entry, self._workers[entry.id]))
+                    self.stopping(entry)  # the model's one stop: a later unload waits for it
 
     async def _sleep(self, entry: ModelEntry) -> None:
         link = entry.link

@@ -445,26 +445,45 @@ def _address(scope: Scope) -> str:
     return str(client[0]) if client else ""  # no peer address: a unix socket, one client
 
 
+CAP_SCOPE_KEY = "modelyard.connection_cap"
+"""Where a request's scope carries the ``ConnectionCap`` that counts it."""
+
+
 class ConnectionCap:
     """ASGI middleware: at most ``max_connections`` requests in flight (``/health`` aside);
     more get a 503 (``server_overloaded``) with ``Retry-After`` at once. A request counts
-    until its handler returns, which for a stream is after its last byte."""
+    until its handler returns, which for a stream is after its last byte; work a handler
+    leaves running (a background response) counts while it runs (``hold``)."""
 
     def __init__(self, app: ASGIApp, max_connections: int) -> None:
         self.app = app
         self.max_connections = max_connections
         self.in_flight = 0
 
+    def overloaded(self) -> APIError:
+        return APIError(f"the server is serving its maximum of {self.max_connections} "
+                        "requests; retry shortly", status=503, type="server_error",
+                        code="server_overloaded")
+
+    def hold(self) -> None:
+        """Count one more request in flight, one that outlives its handler, until
+        ``let_go``; ``APIError`` (503) if the cap is reached (the caller's own request
+        counts too)."""
+        if self.in_flight >= self.max_connections:
+            raise self.overloaded()
+        self.in_flight += 1
+
+    def let_go(self) -> None:
+        self.in_flight -= 1
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         if self.in_flight >= self.max_connections:
-            await send_error(send, APIError(
-                f"the server is serving its maximum of {self.max_connections} requests; "
-                "retry shortly", status=503, type="server_error", code="server_overloaded"),
-                scope["path"], [(b"retry-after", b"1")])
+            await send_error(send, self.overloaded(), scope["path"], [(b"retry-after", b"1")])
             return
+        scope[CAP_SCOPE_KEY] = self
         self.in_flight += 1
         try:
             await self.app(scope, receive, send)

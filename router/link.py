@@ -49,6 +49,10 @@ BUFFERED_PER_CHOICE = 64
 no faster than that has its generation cancelled, so it cannot grow the router's memory."""
 
 
+_WATCHED = zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+"""The monitor events that tell the worker's connection from a stranger's."""
+
+
 def _api_error(err: Error) -> APIError:
     return APIError(err.message, param=err.param, code=err.code, status=err.status,
                     type=err.type)
@@ -200,6 +204,9 @@ class WorkerLink:
         """TCP only: done when the connected worker's link drops (a closed connection, or
         no heartbeat for ``HEARTBEAT_TIMEOUT_MS``: a node that died sends nothing)."""
         self._monitor: zmq.Socket[bytes] | None = None
+        self._accepted: set[int] = set()  # connections (fds) with no handshake seen yet
+        self._peers: set[int] = set()
+        """Live connections that may have completed the CURVE handshake: the worker's."""
         if endpoint.startswith("tcp://"):
             self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
             self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
@@ -208,7 +215,7 @@ class WorkerLink:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if endpoint.startswith("tcp://"):
             self.disconnected = asyncio.get_running_loop().create_future()
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = self._sock.get_monitor_socket(_WATCHED)
             self._monitor_fd = cast(int, self._monitor.getsockopt(zmq.FD))
             asyncio.get_running_loop().add_reader(self._monitor_fd, self._read_monitor)
             self._read_monitor()  # arms the edge-triggered fd
@@ -227,15 +234,34 @@ class WorkerLink:
         """Generations this worker finished: proof it was healthy (resets crash backoff)."""
 
     def _read_monitor(self) -> None:
-        """Drain the socket monitor's events (edge-triggered, like every ZeroMQ fd)."""
+        """Drain the socket monitor's events (edge-triggered, like every ZeroMQ fd).
+
+        Only the loss of the worker's own connection (one that completed the CURVE
+        handshake) means the worker is gone. Anyone may open a TCP connection to the
+        port (a port scan, a health probe), and ZeroMQ reports its end as a disconnect
+        too. Its events name the connection (its fd) on accept and disconnect but not
+        on handshake, so a handshake marks every connection accepted and not yet
+        resolved as possibly the worker's: a stranger's that happened to be open then
+        only delays the worker's loss until the stranger's own end.
+        """
         assert self._monitor is not None and self.disconnected is not None
         while True:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED and not self.disconnected.done():
-                self.disconnected.set_result(None)
+            kind, fd = event["event"], event["value"]
+            if kind == zmq.EVENT_ACCEPTED:
+                self._accepted.add(fd)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._peers |= self._accepted
+                self._accepted.clear()
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._accepted.discard(fd)  # a stranger's, or one that never spoke
+                if fd in self._peers:
+                    self._peers.discard(fd)
+                    if not self._peers and not self.disconnected.done():
+                        self.disconnected.set_result(None)
 
     async def wait_ready(self) -> Ready:
         return await asyncio.shield(self._ready)

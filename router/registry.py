@@ -9,6 +9,7 @@ server's ``default_model``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import time
 from collections.abc import Iterator
@@ -23,6 +24,58 @@ if TYPE_CHECKING:
 
 DEMAND_SECONDS = 300.0
 """The window of a model's recent request rate (its eviction cost)."""
+
+
+class Slots:
+    """A model's ``max_concurrent`` slots: taken in arrival order, never lost.
+
+    A slot freed while others wait goes straight to the first waiter (``free`` does not
+    rise), so a newcomer cannot pass the line. A waiter cancelled after it was handed a
+    slot passes it on: a client that leaves in the very turn its slot frees leaks nothing.
+    """
+
+    __slots__ = ("_waiters", "free", "size")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.free = size
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """Waiters still without a slot."""
+        return sum(not w.done() for w in self._waiters)
+
+    def try_take(self) -> bool:
+        """Take a slot if one is free and nobody waits for one; never waits."""
+        if self.free > 0 and not self.waiting:
+            self.free -= 1
+            return True
+        return False
+
+    async def take(self) -> None:
+        """Take a slot, waiting in line for one."""
+        if self.try_take():
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if not waiter.cancelled():
+                self.give()  # handed one as it was cancelled: the next in line gets it
+            elif waiter in self._waiters:  # (``give`` may have dropped it already)
+                self._waiters.remove(waiter)
+            raise
+
+    def give(self) -> None:
+        """Return a slot: to the first waiter, else to the free ones."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.free += 1
 
 
 @dataclass(eq=False)
@@ -71,20 +124,20 @@ class ModelEntry:
     demand: float = 0.0
     demand_at: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    slots: asyncio.Semaphore | None = None
+    slots: Slots | None = None
     """``max_concurrent`` requests served at once; ``None``: no cap."""
     removed: bool = False
     """A reload took it out of the preset: it drains and stops, and never loads again."""
 
     def __post_init__(self) -> None:
         if self.spec.max_concurrent:
-            self.slots = asyncio.Semaphore(self.spec.max_concurrent)
+            self.slots = Slots(self.spec.max_concurrent)
 
     def respec(self, spec: ModelSpec) -> None:
-        """Take a reloaded preset's ``spec``. A lease keeps the semaphore it took its slot
+        """Take a reloaded preset's ``spec``. A lease keeps the ``Slots`` it took its slot
         from, so a new ``max_concurrent`` cannot be miscounted by requests in flight."""
         if spec.max_concurrent != self.spec.max_concurrent:
-            self.slots = asyncio.Semaphore(spec.max_concurrent) if spec.max_concurrent else None
+            self.slots = Slots(spec.max_concurrent) if spec.max_concurrent else None
         self.spec = spec
         self.failures = 0  # a new spec gets its first start without a backoff
 
@@ -190,8 +243,8 @@ class Lease:
     def __init__(self, entry: ModelEntry) -> None:
         self.entry = entry
         self._held = True
-        self.slot: asyncio.Semaphore | None = None
-        """The semaphore of the ``max_concurrent`` slot it holds (``Supervisor.acquire``)."""
+        self.slot: Slots | None = None
+        """Where the ``max_concurrent`` slot it holds came from (``Supervisor.acquire``)."""
         entry.leases += 1
         entry.last_used = time.monotonic()
         entry.note_request(entry.last_used)
@@ -202,7 +255,7 @@ class Lease:
             self.entry.leases -= 1
             self.entry.last_used = time.monotonic()
             if self.slot is not None:
-                self.slot.release()
+                self.slot.give()
 
     def __enter__(self) -> Self:
         return self

@@ -64,6 +64,11 @@ class Scheduling:
             out[e.id] = await asyncio.to_thread(self.placer.held_asleep, e.spec, pids)
         return out
 
+    def _loaded(self, entry: ModelEntry) -> list[ModelEntry]:
+        """The models other than ``entry`` that hold room (or will soon)."""
+        return [e for e in (*self.registry, *self._removed) if e is not entry
+                and e.state in ("loading", "ready", "sleeping", "stopping")]
+
     def _first_in_line(self, entry: ModelEntry) -> bool:
         """Of the loads waiting for room, ``entry``'s goes first: highest priority, then
         the longest wait."""
@@ -113,12 +118,15 @@ class Scheduling:
         began = entry.room_since = time.monotonic()
         try:
             while True:
+                held = (await self._held_asleep(self._loaded(entry))
+                        if self._first_in_line(entry) else {})
+                # Read after that await (a thread): a load that claimed room meanwhile
+                # counts, and nothing awaits from here until room is claimed.
                 now = time.monotonic()
-                loaded = [e for e in (*self.registry, *self._removed) if e is not entry
-                          and e.state in ("loading", "ready", "sleeping", "stopping")]
+                loaded = self._loaded(entry)
                 if self._first_in_line(entry):
                     if fits(entry.spec, [e.spec for e in loaded], self.server, self.placer.gpus,
-                            await self._held_asleep(loaded)):
+                            held):
                         return
                     victim = self._victim(entry, loaded, now)
                     if victim is not None and self._idle(victim) and (

@@ -3,7 +3,9 @@
 A spare is ``python -m worker --spare``: it imports, writes one byte to its ready pipe,
 then blocks reading its ``WorkerBoot`` on stdin. ``take`` hands one to a load (the
 supervisor writes the boot); ``replenish`` starts another, one at a time, in the
-background. A spare that dies unused is logged and replaced, up to ``FAILURES_MAX``.
+background. A spare that dies unused is logged and replaced, up to ``FAILURES_MAX`` in a
+row; a spare that came up ready, or any worker of this host that became ready, starts the
+count again (what killed them, a full disk or memory, may have passed).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from router.processes import group_members, kill_tree, log_tail, signal_all
 from router.registry import ModelEntry, ModelRegistry
 
 log = logging.getLogger("modelyard.router")
-FAILURES_MAX = 3  # spares that die unused before any more are started
+FAILURES_MAX = 3  # spares that die unused in a row before no more are started
 
 
 class Spare:
@@ -125,7 +127,8 @@ class SparePool:
         self._failures += 1
         last = await asyncio.to_thread(log_tail, spare.log_path, 5)
         log.error("spare worker pid %d exited unused with code %s%s\n%s", spare.proc.pid, code,
-                  "; no more spares are started" if self._failures >= FAILURES_MAX else "",
+                  "; no more spares are started until a worker starts"
+                  if self._failures >= FAILURES_MAX else "",
                   last)
         await asyncio.to_thread(lambda: signal_all(group_members(
             spare.proc.pid, spare.started_at, time.time()), signal.SIGKILL))
@@ -143,8 +146,15 @@ class SparePool:
             spare = self._spares.pop(0)
             spare.close()
             if spare.proc.returncode is None:
+                if spare.ready:
+                    self._failures = 0  # spares can start here: a new streak from now
                 return spare
         return None
+
+    def worker_ready(self) -> None:
+        """A worker of this host became ready: spares can start again, whatever killed
+        them before (the supervisor calls ``replenish`` next)."""
+        self._failures = 0
 
     def describe(self) -> list[dict[str, Any]]:
         """The spares' pids, readiness and resident memory (``/health``)."""

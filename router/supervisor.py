@@ -14,6 +14,7 @@ Lifecycle: ``unloaded → loading → ready ⇄ sleeping → stopping → unload
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -92,6 +93,8 @@ class Supervisor(Scheduling, Idling):
         self._workers: dict[str, _Worker] = {}
         self._loads: dict[str, asyncio.Task[WorkerLink]] = {}
         self._wakes: dict[str, asyncio.Task[None]] = {}
+        self._stops: dict[str, asyncio.Task[None]] = {}
+        """Each model's one stop under way (``stopping``)."""
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._removed: set[ModelEntry] = set()
@@ -174,34 +177,33 @@ class Supervisor(Scheduling, Idling):
                              param="model", code="wrong_model_task")
         slots = entry.slots
         if (entry.state == "ready" and entry.link is not None and entry.yield_to is None
-                and (slots is None or not slots.locked())):
+                and (slots is None or slots.try_take())):
             lease = Lease(entry)
-            if slots is not None:
-                slots._value -= 1  # asyncio.Semaphore.acquire's own step when one is free
-                lease.slot = slots
+            lease.slot = slots
             return lease, entry.link
         return entry
 
     async def _take_slot(self, lease: Lease) -> None:
         """One of the model's ``max_concurrent`` slots; wait in its queue for one."""
         entry, slots = lease.entry, lease.entry.slots
-        if slots is None:
+        if slots is None or slots.try_take():
+            lease.slot = slots
             return
-        if slots.locked():
-            if entry.queued >= self.server.max_queue_depth:
-                raise TooManyRequests(f"model '{entry.id}' serves {entry.spec.max_concurrent} "
-                                      f"requests and {entry.queued} more wait; retry later")
-            entry.queued += 1
-            try:
-                await asyncio.wait_for(slots.acquire(), self.server.load_timeout)
-            except TimeoutError:
-                raise ModelUnavailable(f"model '{entry.id}' had no free slot within "
-                                       f"{self.server.load_timeout:g} s") from None
-            finally:
-                entry.queued -= 1
-        else:
-            await slots.acquire()  # free: returns without yielding
-        lease.slot = slots
+        if entry.queued >= self.server.max_queue_depth:
+            raise TooManyRequests(f"model '{entry.id}' serves {entry.spec.max_concurrent} "
+                                  f"requests and {entry.queued} more wait; retry later")
+        entry.queued += 1
+        try:
+            # A cancel (a client gone) always lands here as CancelledError, and ``take``
+            # passes on a slot it was handed meanwhile: nothing is kept by nobody.
+            async with asyncio.timeout(self.server.load_timeout):
+                await slots.take()
+        except TimeoutError:
+            raise ModelUnavailable(f"model '{entry.id}' had no free slot within "
+                                   f"{self.server.load_timeout:g} s") from None
+        finally:
+            entry.queued -= 1
+        lease.slot = slots  # no await since ``take``: the lease gives it back from here
 
     async def ensure_ready(self, entry: ModelEntry) -> WorkerLink:
         """Wait (bounded) until ``entry`` serves: load it, wake it, or find it room."""
@@ -212,21 +214,23 @@ class Supervisor(Scheduling, Idling):
                                   f"'{entry.id}'; retry later")
         entry.queued += 1
         try:
-            if entry.state == "sleeping":
-                await asyncio.wait_for(asyncio.shield(self._wake(entry)),
-                                       self.server.load_timeout)
-                if entry.state == "ready" and entry.link is not None:
-                    return entry.link
-            task = self.start_loading(entry)
-            try:
-                return await asyncio.wait_for(asyncio.shield(task), self.server.load_timeout)
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if task.cancelled() and not (current and current.cancelling()):
-                    # the shared load was cancelled (an unload), not this request
-                    raise ModelUnavailable(f"model '{entry.id}' was unloaded while it was "
-                                           "loading") from None
-                raise
+            # ``asyncio.timeout``, not ``wait_for``: on 3.11 ``wait_for`` returns a result
+            # that arrives in the turn it is cancelled, and the cancel is lost.
+            async with asyncio.timeout(self.server.load_timeout):
+                if entry.state == "sleeping":
+                    await asyncio.shield(self._wake(entry))
+                    if entry.state == "ready" and entry.link is not None:
+                        return entry.link
+                task = self.start_loading(entry)
+                try:
+                    return await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if task.cancelled() and not (current and current.cancelling()):
+                        # the shared load was cancelled (an unload), not this request
+                        raise ModelUnavailable(f"model '{entry.id}' was unloaded while it "
+                                               "was loading") from None
+                    raise
         except TimeoutError:
             raise ModelUnavailable(f"model '{entry.id}' did not become ready within "
                                    f"{self.server.load_timeout:g} s") from None
@@ -306,14 +310,10 @@ class Supervisor(Scheduling, Idling):
             # No await between finding room and claiming it: two loads cannot both fit.
             entry.state, entry.error, entry.exit_code = "loading", None, None
             self._publish_state(entry)
-            locks = self.placer.start_locks(entry.spec)
-            for lock in locks:
-                await lock.acquire()
-            try:
+            async with contextlib.AsyncExitStack() as held:
+                for lock in self.placer.start_locks(entry.spec):
+                    await held.enter_async_context(lock)  # each one held is let go
                 return await self._spawn(entry)
-            finally:
-                for lock in locks:
-                    lock.release()
         except asyncio.CancelledError:
             if entry.state == "loading":
                 entry.state = "unloaded"
@@ -384,6 +384,8 @@ class Supervisor(Scheduling, Idling):
             handle.note_children()
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
             self._spawn_task(self._log_ready(entry, worker, offset))
+            if isinstance(handle, LocalHandle):
+                self.spares.worker_ready()  # this host can start workers (again)
             self.spares.replenish()  # the spare's place, now the start no longer needs the CPU
             return link
         ready.cancel()
@@ -478,7 +480,31 @@ class Supervisor(Scheduling, Idling):
     async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 1.0) -> None:
         """Stop a model's worker. In-flight requests finish first (up to
         ``drain_timeout``) unless ``force``, which ends them with a 503 at once. Requests
-        that arrive meanwhile wait and start the model again."""
+        that arrive meanwhile wait and start the model again.
+
+        A stop, once begun, is never cancelled by whoever waits for it: it runs as the
+        model's one stop task (``stopping``), which every caller awaits shielded. A caller
+        that comes while one runs waits for that one (its ``force`` is not applied)."""
+        await asyncio.shield(self.stopping(entry, force=force, grace=grace))
+
+    def stopping(self, entry: ModelEntry, *, force: bool = False,
+                 grace: float = 1.0) -> asyncio.Task[None]:
+        """The model's one stop task, begun now if none runs."""
+        task = self._stops.get(entry.id)
+        if task is None or task.done():
+            task = asyncio.create_task(self._stop(entry, force, grace), name=f"stop-{entry.id}")
+            self._stops[entry.id] = task
+            task.add_done_callback(self._stop_done)
+        return task
+
+    def _stop_done(self, task: asyncio.Task[None]) -> None:
+        for model_id, running in list(self._stops.items()):
+            if running is task:
+                del self._stops[model_id]
+        if not task.cancelled() and task.exception() is not None:  # retrieved: logged here
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
+
+    async def _stop(self, entry: ModelEntry, force: bool, grace: float) -> None:
         load = self._loads.get(entry.id)
         if load is not None:  # loading, or still in its backoff or waiting for room
             load.cancel()
@@ -489,10 +515,6 @@ class Supervisor(Scheduling, Idling):
             if entry.state != "failed":
                 entry.state = "unloaded"
                 self._publish_state(entry)
-            return
-        if entry.state == "stopping":
-            while entry.id in self._workers and self._workers[entry.id] is worker:
-                await asyncio.sleep(POLL)  # another stop is under way; wait for it
             return
         entry.state = "stopping"
         self._publish_state(entry)

@@ -181,7 +181,7 @@ def test_max_concurrent_queues_then_refuses(tmp_path: Path) -> None:
         assert entry.queued == 0 and entry.leases == 2
         lease.release()
         first[1][0].release()
-        assert entry.leases == 0 and entry.slots is not None and entry.slots._value == 2
+        assert entry.leases == 0 and entry.slots is not None and entry.slots.free == 2
 
     run(sup, scenario)
 

@@ -139,7 +139,7 @@ def test_a_reload_switches_names_default_keys_and_runtime_keys_at_once(
     assert registry.resolve("shared-name") is second and registry.resolve("one") is first
     assert registry.resolve(None) is second and registry.resolve("four").id == "fourth"
     assert registry.entries["first"] is first  # the same entry: its worker is kept
-    assert second.slots is not None and second.slots._value == 1
+    assert second.slots is not None and second.slots.free == 1
     with pytest.raises(ModelNotFound):
         registry.resolve("third", use_default=False)
     assert third.removed and list(registry.entries) == ["first", "second", "fourth"]
@@ -221,7 +221,7 @@ def test_a_lease_taken_before_a_reload_gives_its_slot_back_to_its_own_semaphore(
         await rl.reload("test")
         assert second.slots is not old_slots and second.slots is not None
         lease.release()
-        assert old_slots._value == 2 and second.slots._value == 5
+        assert old_slots.free == 2 and second.slots.free == 5
 
     asyncio.run(scenario())
 

@@ -79,6 +79,9 @@ class WorkerServer:
         self._flush_scheduled = False
         self._drain_scheduled = False
         self._stopping = asyncio.Event()
+        self._sleep_turns = asyncio.Lock()
+        """Sleep and Wake run one at a time, in the order they came (a lock is FIFO): a
+        Wake sent while a Sleep still runs must not finish first and leave it asleep."""
 
     def _send(self, message: Any) -> None:
         self._sock.send(self._codec.encode(message), zmq.NOBLOCK)
@@ -164,10 +167,11 @@ class WorkerServer:
 
     async def _sleep_or_wake(self, message: Sleep | Wake) -> None:
         try:
-            if isinstance(message, Sleep):
-                await self._engine.sleep(message.level)
-            else:
-                await self._engine.wake()
+            async with self._sleep_turns:
+                if isinstance(message, Sleep):
+                    await self._engine.sleep(message.level)
+                else:
+                    await self._engine.wake()
         except Exception as err:  # noqa: BLE001  # e.g. sleep mode on a CPU: the router falls back to stop
             self._send(Error(id=message.id, message=f"{type(err).__name__}: {err}", status=500))
             return

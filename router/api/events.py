@@ -16,6 +16,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from starlette.requests import Request
@@ -34,6 +35,9 @@ TAIL_BYTES = 4 << 20
 LONGEST_LINE = 64 << 10
 """A line with no newline after this many bytes is sent as it is (a progress bar)."""
 KEEPALIVE = b": keep-alive\n\n"
+LOG_READERS = 2
+"""Threads that read logs for every follower together: they never take the default
+executor's threads, which the supervisor needs to reap workers."""
 
 
 def sse_event(event: Event) -> bytes:
@@ -129,6 +133,11 @@ class EventsAPI:
     def __init__(self, supervisor: Supervisor, bus: EventBus) -> None:
         self.supervisor = supervisor
         self.bus = bus
+        self._readers = ThreadPoolExecutor(LOG_READERS, thread_name_prefix="modelyard-logs")
+
+    def close(self) -> None:
+        """The server stops: no more log reads (a follower's stream ends with it)."""
+        self._readers.shutdown(wait=False, cancel_futures=True)
 
     def routes(self) -> list[Route]:
         return [
@@ -192,7 +201,8 @@ class EventsAPI:
         if entry is None:  # exact ids, as GET /v1/models/{id}
             raise ModelNotFound(f"The model '{name}' does not exist", param="model")
         path = self.supervisor.log_path(entry)
-        found, offset, inode = await asyncio.to_thread(last_lines, path, lines)
+        found, offset, inode = await asyncio.get_running_loop().run_in_executor(
+            self._readers, last_lines, path, lines)
         if not follow:
             return JSONResponse({"object": "list", "model": entry.id, "data": found})
         follower = LogFollower(path, offset, inode)
@@ -214,6 +224,6 @@ class EventsAPI:
                 quiet_since = loop.time()
             await asyncio.sleep(self.log_poll)
             try:
-                pending = await asyncio.to_thread(follower.read)
+                pending = await loop.run_in_executor(self._readers, follower.read)
             except OSError:  # unreadable for a moment (being replaced): look again next time
                 pending = []

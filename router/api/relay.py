@@ -163,7 +163,9 @@ class Relay:
                 if not waiting.done():
                     yield keepalive
         except BaseException as err:  # gone, or too slow to read a keep-alive
-            if not waiting.cancel() and not waiting.cancelled() and waiting.exception() is None:
+            waiting.cancel()
+            await asyncio.wait((waiting,))  # awaited: it ends by the cancel, or it got in first
+            if not waiting.cancelled() and waiting.exception() is None:
                 waiting.result()[0].release()  # the lease came as the client left
             self._log(endpoint, model_id, True,
                       err.status if isinstance(err, APIError) else 499, usage)
@@ -214,7 +216,9 @@ class Relay:
             return now
         try:
             waiting = self.supervisor.acquire(model, task)
-            return await (waiting if request is None else unless_disconnected(request, waiting))
+            if request is None:
+                return await waiting
+            return await unless_disconnected(request, waiting, _release)
         except APIError as err:  # unknown model, queue full, load failed, gone: one line
             self._log(endpoint, model or "-", streaming, err.status, usage)
             raise
@@ -282,6 +286,10 @@ class Relay:
             raise
         finally:
             self._log(endpoint, lease.entry.id, False, status, usage)
+
+
+def _release(acquired: tuple[Lease, WorkerLink]) -> None:
+    acquired[0].release()
 
 
 def _timings(usage: Usage, now: float) -> tuple[float, float, float]:

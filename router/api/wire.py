@@ -9,7 +9,7 @@ import itertools
 import logging
 import re
 import secrets
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -133,19 +133,34 @@ async def disconnected(request: Request) -> None:
             return
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work`` but cancel it, raising ``ClientGone``, if the client goes away."""
+async def unless_disconnected(request: Request, work: Awaitable[T],
+                              undo: Callable[[T], object] | None = None) -> T:
+    """Await ``work`` but cancel it, raising ``ClientGone``, if the client goes away.
+
+    Every task cancelled here is awaited: ``work`` ends by the cancel (and cleans up after
+    itself), or it finished first and its result is returned. Only when this wait is
+    itself cancelled does a result that came all the same go to ``undo`` (a lease is
+    released), since nobody else will see it."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-        watch.cancel()
-    if task.cancelled() or not task.done():
+    except BaseException:
+        await _cancel_and_wait(task, watch)
+        if undo is not None and not task.cancelled() and task.exception() is None:
+            undo(task.result())
+        raise
+    await _cancel_and_wait(task, watch)
+    if task.cancelled():
         raise ClientGone
     return task.result()
+
+
+async def _cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel ``tasks`` (those not done yet) and wait until each has ended."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.wait(tasks)
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:

@@ -85,7 +85,12 @@ class LocalBackend(Backend):
         stdin = handle.proc.stdin
         assert stdin is not None
         try:
-            stdin.write(boot_for(str(log_path) if spare else ""))
+            boot = boot_for(str(log_path) if spare else "")
+        except BaseException:  # nobody else knows of the process, blocked on its stdin
+            await handle.kill()
+            raise
+        try:
+            stdin.write(boot)
             stdin.close()  # the worker reads to the end: one JSON document
         except (BrokenPipeError, ConnectionResetError):
             pass  # it died meanwhile: the supervisor sees its exit

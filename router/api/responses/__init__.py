@@ -40,6 +40,7 @@ from router.api.responses.shaper import ResponseShaper
 from router.api.responses.store import ResponseStore, StoreCollector, Stored, encode_items
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import APIError, BadRequest, ClientGone
+from router.limits import CAP_SCOPE_KEY, ConnectionCap
 from router.link import WorkerLink
 from shared.protocol import Generate, Tokenize
 
@@ -124,7 +125,7 @@ class ResponsesAPI:
         shaper = ResponseShaper(rid, echo(req, gen), streaming=req.stream,
                                 logprobs=gen.sampling.logprobs, on_done=done)
         if req.background:
-            return self._start_background(req.model, gen, shaper, kept)
+            return self._start_background(request, req.model, gen, shaper, kept)
         try:
             return await self.relay.generate(request, ENDPOINT, req.model, [gen], req.stream,
                                              shaper.bind,
@@ -132,15 +133,26 @@ class ResponsesAPI:
         except APIError as err:
             raise _as_input(err) from None
 
-    def _start_background(self, model: str | None, gen: Generate, shaper: ResponseShaper,
-                          items: bytes) -> Response:
-        """Answer ``queued`` at once and run the response without its client."""
+    def _start_background(self, creating: Request, model: str | None, gen: Generate,
+                          shaper: ResponseShaper, items: bytes) -> Response:
+        """Answer ``queued`` at once and run the response without its client. The run
+        counts against ``max_connections`` (``ConnectionCap.hold``) until it ends."""
         rid = shaper.rid
         shaper.bind(self.relay.supervisor.registry.resolve(model).id)  # unknown: 404 now
+        cap: ConnectionCap | None = creating.scope.get(CAP_SCOPE_KEY)
+        if cap is not None:
+            cap.hold()  # 503 at the cap: nothing stored, nothing started
         queued = shaper.response("queued")
         self.store.put(rid, queued, items)
 
         async def run(request: Request) -> None:
+            try:
+                await relay(request)
+            finally:
+                if cap is not None:
+                    cap.let_go()
+
+        async def relay(request: Request) -> None:
             self.store.put(rid, shaper.response("in_progress"), items)
             try:  # the shaper stores the final object itself (``on_done``)
                 await self.relay.generate(request, ENDPOINT, model, [gen], False, shaper.bind)
