@@ -145,7 +145,9 @@ def main() -> None:
         engine.wait()
         with modelyard(PRESET) as yard:
             yard.wait("/v1/models/smollm2", lambda m: m.get("state") == "ready")
-            # At once: the spare that replaces the one this load took imports vLLM now.
+            # At once: the spare that replaces the one this load took imports vLLM now. A
+            # short request first takes the first request's own costs (allocations) out.
+            over_http(yard.url + "/v1/completions", {**body, "max_tokens": 4})(1)
             after = [over_http(yard.url + "/v1/completions", body)(1)
                      for _ in range(AFTER_LOAD_STREAMS)]
             importing = not spares_ready(yard.url)
