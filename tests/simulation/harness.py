@@ -33,6 +33,7 @@ import asyncio
 import hashlib
 import logging
 import random
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ ANSWER_WITHIN = 40.0
 SETTLE_WITHIN = 40.0
 """Virtual seconds after that for no model to be ``loading`` or ``stopping``."""
 STOP_ALL_WITHIN = 20.0
+SHORT_TRACE = 80
 
 
 # -- adapters: the few looks inside that the invariants need -------------------------------
@@ -245,10 +247,23 @@ class Result:
     trace: str
     digest: str
 
-    def report(self) -> str:
-        head = f"seed {self.seed}: " + "; ".join(self.violations)
-        return f"{head}\nreproduce: SIM_SEED={self.seed} pytest tests/simulation -k one_seed\n" \
-               + self.trace
+    def report(self, short: bool = False) -> str:
+        """The findings, how to replay them, and the trace (``short``: only the lines of
+        the models the findings name, at most ``SHORT_TRACE`` of them)."""
+        head = [f"seed {self.seed}: " + "; ".join(self.violations),
+                f"reproduce: SIM_SEED={self.seed} pytest tests/simulation -k one_seed -s "
+                f"(or python -m tests.simulation.harness {self.seed})"]
+        lines = self.trace.splitlines()
+        if short:
+            named = set(re.findall(r"\bm\d\b", " ".join(self.violations)))
+            config = [line for line in lines if not line.startswith("    ")]
+            events = [line for line in lines if line.startswith("    ")
+                      and (not named or named & set(re.findall(r"\bm\d\b", line)))
+                      and "TooManyRequests" not in line]
+            cut = len(events) - SHORT_TRACE
+            lines = config + events[:SHORT_TRACE] + (
+                [f"    ... {cut} more: run the seed alone for the whole trace"] if cut > 0 else [])
+        return "\n".join(head + lines)
 
 
 class _Recorder(logging.Handler):
@@ -436,11 +451,16 @@ class Simulation:
                 violations.append(f"client never answered ({ANSWER_WITHIN:g} s): {client.op}")
             elif outcome == "cancelled" or outcome.startswith("raised"):
                 violations.append(f"client got {outcome}: {client.op}")
-        deadline = self.loop.time() + SETTLE_WITHIN
-        while self.loop.time() < deadline and any(
-                e.state in ("loading", "stopping") for e in self.entries):
+        # Settled: no model loading or stopping for two looks in a row (work that a client
+        # left behind, such as a cancelled task's cleanup, may take a few turns).
+        deadline, calm = self.loop.time() + SETTLE_WITHIN, 0
+        while calm < 2 and self.loop.time() < deadline:
             await asyncio.sleep(Q)
+            busy = any(e.state in ("loading", "stopping") for e in self.entries)
+            calm = 0 if busy else calm + 1
+        self.net.note("quiescent: invariants checked")
         violations += self.quiescent_violations()
+        self.net.note("stop_all")
         stop_all = asyncio.ensure_future(sup.stop_all())
         await asyncio.wait({stop_all}, timeout=STOP_ALL_WITHIN)
         if not stop_all.done():
