@@ -295,9 +295,8 @@ class SimWorker:
             self._send(Pong(id=message.id, in_flight=len(self.tasks)))
         elif isinstance(message, (Sleep, Wake)):
             loop.call_later(self.plan.boot_delay / 2, self._slept_or_woken, message)
-        elif isinstance(message, Shutdown):
-            if self.plan.shutdown == "exit":
-                loop.call_later(self.plan.shutdown_delay, self.exit, 0, "shut down")
+        elif isinstance(message, Shutdown) and self.plan.shutdown == "exit":
+            loop.call_later(self.plan.shutdown_delay, self.exit, 0, "shut down")
 
     def _slept_or_woken(self, message: Sleep | Wake) -> None:
         if isinstance(message, Sleep) and self.plan.sleep_fails:

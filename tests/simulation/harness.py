@@ -251,8 +251,8 @@ class Result:
         """The findings, how to replay them, and the trace (``short``: only the lines of
         the models the findings name, at most ``SHORT_TRACE`` of them)."""
         head = [f"seed {self.seed}: " + "; ".join(self.violations),
-                f"reproduce: SIM_SEED={self.seed} pytest tests/simulation -k one_seed -s "
-                f"(or python -m tests.simulation.harness {self.seed})"]
+                (f"reproduce: SIM_SEED={self.seed} pytest tests/simulation -k one_seed -s "
+                 f"(or python -m tests.simulation.harness {self.seed})")]
         lines = self.trace.splitlines()
         if short:
             named = set(re.findall(r"\bm\d\b", " ".join(self.violations)))
@@ -345,6 +345,7 @@ class Simulation:
     def _leave(self, client: Client, request: SimRequest) -> None:
         if client.task.done():
             return
+        self.net.note(f"leaves: {client.op.kind} {client.op.model} @{client.op.at:g}")
         request.gone.set()  # the relay's watchers see it
         if client.op.args["via"] == "direct" or request.streaming is not None:
             # a direct client, or Starlette cancelling a response that streams
@@ -401,7 +402,7 @@ class Simulation:
         if change == "restore":
             if not self.removed_specs:
                 return
-            name = sorted(self.removed_specs)[0]
+            name = min(self.removed_specs)
             models[name] = self.removed_specs.pop(name)
         elif name not in models:
             return
@@ -451,12 +452,14 @@ class Simulation:
                 violations.append(f"client never answered ({ANSWER_WITHIN:g} s): {client.op}")
             elif outcome == "cancelled" or outcome.startswith("raised"):
                 violations.append(f"client got {outcome}: {client.op}")
-        # Settled: no model loading or stopping for two looks in a row (work that a client
-        # left behind, such as a cancelled task's cleanup, may take a few turns).
+        # Settled: no model loading, stopping or waiting for room, for two looks in a row
+        # (work that a client left behind, such as a cancelled task's cleanup, may take a
+        # few turns).
         deadline, calm = self.loop.time() + SETTLE_WITHIN, 0
         while calm < 2 and self.loop.time() < deadline:
             await asyncio.sleep(Q)
-            busy = any(e.state in ("loading", "stopping") for e in self.entries)
+            busy = any(e.state in ("loading", "stopping") or e.room_since is not None
+                       for e in self.entries)
             calm = 0 if busy else calm + 1
         self.net.note("quiescent: invariants checked")
         violations += self.quiescent_violations()
