@@ -7,12 +7,15 @@ memory budgets, short timeouts) and a schedule of operations at virtual times:
 - ``request``: a client asks a model for ``tokens`` tokens, streamed or not, through the
   real ``Relay`` (``relay``: its disconnect watchers see the client leave) or straight
   through ``Supervisor.acquire`` / ``WorkerLink.submit`` / ``Lease.release``
+  (some relay streams are ``cold``: they begin at once with keep-alive events, as the
+  Anthropic endpoint's do)
   (``direct``: leaving cancels its task); ``leave`` seconds later it goes away, whatever
   it is doing then (queued for a slot, waiting for a load, at its first batch, mid-stream);
 - ``load`` (``start_loading`` or acquire-and-release, as ``/v1/models/load``), ``unload``
   (``stop``, ``force`` or not), ``crash`` (the model's worker exits), ``reload``
   (``registry.reconfigure`` with one model changed, removed or restored, then
-  ``retire``/``refresh`` as ``router.reload`` does).
+  ``retire``/``refresh`` as ``router.reload`` does, or ``max_loaded_models`` changed in
+  place, as a reload applies a runtime key).
 
 Workers fail as the seed says (``fakes.draw_plan``): spawn errors, hung or crashing
 boots, engines that refuse to start, shutdowns ignored, failing sleeps, engine errors.
@@ -175,12 +178,17 @@ def make_world(seed: int) -> World:
                 args["leave"] = quantum(rng, 60)
             if rng.random() < 0.15:
                 args["keep_alive"] = rng.choice([0.0, -1.0, 1.0])
+            if args["via"] == "relay" and args["stream"] and rng.random() < 0.3:
+                args["cold"] = True  # the stream begins at once, with keep-alive events
         elif kind == "load":
             args = {"wait": rng.random() < 0.5}
         elif kind == "unload":
             args = {"force": rng.random() < 0.3}
         elif kind == "reload":
-            args = {"change": rng.choice(["restart", "router_only", "remove", "restore"])}
+            args = {"change": rng.choice(["restart", "router_only", "remove", "restore",
+                                          "limit"])}
+            if args["change"] == "limit":
+                args["max_loaded_models"] = rng.choice([0, 1, 2])
         ops.append(Op(at, kind, model, args))
     ops.sort(key=lambda op: op.at)
     return World(seed, {"server": server, "models": models}, chaos, ops, gpus)
@@ -373,7 +381,8 @@ class Simulation:
                 lease.release()
         response = await self.relay.generate(
             request, "/sim", op.model, [gen], op.args["stream"], lambda _: SimShaper(),
-            keep_alive=op.args.get("keep_alive"))
+            keep_alive=op.args.get("keep_alive"),
+            keepalive=b"ping" if op.args.get("cold") else b"")
         if not op.args["stream"]:
             return "ok json"
         request.streaming = asyncio.current_task()  # from now on leaving cancels the response
@@ -398,6 +407,10 @@ class Simulation:
     def reload(self, op: Op) -> None:
         """What ``router.reload.Reloader._apply`` does with a new preset's models."""
         change, name = op.args["change"], op.model
+        if change == "limit":  # a runtime key: the live server config changes in place
+            self.sup.server.max_loaded_models = op.args["max_loaded_models"]
+            self.net.note(f"reload: max_loaded_models={op.args['max_loaded_models']}")
+            return
         models = dict(self.models)
         if change == "restore":
             if not self.removed_specs:
