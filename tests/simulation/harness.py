@@ -90,6 +90,15 @@ def gpu_start_locks(placer: Placer) -> dict[int, asyncio.Lock]:
                                             gpus=[g]))[0] for g in placer.gpus}
 
 
+def install_fakes(sup: Supervisor, net: SimNet) -> None:
+    """Put the simulated world under ``sup``: its workers start through ``SimBackend``, and
+    its links (real ``WorkerLink``s) get ``SimSocket``s from the ZeroMQ context they are
+    made with. The harness's only writes inside the supervisor; adjust here if they move."""
+    sup._ctx.term()
+    sup._ctx = SimContext(net)  # type: ignore[assignment]
+    sup.backends["local"] = SimBackend(net)
+
+
 # -- the world ---------------------------------------------------------------------------
 @dataclass
 class Op:
@@ -299,9 +308,7 @@ class Simulation:
         self.removed_specs: dict[str, ModelSpec] = {}
         placer = Placer(cores={0, 1, 2, 3}, gpus=world.gpus, process_memory=lambda pids: {})
         self.sup = Supervisor(ModelRegistry(preset), preset.server, runtime_dir, placer)
-        self.sup._ctx.term()
-        self.sup._ctx = SimContext(self.net)  # type: ignore[assignment]  # the one socket seam
-        self.sup.backends["local"] = SimBackend(self.net)
+        install_fakes(self.sup, self.net)
         self.relay = Relay(self.sup)
         self._watch_events()
         self.clients: list[Client] = []

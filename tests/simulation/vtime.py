@@ -77,17 +77,15 @@ def virtual_time(clock: VirtualClock, packages: tuple[str, ...] = ("router", "sh
 
 
 class _NoWaitSelector(selectors.SelectSelector):
-    """Looks at real descriptors (the loop's self-pipe) without blocking; a wait for a
-    timer moves the virtual clock instead."""
+    """Never waits: a wait for a timer moves the virtual clock instead. Real descriptors
+    are registered (the loop's self-pipe) but never looked at: nothing in a simulation
+    writes to one (no threads, no signal handlers), and a look costs a system call."""
 
     def __init__(self, clock: VirtualClock) -> None:
         super().__init__()
         self.clock = clock
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        events = super().select(0)
-        if events:
-            return events
         if timeout is None:
             raise Deadlock("no callback ready and no timer scheduled")
         if timeout > 0:
