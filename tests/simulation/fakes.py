@@ -42,7 +42,7 @@ from shared.protocol import (
     Wake,
     worker_codec,
 )
-from tests.simulation.vtime import FAKE_FD_BASE, VirtualTimeLoop
+from tests.simulation.vtime import FAKE_FD_BASE, VirtualTimeLoop, after_turns
 
 Q = 0.05
 """Every simulated delay is a multiple of this: events of different origins often fall in
@@ -120,6 +120,11 @@ class SimNet:
         self.log: list[str] = []
         self._fds = FAKE_FD_BASE
         self._pids = 40000
+
+    def later(self, delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+        """``call_later``, then 0-4 more loop turns (drawn from the seed)."""
+        return self.loop.call_later(delay, after_turns, self.loop, self.rng.randint(0, 4),
+                                    callback, *args)
 
     def note(self, text: str) -> None:
         self.log.append(f"{self.loop.time() - 1000:7.2f} {text}")
@@ -244,7 +249,7 @@ class SimWorker:
         self.codec = worker_codec()
         self.generated = 0
         self.asleep = False
-        self._boot: asyncio.TimerHandle | None = net.loop.call_later(plan.boot_delay, self._booted)
+        self._boot: asyncio.TimerHandle | None = net.later(plan.boot_delay, self._booted)
         net.workers.append(self)
         net.note(f"{model}: worker {self.pid} spawned ({plan.brief()})")
 
@@ -264,7 +269,7 @@ class SimWorker:
         if self.plan.boot == "refuse":
             self._send(Error(id="", message="simulated engine start failure", status=503,
                              type="model_unavailable"))
-            self.net.loop.call_later(Q, self.exit, 1, "engine failed to start")
+            self.net.later(Q, self.exit, 1, "engine failed to start")
             return
         self._send(Ready(model=self.model, max_model_len=4096, pid=self.pid))
 
@@ -294,9 +299,9 @@ class SimWorker:
         elif isinstance(message, Ping):
             self._send(Pong(id=message.id, in_flight=len(self.tasks)))
         elif isinstance(message, (Sleep, Wake)):
-            loop.call_later(self.plan.boot_delay / 2, self._slept_or_woken, message)
+            self.net.later(self.plan.boot_delay / 2, self._slept_or_woken, message)
         elif isinstance(message, Shutdown) and self.plan.shutdown == "exit":
-            loop.call_later(self.plan.shutdown_delay, self.exit, 0, "shut down")
+            self.net.later(self.plan.shutdown_delay, self.exit, 0, "shut down")
 
     def _slept_or_woken(self, message: Sleep | Wake) -> None:
         if isinstance(message, Sleep) and self.plan.sleep_fails:

@@ -54,7 +54,7 @@ from router.supervisor import Supervisor
 from shared.config import ModelSpec, Preset, build_preset
 from shared.protocol import Delta, Generate, SamplingSpec
 from tests.simulation.fakes import Q, SimBackend, SimContext, SimNet, quantum
-from tests.simulation.vtime import VirtualClock, VirtualTimeLoop, virtual_time
+from tests.simulation.vtime import VirtualClock, VirtualTimeLoop, after_turns, virtual_time
 
 ANSWER_WITHIN = 40.0
 """Virtual seconds after the last operation by which every client must have answered."""
@@ -185,6 +185,7 @@ def make_world(seed: int) -> World:
                     "tokens": rng.randint(1, 20), "stream": rng.random() < 0.6}
             if rng.random() < 0.5:
                 args["leave"] = quantum(rng, 60)
+                args["turns"] = rng.randint(0, 6)  # loop turns after that instant
             if rng.random() < 0.15:
                 args["keep_alive"] = rng.choice([0.0, -1.0, 1.0])
             if args["via"] == "relay" and args["stream"] and rng.random() < 0.3:
@@ -355,7 +356,8 @@ class Simulation:
             lambda _: self.net.note(f"answer {op.kind} {op.model} @{op.at:g}: {client.outcome()}"))
         leave = op.args.get("leave")
         if leave is not None:
-            self.loop.call_later(leave, self._leave, client, request)
+            self.loop.call_later(leave, after_turns, self.loop, op.args["turns"], self._leave,
+                                 client, request)
 
     def _leave(self, client: Client, request: SimRequest) -> None:
         if client.task.done():

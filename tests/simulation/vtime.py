@@ -127,3 +127,13 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         reader = self._fake_readers.get(fd)
         if reader is not None:
             self.call_soon(reader[0], *reader[1])
+
+
+def after_turns(loop: asyncio.AbstractEventLoop, turns: int, callback: Callable[..., Any],
+                *args: Any) -> None:
+    """Call ``callback`` ``turns`` loop turns from now, at the same (virtual) instant:
+    events that a seed puts at one time land in every order of turns, where races live."""
+    if turns <= 0:
+        callback(*args)
+    else:
+        loop.call_soon(after_turns, loop, turns - 1, callback, *args)
