@@ -37,23 +37,23 @@ FOUND_ON_651C79A = {
     # Each seed failed on 651c79a and passed once that defect alone was fixed in a scratch
     # copy (every other defect fixed too). A change of the code changes the interleavings,
     # so after a fix a seed proves little alone: the seed ranges above are the test.
-    "victim-stop-cancelled": [10, 33, 105, 191, 351],
+    "victim-stop-cancelled": [6, 173, 196, 321, 465],
     # a load cancelled (an unload) while _make_room awaits stop(victim): the victim stays
     # 'stopping' with its exited worker; its requests and stop_all wait for ever
-    "gpu-lock-kept": [424, 647, 702, 703, 854],
+    "gpu-lock-kept": [896, 955, 982, 1333, 1423],
     # a multi-GPU load cancelled while waiting for its second start lock keeps the first
-    "slot-leak": [68, 132, 181, 185, 224],
+    "slot-leak": [317, 399, 512, 779, 1100],
     # a client gone (unless_disconnected) in the turn a max_concurrent slot frees: the
-    # cancel is swallowed by wait_for (3.11); nobody releases the lease and slot
-    "yield-kept": [51, 115, 148, 165, 219],
+    # cancel is swallowed by wait_for (3.11) in _take_slot; the lease and slot stay taken
+    "lease-leak-at-ready": [96, 254, 292, 503, 644],
+    # the same in ensure_ready: a client gone (a cold stream, or unless_disconnected) in
+    # the turn its model's load ends: wait_for returns the link, nobody releases the lease
+    "yield-kept": [32, 51, 137, 155, 255],
     # a model that yields room crashes (or fails) before it stops: _make_room's finally
     # only clears yield_to of 'ready'/'sleeping' models, and acquire() waits for ever
-    "removed-while-waiting-room": [74, 188, 260, 688, 728],
+    "removed-while-waiting-room": [260, 1607],
     # a reload removes a model whose load waits for room: _first_in_line takes max() of
     # an empty list; its clients get a ValueError (a 500)
-    "error-after-link-failed": [338],
-    # the worker's Error reply to a call (Sleep) that link.fail already ended:
-    # WorkerLink._dispatch sets the done future's exception (InvalidStateError in _drain)
 }
 
 
