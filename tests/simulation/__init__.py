@@ -1,0 +1,1 @@
+"""The lifecycle simulation: the real supervisor, fake workers, virtual time (harness.py)."""

@@ -1,0 +1,393 @@
+"""The simulated world below the supervisor: worker "processes", their ZeroMQ sockets and
+the backend that starts them. All of it lives on the one (virtual-time) event loop.
+
+- ``SimSocket`` / ``SimContext``: what ``WorkerLink`` uses of pyzmq (bind, send with
+  ``SNDMORE``, ``recv``, ``FD``/``EVENTS``), so the real ``WorkerLink`` runs unchanged.
+  A send with no live peer raises ``zmq.Again``, as a DEALER with no connection does.
+- ``SimWorker``: a worker process as the router sees it through its socket: it boots
+  (``Ready``), or hangs, crashes or reports a failed engine start; it streams ``Deltas``
+  for ``Generate``, stops on ``Cancel``, answers ``Ping``/``Sleep``/``Wake`` and exits on
+  ``Shutdown`` (or ignores it, to be killed). Its faults come from a ``FaultPlan`` drawn
+  from the seed's random stream when it is spawned.
+- ``SimHandle`` / ``SimBackend``: the ``WorkerHandle`` and ``Backend`` shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from router.backends import Backend, SpawnError, WorkerHandle
+from router.backends.base import BootFor
+from router.registry import ModelEntry
+from shared.config import WorkerBoot
+from shared.protocol import (
+    Cancel,
+    Delta,
+    Deltas,
+    Error,
+    Generate,
+    Ping,
+    Pong,
+    Ready,
+    Shutdown,
+    Sleep,
+    Wake,
+    worker_codec,
+)
+from tests.simulation.vtime import FAKE_FD_BASE, VirtualTimeLoop, after_turns
+
+Q = 0.05
+"""Every simulated delay is a multiple of this: events of different origins often fall in
+the same loop turn, where races live."""
+
+
+def quantum(rng: random.Random, most: int, least: int = 0) -> float:
+    return rng.randint(least, most) * Q
+
+
+@dataclass
+class FaultPlan:
+    """How one spawned worker behaves (drawn at spawn time)."""
+
+    spawn_delay: float = 0.0
+    spawn_error: bool = False
+    boot: str = "ok"
+    """``ok`` (Ready after ``boot_delay``), ``hang`` (never ready), ``crash`` (exits 1),
+    ``refuse`` (sends the engine's failure, then exits 1)."""
+    boot_delay: float = 0.1
+    step: float = 0.05
+    """Seconds between a generation's deltas."""
+    shutdown: str = "exit"
+    """``exit`` after ``shutdown_delay``, or ``ignore`` (the router kills it after grace)."""
+    shutdown_delay: float = 0.0
+    sleep_fails: bool = False
+    engine_error_every: int = 0
+    """Every n-th generate ends with an engine error (0: never)."""
+
+    def brief(self) -> str:
+        parts = [f"spawn+{self.spawn_delay:g}"]
+        if self.spawn_error:
+            return parts[0] + " SpawnError"
+        parts.append(f"{self.boot}+{self.boot_delay:g}")
+        parts.append(f"step {self.step:g}")
+        parts.append(f"shutdown {self.shutdown}+{self.shutdown_delay:g}")
+        if self.sleep_fails:
+            parts.append("sleep fails")
+        if self.engine_error_every:
+            parts.append(f"engine error every {self.engine_error_every}")
+        return ", ".join(parts)
+
+
+def draw_plan(rng: random.Random, chaos: float) -> FaultPlan:
+    """A worker's behaviour; ``chaos`` (0..1) scales how often things go wrong."""
+    plan = FaultPlan(spawn_delay=quantum(rng, 3), boot_delay=quantum(rng, 20, 1),
+                     step=quantum(rng, 3, 1), shutdown_delay=quantum(rng, 6))
+    if rng.random() < 0.15 * chaos:
+        plan.spawn_error = True
+    roll = rng.random()
+    if roll < 0.08 * chaos:
+        plan.boot = "hang"
+    elif roll < 0.16 * chaos:
+        plan.boot = "crash"
+    elif roll < 0.22 * chaos:
+        plan.boot = "refuse"
+    if rng.random() < 0.2 * chaos:
+        plan.shutdown = "ignore"
+    plan.sleep_fails = rng.random() < 0.2 * chaos
+    if rng.random() < 0.1 * chaos:
+        plan.engine_error_every = rng.randint(2, 5)
+    return plan
+
+
+class SimNet:
+    """One seed's world: the loop, the bound sockets, every worker ever spawned."""
+
+    def __init__(self, loop: VirtualTimeLoop, rng: random.Random, chaos: float) -> None:
+        self.loop = loop
+        self.rng = rng
+        self.chaos = chaos
+        self.bound: dict[str, SimSocket] = {}
+        self.sockets: list[SimSocket] = []
+        self.workers: list[SimWorker] = []
+        self.log: list[str] = []
+        self._fds = FAKE_FD_BASE
+        self._pids = 40000
+
+    def later(self, delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+        """``call_later``, then 0-4 more loop turns (drawn from the seed)."""
+        return self.loop.call_later(delay, after_turns, self.loop, self.rng.randint(0, 4),
+                                    callback, *args)
+
+    def note(self, text: str) -> None:
+        self.log.append(f"{self.loop.time() - 1000:7.2f} {text}")
+
+    def new_fd(self) -> int:
+        self._fds += 1
+        return self._fds
+
+    def new_pid(self) -> int:
+        self._pids += 1
+        return self._pids
+
+    def alive(self) -> list[SimWorker]:
+        return [w for w in self.workers if w.returncode is None]
+
+
+class _Frame:
+    __slots__ = ("buffer",)
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+
+class SimSocket:
+    """The router's DEALER socket of one ``WorkerLink``."""
+
+    def __init__(self, net: SimNet) -> None:
+        self.net = net
+        self.fd = net.new_fd()
+        self.endpoint = ""
+        self.inbox: deque[bytes] = deque()
+        self.partial: list[bytes] = []
+        self.peer: SimWorker | None = None
+        self.closed = False
+        net.sockets.append(self)
+
+    def setsockopt(self, option: int, value: Any) -> None:
+        pass
+
+    def bind(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.net.bound[endpoint] = self
+
+    def getsockopt_string(self, option: int) -> str:
+        return self.endpoint
+
+    def getsockopt(self, option: int) -> int:
+        if option == zmq.FD:
+            return self.fd
+        if option == zmq.EVENTS:
+            return (zmq.POLLIN if self.inbox else 0) | zmq.POLLOUT
+        return 0
+
+    def send(self, data: bytes, flags: int = 0) -> None:
+        if self.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        peer = self.peer
+        if peer is None or peer.returncode is not None:
+            self.partial.clear()  # ZeroMQ drops a message whose peer went away
+            raise zmq.Again()
+        self.partial.append(bytes(data))
+        if not flags & zmq.SNDMORE:
+            frames, self.partial = self.partial, []
+            self.net.loop.call_soon(peer.deliver, frames)
+
+    def recv(self, flags: int = 0, copy: bool = True) -> _Frame:
+        if self.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        if not self.inbox:
+            raise zmq.Again()
+        return _Frame(self.inbox.popleft())
+
+    def push(self, frame: bytes) -> None:
+        """A frame from the worker."""
+        if self.closed:
+            return
+        self.inbox.append(frame)
+        if len(self.inbox) == 1:
+            self.net.loop.poke(self.fd)
+
+    def close(self, linger: int | None = None) -> None:
+        if not self.closed:
+            self.closed = True
+            self.inbox.clear()
+            if self.net.bound.get(self.endpoint) is self:
+                del self.net.bound[self.endpoint]
+
+
+class SimContext:
+    """Stands in for the supervisor's ``zmq.Context``."""
+
+    def __init__(self, net: SimNet) -> None:
+        self.net = net
+
+    def socket(self, kind: int) -> SimSocket:
+        return SimSocket(self.net)
+
+    def destroy(self, linger: int | None = None) -> None:
+        for sock in self.net.sockets:
+            sock.close()
+
+    def term(self) -> None:
+        self.destroy()
+
+
+class SimWorker:
+    """One worker process (see the module docstring)."""
+
+    def __init__(self, net: SimNet, model: str, endpoint: str, plan: FaultPlan) -> None:
+        self.net = net
+        self.model = model
+        self.endpoint = endpoint
+        self.plan = plan
+        self.pid = net.new_pid()
+        self.returncode: int | None = None
+        self.waiters: list[asyncio.Future[int | None]] = []
+        self.sock: SimSocket | None = None
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.codec = worker_codec()
+        self.generated = 0
+        self.asleep = False
+        self._boot: asyncio.TimerHandle | None = net.later(plan.boot_delay, self._booted)
+        net.workers.append(self)
+        net.note(f"{model}: worker {self.pid} spawned ({plan.brief()})")
+
+    def _booted(self) -> None:
+        self._boot = None
+        if self.returncode is not None:
+            return
+        if self.plan.boot == "hang":
+            return
+        if self.plan.boot == "crash":
+            self.exit(1, "crashed while booting")
+            return
+        self.sock = self.net.bound.get(self.endpoint)
+        if self.sock is None:  # its router end is gone (a cancelled load): nobody to serve
+            return
+        self.sock.peer = self
+        if self.plan.boot == "refuse":
+            self._send(Error(id="", message="simulated engine start failure", status=503,
+                             type="model_unavailable"))
+            self.net.later(Q, self.exit, 1, "engine failed to start")
+            return
+        self._send(Ready(model=self.model, max_model_len=4096, pid=self.pid))
+
+    def _send(self, message: msgspec.Struct) -> None:
+        if self.returncode is None and self.sock is not None and self.sock.peer is self:
+            self.sock.push(self.codec.encode(message))
+
+    def deliver(self, frames: list[bytes]) -> None:
+        """A message (one router turn's frames) arrives."""
+        if self.returncode is not None:
+            return
+        for frame in frames:
+            if frame:
+                self._handle(self.codec.decode(frame))
+
+    def _handle(self, message: object) -> None:
+        loop = self.net.loop
+        if isinstance(message, Generate):
+            if message.id in self.tasks:
+                self._send(Error(id=message.id, message="duplicate request id", status=400))
+                return
+            self.tasks[message.id] = loop.create_task(self._generate(message))
+        elif isinstance(message, Cancel):
+            task = self.tasks.pop(message.id, None)
+            if task is not None:
+                task.cancel()
+        elif isinstance(message, Ping):
+            self._send(Pong(id=message.id, in_flight=len(self.tasks)))
+        elif isinstance(message, (Sleep, Wake)):
+            self.net.later(self.plan.boot_delay / 2, self._slept_or_woken, message)
+        elif isinstance(message, Shutdown) and self.plan.shutdown == "exit":
+            self.net.later(self.plan.shutdown_delay, self.exit, 0, "shut down")
+
+    def _slept_or_woken(self, message: Sleep | Wake) -> None:
+        if isinstance(message, Sleep) and self.plan.sleep_fails:
+            self._send(Error(id=message.id, message="simulated: sleep mode unavailable"))
+            return
+        self.asleep = isinstance(message, Sleep)
+        self._send(Pong(id=message.id, in_flight=len(self.tasks)))
+
+    async def _generate(self, gen: Generate) -> None:
+        self.generated += 1
+        tokens = max(1, gen.sampling.max_tokens or 1)
+        fails = self.plan.engine_error_every and self.generated % self.plan.engine_error_every == 0
+        try:
+            for i in range(tokens):
+                await asyncio.sleep(self.plan.step)
+                if fails and i == tokens // 2:
+                    self._send(Error(id=gen.id, message="simulated engine error", status=500))
+                    return
+                last = i == tokens - 1
+                self._send(Deltas(items=[Delta(
+                    id=gen.id, text="x", tokens=1, finish_reason="length" if last else None,
+                    prompt_tokens=3 if i == 0 or last else 0)]))
+        finally:
+            if self.tasks.get(gen.id) is asyncio.current_task():
+                del self.tasks[gen.id]
+
+    def exit(self, code: int, why: str = "") -> None:
+        if self.returncode is not None:
+            return
+        self.returncode = code
+        self.net.note(f"{self.model}: worker {self.pid} exited {code} ({why})")
+        if self._boot is not None:
+            self._boot.cancel()
+        for task in self.tasks.values():
+            task.cancel()
+        self.tasks.clear()
+        if self.sock is not None and self.sock.peer is self:
+            self.sock.peer = None
+        for waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_result(code)
+        self.waiters.clear()
+
+
+class SimHandle(WorkerHandle):
+    def __init__(self, worker: SimWorker, log_path: Path, started_at: float) -> None:
+        self.worker = worker
+        self.pid = worker.pid
+        self.node = "sim"
+        self.log_path = log_path
+        self.started_at = started_at
+
+    @property
+    def returncode(self) -> int | None:
+        return self.worker.returncode
+
+    async def wait(self) -> int | None:
+        if self.worker.returncode is not None:
+            return self.worker.returncode
+        waiter: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        self.worker.waiters.append(waiter)  # one per caller: a cancelled caller cancels its own
+        return await waiter
+
+    async def kill(self) -> None:
+        self.worker.exit(-9, "killed")
+
+
+class SimBackend(Backend):
+    """Starts ``SimWorker``s; replaces the supervisor's ``local`` backend."""
+
+    name = "local"
+
+    def __init__(self, net: SimNet) -> None:
+        self.net = net
+
+    def endpoint(self, runtime_dir: Path, number: int) -> str:
+        return f"ipc://{runtime_dir}/sim{number}.sock"
+
+    async def spawn(self, entry: ModelEntry, boot_for: BootFor, log_path: Path,
+                    env: dict[str, str]) -> WorkerHandle:
+        plan = draw_plan(self.net.rng, self.net.chaos)
+        if plan.spawn_delay:
+            await asyncio.sleep(plan.spawn_delay)
+        if plan.spawn_error:
+            self.net.note(f"{entry.id}: spawn fails")
+            raise SpawnError("simulated: the process could not start")
+        boot = msgspec.json.decode(boot_for(""), type=WorkerBoot)
+        worker = SimWorker(self.net, entry.id, boot.endpoint, plan)
+        return SimHandle(worker, log_path, self.net.loop.time())

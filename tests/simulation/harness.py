@@ -1,0 +1,616 @@
+"""The lifecycle simulation: a seeded random schedule against the real ``Supervisor``.
+
+One seed gives one world (``make_world``): a preset of 2-4 models (CPU and one- or
+two-GPU, caps, priorities, pins, ttl, sleep), server limits (``max_loaded_models``,
+memory budgets, short timeouts) and a schedule of operations at virtual times:
+
+- ``request``: a client asks a model for ``tokens`` tokens, streamed or not, through the
+  real ``Relay`` (``relay``: its disconnect watchers see the client leave) or straight
+  through ``Supervisor.acquire`` / ``WorkerLink.submit`` / ``Lease.release``
+  (some relay streams are ``cold``: they begin at once with keep-alive events, as the
+  Anthropic endpoint's do)
+  (``direct``: leaving cancels its task); ``leave`` seconds later it goes away, whatever
+  it is doing then (queued for a slot, waiting for a load, at its first batch, mid-stream);
+- ``load`` (``start_loading`` or acquire-and-release, as ``/v1/models/load``), ``unload``
+  (``stop``, ``force`` or not), ``crash`` (the model's worker exits), ``reload``
+  (``registry.reconfigure`` with one model changed, removed or restored, then
+  ``retire``/``refresh`` as ``router.reload`` does, or ``max_loaded_models`` changed in
+  place, as a reload applies a runtime key).
+
+Workers fail as the seed says (``fakes.draw_plan``): spawn errors, hung or crashing
+boots, engines that refuse to start, shutdowns ignored, failing sleeps, engine errors.
+
+After the schedule nothing more is issued; every client must answer within a bounded
+(virtual) time, the supervisor must settle, and then ``quiescent_violations`` checks:
+no lease or ``max_concurrent`` slot held, no GPU start lock held, no model left
+``loading``/``stopping``, placements = running workers, every worker process known to
+the supervisor; then ``stop_all`` must return and leave no process running.
+
+Run one seed: ``python -m tests.simulation.harness 1234`` (prints its trace), or
+``SIM_SEED=1234 pytest tests/simulation -k one_seed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from router.api.relay import Relay
+from router.errors import APIError
+from router.link import Usage
+from router.placement import GIB, GpuMemory, Placer
+from router.registry import ModelEntry, ModelRegistry
+from router.supervisor import Supervisor
+from shared.config import ModelSpec, Preset, build_preset
+from shared.protocol import Delta, Generate, SamplingSpec
+from tests.simulation.fakes import Q, SimBackend, SimContext, SimNet, quantum
+from tests.simulation.vtime import VirtualClock, VirtualTimeLoop, after_turns, virtual_time
+
+ANSWER_WITHIN = 40.0
+"""Virtual seconds after the last operation by which every client must have answered."""
+SETTLE_WITHIN = 40.0
+"""Virtual seconds after that for no model to be ``loading`` or ``stopping``."""
+STOP_ALL_WITHIN = 20.0
+SHORT_TRACE = 80
+
+
+# -- adapters: the few looks inside that the invariants need -------------------------------
+def slots_taken(slots: Any, cap: int) -> int:
+    """How many of a ``max_concurrent`` cap's slots are taken (or waited for). Today the
+    slots are an ``asyncio.Semaphore``; adjust here if ``ModelEntry.slots`` changes."""
+    if slots is None:
+        return 0
+    for name in ("in_use", "taken", "held"):
+        value = getattr(slots, name, None)
+        if isinstance(value, int):
+            return value
+    if isinstance(slots, asyncio.Semaphore):
+        return cap - slots._value  # no public count of free slots
+    raise TypeError(f"slots_taken: teach the harness about {type(slots).__name__}")
+
+
+def held_placements(placer: Placer) -> set[str]:
+    """Models the placer holds CPU cores for."""
+    return set(placer._held)
+
+
+def gpu_start_locks(placer: Placer) -> dict[int, asyncio.Lock]:
+    """Each GPU's start lock, through the public ``start_locks``."""
+    return {g: placer.start_locks(ModelSpec(id=f"probe{g}", model="/probe", device="cuda",
+                                            gpus=[g]))[0] for g in placer.gpus}
+
+
+def install_fakes(sup: Supervisor, net: SimNet) -> None:
+    """Put the simulated world under ``sup``: its workers start through ``SimBackend``, and
+    its links (real ``WorkerLink``s) get ``SimSocket``s from the ZeroMQ context they are
+    made with. The harness's only writes inside the supervisor; adjust here if they move."""
+    sup._ctx.term()
+    sup._ctx = SimContext(net)  # type: ignore[assignment]
+    sup.backends["local"] = SimBackend(net)
+
+
+# -- the world ---------------------------------------------------------------------------
+@dataclass
+class Op:
+    at: float
+    kind: str
+    model: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in self.args.items())
+        return f"{self.at:6.2f} {self.kind:7} {self.model} {extra}".rstrip()
+
+
+@dataclass
+class World:
+    seed: int
+    raw: dict[str, Any]
+    chaos: float
+    ops: list[Op]
+    gpus: dict[int, GpuMemory]
+
+    def describe(self) -> str:
+        server = {k: v for k, v in self.raw["server"].items() if k != "spare_workers"}
+        lines = [f"server {server} chaos {self.chaos}"]
+        for name, body in self.raw["models"].items():
+            shown = {k: v for k, v in body.items() if k != "model"}
+            lines.append(f"  {name}: {shown}")
+        return "\n".join(lines)
+
+
+def make_world(seed: int) -> World:
+    rng = random.Random(seed)
+    gpus = {g: GpuMemory(g, 80 * GIB, 79 * GIB) for g in (0, 1)}
+    budget = rng.random() < 0.3
+    models: dict[str, dict[str, Any]] = {}
+    for i in range(rng.randint(2, 4)):
+        body: dict[str, Any] = {"model": f"/sim/m{i}"}
+        if rng.random() < 0.5:
+            on = rng.choice([[0], [1], [0, 1], [0, 1]])
+            body.update(device="cuda", gpus=on, tensor_parallel_size=len(on))
+            if rng.random() < 0.4:
+                body["idle_action"] = "sleep"
+            if budget:
+                body["memory_gib"] = rng.choice([30, 50, 70]) * len(on)
+        body["max_concurrent"] = rng.choice([0, 1, 1, 2, 4])
+        if rng.random() < 0.25:
+            body["priority"] = 5
+        if rng.random() < 0.08:
+            body["pinned"] = True
+        if rng.random() < 0.15:
+            body["min_resident"] = 0.5
+        ttl = rng.choice([None, None, 0.5, 2.0])
+        if ttl is not None:
+            body["ttl"] = ttl
+        models[f"m{i}"] = body
+    server: dict[str, Any] = {
+        "spare_workers": 0,
+        "max_loaded_models": rng.choice([0, 1, 1, 2, 2, 3]),
+        "load_timeout": rng.choice([1.5, 3.0]),
+        "drain_timeout": rng.choice([0.3, 1.0]),
+        "swap_wait": rng.choice([0.2, 0.6]),
+        "max_queue_depth": rng.choice([2, 4, 32]),
+        "ttl": rng.choice([0.0, 0.0, 1.0, 3.0]),
+    }
+    if budget:
+        server["memory_budget_gib"] = {"cuda:0": 80, "cuda:1": 80, "cpu": rng.choice([4, 6])}
+    chaos = rng.choice([0.0, 0.3, 1.0])
+    names = list(models)
+    horizon = rng.choice([3.0, 6.0, 10.0])
+    ops: list[Op] = []
+    for _ in range(rng.randint(10, 60)):
+        if ops and rng.random() < 0.3:
+            at = ops[-1].at  # a burst: same instant, same loop turns
+        else:
+            at = round(rng.uniform(0, horizon) / Q) * Q
+        kind = rng.choices(["request", "load", "unload", "crash", "reload"],
+                           [70, 6, 8, 5, 4])[0]
+        model = rng.choice(names)
+        args: dict[str, Any] = {}
+        if kind == "request":
+            if rng.random() < 0.03:
+                model = "nope"
+            args = {"via": "relay" if rng.random() < 0.6 else "direct",
+                    "tokens": rng.randint(1, 20), "stream": rng.random() < 0.6}
+            if rng.random() < 0.5:
+                args["leave"] = quantum(rng, 60)
+                args["turns"] = rng.randint(0, 6)  # loop turns after that instant
+            if rng.random() < 0.15:
+                args["keep_alive"] = rng.choice([0.0, -1.0, 1.0])
+            if args["via"] == "relay" and args["stream"] and rng.random() < 0.3:
+                args["cold"] = True  # the stream begins at once, with keep-alive events
+        elif kind == "load":
+            args = {"wait": rng.random() < 0.5}
+        elif kind == "unload":
+            args = {"force": rng.random() < 0.3}
+        elif kind == "reload":
+            args = {"change": rng.choice(["restart", "router_only", "remove", "restore",
+                                          "limit"])}
+            if args["change"] == "limit":
+                args["max_loaded_models"] = rng.choice([0, 1, 2])
+        ops.append(Op(at, kind, model, args))
+    ops.sort(key=lambda op: op.at)
+    return World(seed, {"server": server, "models": models}, chaos, ops, gpus)
+
+
+# -- clients -----------------------------------------------------------------------------
+class SimRequest:
+    """What the relay uses of a Starlette request: ``receive`` (for disconnects)."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+        self.streaming: asyncio.Task[Any] | None = None
+
+    async def receive(self) -> dict[str, Any]:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
+class SimShaper:
+    def __init__(self) -> None:
+        self.deltas = 0
+
+    def chunks(self, batch: list[Delta]) -> bytes:
+        self.deltas += len(batch)
+        return b"c"
+
+    def close(self, usage: Usage) -> bytes:
+        return b"end"
+
+    def error_event(self, err: APIError) -> bytes:
+        return b"error"
+
+    def add(self, batch: list[Delta]) -> None:
+        self.deltas += len(batch)
+
+    def body(self, usage: Usage) -> dict[str, Any]:
+        return {"deltas": self.deltas}
+
+
+@dataclass
+class Client:
+    op: Op
+    task: asyncio.Task[str]
+    left: bool = False
+    """The harness made it leave (cancelled its task)."""
+
+    def outcome(self) -> str:
+        if not self.task.done():
+            return "pending"
+        if self.task.cancelled():
+            return "left" if self.left else "cancelled"
+        err = self.task.exception()
+        if err is None:
+            return self.task.result()
+        if isinstance(err, APIError):
+            return f"{err.status} {type(err).__name__}"
+        return f"raised {type(err).__name__}: {err}"
+
+
+@dataclass
+class Result:
+    seed: int
+    violations: list[str]
+    trace: str
+    digest: str
+
+    def report(self, short: bool = False) -> str:
+        """The findings, how to replay them, and the trace (``short``: only the lines of
+        the models the findings name, at most ``SHORT_TRACE`` of them)."""
+        head = [f"seed {self.seed}: " + "; ".join(self.violations),
+                (f"reproduce: SIM_SEED={self.seed} pytest tests/simulation -k one_seed -s "
+                 f"(or python -m tests.simulation.harness {self.seed})")]
+        lines = self.trace.splitlines()
+        if short:
+            named = set(re.findall(r"\bm\d\b", " ".join(self.violations)))
+            config = [line for line in lines if not line.startswith("    ")]
+            events = [line for line in lines if line.startswith("    ")
+                      and (not named or named & set(re.findall(r"\bm\d\b", line)))
+                      and "TooManyRequests" not in line]
+            cut = len(events) - SHORT_TRACE
+            lines = config + events[:SHORT_TRACE] + (
+                [f"    ... {cut} more: run the seed alone for the whole trace"] if cut > 0 else [])
+        return "\n".join(head + lines)
+
+
+class _Recorder(logging.Handler):
+    """Keeps the router's warnings for the trace, and its logged exceptions as findings."""
+
+    def __init__(self, net: SimNet) -> None:
+        super().__init__(logging.WARNING)
+        self.net = net
+        self.exceptions: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage().splitlines()[0][:160]
+        self.net.note(f"log {record.levelname.lower()}: {message}")
+        if record.exc_info:
+            self.exceptions.append(f"logged exception: {message}: {record.exc_info[1]!r}")
+
+
+class Simulation:
+    def __init__(self, world: World, loop: VirtualTimeLoop, runtime_dir: Path) -> None:
+        self.world = world
+        self.loop = loop
+        self.net = SimNet(loop, random.Random(world.seed * 7919 + 1), world.chaos)
+        preset = build_preset(world.raw)
+        self.models = dict(preset.models)
+        self.removed_specs: dict[str, ModelSpec] = {}
+        placer = Placer(cores={0, 1, 2, 3}, gpus=world.gpus, process_memory=lambda pids: {})
+        self.sup = Supervisor(ModelRegistry(preset), preset.server, runtime_dir, placer)
+        install_fakes(self.sup, self.net)
+        self.relay = Relay(self.sup)
+        self._watch_events()
+        self.clients: list[Client] = []
+        self.entries: list[ModelEntry] = list(self.sup.registry)
+        self.slot_pools: list[tuple[ModelEntry, Any, int]] = [
+            (e, e.slots, e.spec.max_concurrent) for e in self.entries]
+        self.loop_errors: list[str] = []
+        self._ids = 0
+
+    def _watch_events(self) -> None:
+        """State changes and evictions go into the trace, as they happen."""
+        sub = self.sup.events.subscribe(replay=False)
+
+        def offer(event: dict[str, Any]) -> None:
+            if event["type"] == "state":
+                why = f" ({event['reason']})" if event.get("reason") else ""
+                self.net.note(f"{event['model']}: -> {event['state']}{why}")
+            elif event["type"] == "eviction":
+                self.net.note(f"{event['model']}: {event['action']} for {event['for']}")
+
+        sub.offer = offer  # type: ignore[method-assign]
+
+    # operations
+    def issue(self, op: Op) -> None:
+        if op.kind == "crash":
+            for worker in reversed(self.net.workers):
+                if worker.model == op.model and worker.returncode is None:
+                    worker.exit(137, "simulated crash")
+                    break
+            return
+        if op.kind == "reload":
+            self.reload(op)
+            return
+        request = SimRequest()
+        if op.kind == "request":
+            coro = self.request(op, request)
+        elif op.kind == "load":
+            coro = self.load(op)
+        else:
+            coro = self.unload(op)
+        client = Client(op, self.loop.create_task(coro))
+        self.clients.append(client)
+        client.task.add_done_callback(
+            lambda _: self.net.note(f"answer {op.kind} {op.model} @{op.at:g}: {client.outcome()}"))
+        leave = op.args.get("leave")
+        if leave is not None:
+            self.loop.call_later(leave, after_turns, self.loop, op.args["turns"], self._leave,
+                                 client, request)
+
+    def _leave(self, client: Client, request: SimRequest) -> None:
+        if client.task.done():
+            return
+        self.net.note(f"leaves: {client.op.kind} {client.op.model} @{client.op.at:g}")
+        request.gone.set()  # the relay's watchers see it
+        if client.op.args["via"] == "direct" or request.streaming is not None:
+            # a direct client, or Starlette cancelling a response that streams
+            client.left = client.task.cancel() or client.left
+
+    def _generate(self, op: Op) -> Generate:
+        self._ids += 1
+        return Generate(id=f"g{self._ids}", prompt="hi",
+                        sampling=SamplingSpec(max_tokens=op.args["tokens"]))
+
+    async def request(self, op: Op, request: SimRequest) -> str:
+        gen = self._generate(op)
+        if op.args["via"] == "direct":
+            lease, link = await self.sup.acquire(op.model, "generate")
+            if "keep_alive" in op.args:
+                lease.entry.keep_alive = op.args["keep_alive"]
+            stream = None
+            try:
+                stream = link.submit([gen], Usage())
+                got = sum([len(batch) async for batch in stream])
+                return f"ok {got}"
+            finally:
+                if stream is not None:
+                    stream.close()
+                lease.release()
+        response = await self.relay.generate(
+            request, "/sim", op.model, [gen], op.args["stream"], lambda _: SimShaper(),
+            keep_alive=op.args.get("keep_alive"),
+            keepalive=b"ping" if op.args.get("cold") else b"")
+        if not op.args["stream"]:
+            return "ok json"
+        request.streaming = asyncio.current_task()  # from now on leaving cancels the response
+        chunks = [chunk async for chunk in response.body_iterator]
+        return f"ok stream of {len(chunks)}"
+
+    async def load(self, op: Op) -> str:
+        entry = self.sup.registry.resolve(op.model, use_default=False)
+        if not op.args["wait"]:
+            if entry.state != "ready":
+                self.sup.start_loading(entry)
+            return "ok 202"
+        lease, _ = await self.sup.acquire(entry.id)
+        lease.release()
+        return "ok loaded"
+
+    async def unload(self, op: Op) -> str:
+        entry = self.sup.registry.resolve(op.model, use_default=False)
+        await self.sup.stop(entry, force=op.args["force"])
+        return f"ok {entry.state}"
+
+    def reload(self, op: Op) -> None:
+        """What ``router.reload.Reloader._apply`` does with a new preset's models."""
+        change, name = op.args["change"], op.model
+        if change == "limit":  # a runtime key: the live server config changes in place
+            self.sup.server.max_loaded_models = op.args["max_loaded_models"]
+            self.net.note(f"reload: max_loaded_models={op.args['max_loaded_models']}")
+            return
+        models = dict(self.models)
+        if change == "restore":
+            if not self.removed_specs:
+                return
+            name = min(self.removed_specs)
+            models[name] = self.removed_specs.pop(name)
+        elif name not in models:
+            return
+        elif change == "remove":
+            if len(models) == 1:
+                return
+            self.removed_specs[name] = models.pop(name)
+        elif change == "restart":
+            spec = models[name]
+            models[name] = msgspec.structs.replace(
+                spec, max_model_len=2048 if spec.max_model_len != 2048 else 1024)
+        else:
+            models[name] = msgspec.structs.replace(models[name], ttl=0.7)
+        changed = [n for n, spec in models.items() if n in self.models and self.models[n] != spec]
+        before = {e.id: (e, e.slots) for e in self.sup.registry}
+        added, removed = self.sup.registry.reconfigure(Preset(server=self.sup.server,
+                                                              models=models))
+        self.models = models
+        self.entries += [e for e in added if e not in self.entries]
+        for entry in self.sup.registry:
+            if before.get(entry.id, (None, None))[1] is not entry.slots or entry in added:
+                self.slot_pools.append((entry, entry.slots, entry.spec.max_concurrent))
+        for entry in removed:
+            self.sup.retire(entry)
+        for n in changed:
+            self.sup.refresh(self.sup.registry.entries[n], load=False)
+        self.net.note(f"reload: {change} {name}")
+
+    # the run
+    async def run(self) -> list[str]:
+        sup = self.sup
+        sup.start()
+        began = self.loop.time()
+        for op in self.world.ops:
+            delay = began + op.at - self.loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            self.net.note(f"op {op}")
+            self.issue(op)
+        violations: list[str] = []
+        tasks = [c.task for c in self.clients]
+        if tasks:
+            await asyncio.wait(tasks, timeout=ANSWER_WITHIN)
+        for client in self.clients:
+            outcome = client.outcome()
+            if outcome == "pending":
+                violations.append(f"client never answered ({ANSWER_WITHIN:g} s): {client.op}")
+            elif outcome == "cancelled" or outcome.startswith("raised"):
+                violations.append(f"client got {outcome}: {client.op}")
+        # Settled: no model loading, stopping or waiting for room, for two looks in a row
+        # (work that a client left behind, such as a cancelled task's cleanup, may take a
+        # few turns).
+        deadline, calm = self.loop.time() + SETTLE_WITHIN, 0
+        while calm < 2 and self.loop.time() < deadline:
+            await asyncio.sleep(Q)
+            busy = any(e.state in ("loading", "stopping") or e.room_since is not None
+                       for e in self.entries)
+            calm = 0 if busy else calm + 1
+        self.net.note("quiescent: invariants checked")
+        violations += self.quiescent_violations()
+        self.net.note("stop_all")
+        stop_all = asyncio.ensure_future(sup.stop_all())
+        await asyncio.wait({stop_all}, timeout=STOP_ALL_WITHIN)
+        if not stop_all.done():
+            violations.append(f"stop_all did not return within {STOP_ALL_WITHIN:g} s")
+            stop_all.cancel()
+        else:
+            stop_all.result()
+            violations += [f"after stop_all: {v}" for v in self.stopped_violations()]
+        for client in self.clients:
+            client.task.cancel()
+        return violations
+
+    def quiescent_violations(self) -> list[str]:
+        out = []
+        sup = self.sup
+        for entry in self.entries:
+            if entry.leases:
+                out.append(f"{entry.id}: {entry.leases} lease(s) held at quiescence")
+            if entry.state in ("loading", "stopping"):
+                out.append(f"{entry.id}: left '{entry.state}' ({SETTLE_WITHIN:g} s settle)")
+            if entry.queued:
+                out.append(f"{entry.id}: queued count {entry.queued} at quiescence")
+            if entry.yield_to is not None:
+                out.append(f"{entry.id}: still yields to {entry.yield_to}")
+        for entry, slots, cap in self.slot_pools:
+            taken = slots_taken(slots, cap)
+            if taken:
+                out.append(f"{entry.id}: {taken} of {cap} max_concurrent slot(s) taken at "
+                           "quiescence")
+        for gpu, lock in gpu_start_locks(sup.placer).items():
+            if lock.locked():
+                out.append(f"start lock of GPU {gpu} held at quiescence")
+        running = dict(sup._workers)
+        for model_id, worker in running.items():
+            if worker.handle.returncode is not None:
+                out.append(f"{model_id}: the supervisor keeps worker {worker.handle.pid}, "
+                           f"which exited ({worker.handle.returncode})")
+        current = set(sup.registry.entries.values())
+        for entry in self.entries:
+            if entry not in current and entry.id in sup.registry.entries:
+                continue  # removed, then added again: its id names the new entry's worker
+            if entry.state in ("ready", "sleeping") and entry.id not in running:
+                out.append(f"{entry.id}: '{entry.state}' with no worker")
+            if entry.id in running and entry.state not in ("ready", "sleeping", "stopping"):
+                out.append(f"{entry.id}: '{entry.state}' but its worker is kept")
+        cpu = {m for m, w in running.items() if w.spec is None or w.spec.device == "cpu"}
+        held = held_placements(sup.placer)
+        if held != cpu:
+            out.append(f"placements {sorted(held)} != running CPU workers {sorted(cpu)}")
+        known = {w.handle.pid for w in running.values()}
+        for worker in self.net.alive():
+            if worker.pid not in known:
+                out.append(f"{worker.model}: worker {worker.pid} runs unknown to the supervisor")
+        return out
+
+    def stopped_violations(self) -> list[str]:
+        out = [f"{w.model}: worker {w.pid} still runs" for w in self.net.alive()]
+        if self.sup._workers:
+            out.append(f"the supervisor still keeps workers of {sorted(self.sup._workers)}")
+        out += [f"{e.id}: '{e.state}'" for e in self.entries
+                if e.state not in ("unloaded", "failed")]
+        return out
+
+
+def run_seed(seed: int) -> Result:
+    """Simulate one seed; its violations (none: it passed), trace and a digest of the run."""
+    world = make_world(seed)
+    clock = VirtualClock()
+    loop = VirtualTimeLoop(clock)
+    router_log = logging.getLogger("modelyard")
+    saved = router_log.level, router_log.propagate
+    with tempfile.TemporaryDirectory(prefix="sim") as tmp, virtual_time(clock):
+        asyncio.set_event_loop(loop)
+        try:
+            sim = Simulation(world, loop, Path(tmp))
+            recorder = _Recorder(sim.net)
+            router_log.addHandler(recorder)
+            router_log.setLevel(logging.WARNING)
+            router_log.propagate = False
+            loop.set_exception_handler(
+                lambda _, ctx: sim.loop_errors.append(f"loop: {ctx.get('message')}: "
+                                                      f"{ctx.get('exception')!r}"))
+            violations = loop.run_until_complete(sim.run())
+            _cancel_all(loop)
+        finally:
+            router_log.removeHandler(recorder)
+            router_log.setLevel(saved[0])
+            router_log.propagate = saved[1]
+            asyncio.set_event_loop(None)
+            loop.close()
+    violations += recorder.exceptions + sim.loop_errors
+    trace = "\n".join([world.describe(), "what happened (virtual seconds):",
+                       *(f"  {line}" for line in sim.net.log)])
+    digest = hashlib.sha256("\n".join(sim.net.log).encode()).hexdigest()[:16]
+    return Result(seed, violations, trace, digest)
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+
+
+def main(argv: list[str]) -> int:
+    """``python -m tests.simulation.harness SEED`` prints one seed's trace;
+    ``... FIRST-LAST`` runs a range and prints a line per failing seed."""
+    spec = argv[1] if len(argv) > 1 else "0"
+    if "-" in spec:
+        first, last = (int(x) for x in spec.split("-"))
+        failed = 0
+        for seed in range(first, last + 1):
+            result = run_seed(seed)
+            if result.violations:
+                failed += 1
+                print(f"{seed}: " + " | ".join(result.violations))
+        print(f"{failed} of {last - first + 1} seeds failed")
+        return 1 if failed else 0
+    result = run_seed(int(spec))
+    print(result.trace)
+    print("violations:", *result.violations or ["none"], sep="\n  ")
+    return 1 if result.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
