@@ -72,7 +72,9 @@ class Scheduling:
     def _first_in_line(self, entry: ModelEntry) -> bool:
         """Of the loads waiting for room, ``entry``'s goes first: highest priority, then
         the longest wait."""
-        waiting = [e for e in self.registry if e.room_since is not None]
+        # ``entry`` itself too: a reload may have taken it out of the registry while it
+        # waits (its retirement cancels the wait).
+        waiting = {e for e in self.registry if e.room_since is not None} | {entry}
         return max(waiting, key=lambda e: (e.spec.priority, -(e.room_since or 0))) is entry
 
     @staticmethod
@@ -155,6 +157,8 @@ class Scheduling:
                 await asyncio.sleep(POLL)  # room appears when a lease ends or a model stops
         finally:
             entry.room_since = None
-            for other in self.registry:  # not needed any more: serve again
-                if other.yield_to == entry.id and other.state in ("ready", "sleeping"):
+            # Not needed any more: serve again. Whatever state it is in: one that crashed
+            # while it yielded must not hold its requests back (they wait on ``yield_to``).
+            for other in (*self.registry, *self._removed):
+                if other.yield_to == entry.id:
                     other.yield_to = None

@@ -156,8 +156,14 @@ class Supervisor(Scheduling, Idling):
         now = self.acquire_now(name, task)
         if isinstance(now, tuple):
             return now
-        while now.yield_to is not None:  # it makes room for another: wait, unleased
-            await asyncio.sleep(POLL)
+        if now.yield_to is not None:  # it makes room for another: wait, unleased
+            try:
+                async with asyncio.timeout(self.server.load_timeout):
+                    while now.yield_to is not None:
+                        await asyncio.sleep(POLL)
+            except TimeoutError:
+                raise ModelUnavailable(f"model '{now.id}' was making room for another model "
+                                       f"for {self.server.load_timeout:g} s") from None
         lease = Lease(now)  # before any await: from here on nothing reaps this model
         try:
             await self._take_slot(lease)
@@ -304,6 +310,9 @@ class Supervisor(Scheduling, Idling):
             log.info("model %s: restart backoff %.1f s after %d failure(s)", entry.id,
                      delay, entry.failures)
             await asyncio.sleep(delay)
+        if entry.removed:  # a reload took it out while this load waited: it never loads again
+            raise ModelNotFound(f"The model '{entry.id}' was removed from the configuration",
+                                param="model")
         try:
             await self._make_room(entry)
             entry.restarts += entry.state == "failed"  # a start after a crash or failed start

@@ -49,7 +49,7 @@ from router.api.relay import Relay
 from router.errors import APIError
 from router.link import Usage
 from router.placement import GIB, GpuMemory, Placer
-from router.registry import ModelEntry, ModelRegistry
+from router.registry import ModelEntry, ModelRegistry, Slots
 from router.supervisor import Supervisor
 from shared.config import ModelSpec, Preset, build_preset
 from shared.protocol import Delta, Generate, SamplingSpec
@@ -65,18 +65,11 @@ SHORT_TRACE = 80
 
 
 # -- adapters: the few looks inside that the invariants need -------------------------------
-def slots_taken(slots: Any, cap: int) -> int:
-    """How many of a ``max_concurrent`` cap's slots are taken (or waited for). Today the
-    slots are an ``asyncio.Semaphore``; adjust here if ``ModelEntry.slots`` changes."""
+def slots_taken(slots: Slots | None, cap: int) -> int:
+    """How many of a ``max_concurrent`` cap's slots are taken (or waited for)."""
     if slots is None:
         return 0
-    for name in ("in_use", "taken", "held"):
-        value = getattr(slots, name, None)
-        if isinstance(value, int):
-            return value
-    if isinstance(slots, asyncio.Semaphore):
-        return cap - slots._value  # no public count of free slots
-    raise TypeError(f"slots_taken: teach the harness about {type(slots).__name__}")
+    return cap - slots.free + slots.waiting
 
 
 def held_placements(placer: Placer) -> set[str]:
