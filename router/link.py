@@ -394,7 +394,9 @@ class WorkerLink:
             if not message.id:
                 self.fail(ModelUnavailable(f"model '{self.model}' failed: {message.message}"))
             elif message.id in self._calls:
-                self._calls[message.id].set_exception(_api_error(message))
+                call = self._calls[message.id]
+                if not call.done():  # ``fail`` may have ended it (seen in the simulation)
+                    call.set_exception(_api_error(message))
             else:
                 route = self._routes.pop(message.id, None)
                 if route is not None:
