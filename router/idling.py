@@ -22,7 +22,7 @@ from router.scheduling import POLL
 from shared.config import ServerConfig
 
 if TYPE_CHECKING:
-    from router.supervisor import _Worker
+    from router.worker_record import WorkerRecord
 
 log = logging.getLogger("modelyard.router")
 
@@ -32,7 +32,7 @@ class Idling:
 
     registry: ModelRegistry
     server: ServerConfig
-    _workers: dict[str, _Worker]
+    _workers: dict[str, WorkerRecord]
     _wakes: dict[str, asyncio.Task[None]]
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -22,7 +22,7 @@ from router.registry import ModelEntry, ModelRegistry
 from shared.config import ServerConfig
 
 if TYPE_CHECKING:
-    from router.supervisor import _Worker
+    from router.worker_record import WorkerRecord
 
 log = logging.getLogger("modelyard.router")
 POLL = 0.05  # seconds between looks at state that has no event of its own
@@ -40,7 +40,7 @@ class Scheduling:
     server: ServerConfig
     placer: Placer
     events: EventBus
-    _workers: dict[str, _Worker]
+    _workers: dict[str, WorkerRecord]
     _removed: set[ModelEntry]
 
     async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 1.0) -> None:

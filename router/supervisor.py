@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from router.backends import Backend, SpawnError, WorkerHandle
+from router.backends import Backend, SpawnError
 from router.backends.local import LocalBackend, LocalHandle
 from router.backends.ray_cluster import RayBackend
 from router.errors import (
@@ -50,7 +50,8 @@ from router.processes import (
 from router.registry import Lease, ModelEntry, ModelRegistry
 from router.scheduling import POLL, Scheduling
 from router.spares import SparePool
-from shared.config import ModelSpec, ServerConfig, WorkerBoot, restart_needed
+from router.worker_record import WorkerRecord
+from shared.config import ServerConfig, WorkerBoot, restart_needed
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
@@ -64,22 +65,6 @@ def backoff_seconds(failures: int) -> float:
     return 0.0 if failures <= 0 else min(BACKOFF_MAX, 0.5 * 2 ** (failures - 1))
 
 
-class _Worker:
-    """What the supervisor keeps per running worker: its backend's handle and its link."""
-
-    def __init__(self, handle: WorkerHandle | asyncio.subprocess.Process, link: WorkerLink,
-                 log_path: Path | None = None, spec: ModelSpec | None = None) -> None:
-        if isinstance(handle, asyncio.subprocess.Process):  # a process started here
-            assert log_path is not None
-            handle = LocalHandle(handle, log_path)
-        self.handle = handle
-        self.spec = spec
-        """What it was started with (a reload may have changed its model's since)."""
-        self.link = link
-        self.log_path = handle.log_path
-        self.watcher: asyncio.Task[None] | None = None
-
-
 class Supervisor(Scheduling, Idling):
     def __init__(self, registry: ModelRegistry, server: ServerConfig, runtime_dir: Path,
                  placer: Placer | None = None, events: EventBus | None = None) -> None:
@@ -90,7 +75,8 @@ class Supervisor(Scheduling, Idling):
         self.runtime_dir = runtime_dir
         self.placer = placer or Placer()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, WorkerRecord] = {}
+        """Each model's running worker (``worker_of``), by model id."""
         self._loads: dict[str, asyncio.Task[WorkerLink]] = {}
         self._wakes: dict[str, asyncio.Task[None]] = {}
         self._stops: dict[str, asyncio.Task[None]] = {}
@@ -112,6 +98,19 @@ class Supervisor(Scheduling, Idling):
         task = asyncio.create_task(coro)
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
+
+    # -- workers: one per model for now; replicas make these a list per model ------------
+    def worker_of(self, entry: ModelEntry) -> WorkerRecord | None:
+        """``entry``'s running worker, if it has one."""
+        return self._workers.get(entry.id)
+
+    def add_worker(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+        self._workers[entry.id] = worker
+
+    def remove_worker(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+        """Forget ``worker`` (a newer one of ``entry``'s stays)."""
+        if self._workers.get(entry.id) is worker:
+            del self._workers[entry.id]
 
     def _publish_state(self, entry: ModelEntry, reason: str | None = None) -> None:
         """Tell the event bus of ``entry``'s state, if it changed since last told."""
@@ -295,7 +294,7 @@ class Supervisor(Scheduling, Idling):
 
     async def _load(self, entry: ModelEntry) -> WorkerLink:
         # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
-        while entry.state == "stopping" or (entry.state != "ready" and entry.id in self._workers):
+        while entry.state == "stopping" or (entry.state != "ready" and self.worker_of(entry) is not None):
             await asyncio.sleep(POLL)
         if entry.state == "ready" and entry.link is not None:
             return entry.link
@@ -352,8 +351,8 @@ class Supervisor(Scheduling, Idling):
         log.info("model %s: worker pid %d on %s starting%s (%s)", entry.id, handle.pid,
                  handle.node, " from a spare" if spare else "",
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
-        worker = _Worker(handle, link, spec=spec)
-        self._workers[entry.id] = worker
+        worker = WorkerRecord(handle, link, spec=spec)
+        self.add_worker(entry, worker)
         entry.pid, entry.node = handle.pid, handle.node
         self._publish_state(entry)
         exited = asyncio.create_task(handle.wait())
@@ -402,10 +401,10 @@ class Supervisor(Scheduling, Idling):
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
 
-    async def _log_ready(self, entry: ModelEntry, worker: _Worker, offset: int) -> None:
+    async def _log_ready(self, entry: ModelEntry, worker: WorkerRecord, offset: int) -> None:
         """Add the engine's own timings (from its log) to the load's phases; log them."""
         found = await asyncio.to_thread(engine_phases, worker.log_path, offset)
-        if self._workers.get(entry.id) is worker:
+        if self.worker_of(entry) is worker:
             entry.load_phases = {**entry.load_phases, **found}
             self.events.publish("load", entry.id, load_seconds=entry.load_seconds,
                                 load_phases=entry.load_phases, pid=worker.handle.pid)
@@ -425,9 +424,9 @@ class Supervisor(Scheduling, Idling):
         entry.error = f"{reason}\n{tail}".strip()
         self._publish_state(entry, reason)
 
-    async def _watch(self, entry: ModelEntry, worker: _Worker) -> None:
+    async def _watch(self, entry: ModelEntry, worker: WorkerRecord) -> None:
         code = await self._gone(worker)
-        if self._workers.get(entry.id) is not worker:
+        if self.worker_of(entry) is not worker:
             return
         reason = (f"worker exited unexpectedly with code {code}" if code is not None
                   else f"worker exited unexpectedly: {worker.handle.lost}" if worker.handle.lost
@@ -447,7 +446,7 @@ class Supervisor(Scheduling, Idling):
             entry.error = f"{reason}\n{tail}".strip()
 
     @staticmethod
-    async def _gone(worker: _Worker) -> int | None:
+    async def _gone(worker: WorkerRecord) -> int | None:
         """Until the worker is gone: its exit code, or ``None``. A remote worker whose link
         drops (a dead node sends nothing) is gone too; its backend may still say how
         within ``LINK_GRACE`` seconds (a killed actor is reported in milliseconds)."""
@@ -464,12 +463,11 @@ class Supervisor(Scheduling, Idling):
         exited.cancel()
         return None
 
-    async def _reap(self, entry: ModelEntry, worker: _Worker, reason: str) -> None:
+    async def _reap(self, entry: ModelEntry, worker: WorkerRecord, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""
         await worker.handle.kill()
         worker.link.close(reason)
-        if self._workers.get(entry.id) is worker:
-            del self._workers[entry.id]
+        self.remove_worker(entry, worker)
         self.placer.release(entry.id)
         if entry.link is worker.link:
             entry.link = None
@@ -509,7 +507,7 @@ class Supervisor(Scheduling, Idling):
         if load is not None:  # loading, or still in its backoff or waiting for room
             load.cancel()
             await asyncio.wait({load})  # its own cleanup reaps what it started
-        worker = self._workers.get(entry.id)
+        worker = self.worker_of(entry)
         if worker is None:
             entry.yield_to = None
             if entry.state != "failed":
@@ -520,7 +518,7 @@ class Supervisor(Scheduling, Idling):
         self._publish_state(entry)
         await self._finish_stop(entry, worker, force, grace)
 
-    async def _finish_stop(self, entry: ModelEntry, worker: _Worker, force: bool = False,
+    async def _finish_stop(self, entry: ModelEntry, worker: WorkerRecord, force: bool = False,
                            grace: float = 1.0) -> None:
         """The rest of a stop, once ``entry`` is marked ``stopping``: drain (unless
         ``force``), then ``Shutdown`` (the worker kills its own process group at once),
@@ -576,7 +574,7 @@ class Supervisor(Scheduling, Idling):
             starting = self._loads.get(entry.id)
             if starting is not None and entry.state == "loading":
                 await asyncio.wait({starting})  # its waiters get the worker they waited for
-            worker = self._workers.get(entry.id)
+            worker = self.worker_of(entry)
             if worker is not None and (worker.spec is None
                                        or restart_needed(worker.spec, entry.spec)):
                 log.info("model %s: its spec changed; restarting once its requests are done",
@@ -595,7 +593,7 @@ class Supervisor(Scheduling, Idling):
         for task in list(self._loads.values()):
             task.cancel()
         await asyncio.gather(*(self.stop(e) for e in (*self.registry, *self._removed)
-                               if e.id in self._workers), return_exceptions=True)
+                               if self.worker_of(e) is not None), return_exceptions=True)
         self._ctx.destroy(linger=0)  # closes any socket a cancelled start left behind
         for backend in self.backends.values():
             backend.close()

@@ -45,8 +45,8 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
         loads.append(entry.id)
         await asyncio.sleep(0.01)
         pid = 1000 + len(loads)
-        sup._workers[entry.id] = SimpleNamespace(  # type: ignore[assignment]
-            handle=SimpleNamespace(pids=lambda: {pid}))
+        sup.add_worker(entry, SimpleNamespace(  # type: ignore[arg-type]
+            handle=SimpleNamespace(pids=lambda: {pid})))
         entry.state, entry.link = "ready", FakeLink()  # type: ignore[assignment]
         entry.loaded_at, entry.last_used, entry.load_seconds = time.time(), time.monotonic(), 5
         return entry.link
@@ -54,7 +54,7 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
     async def finish_stop(entry: ModelEntry, worker: Any, force: bool = False,
                           grace: float = 1.0) -> None:
         await asyncio.sleep(0.01)
-        del sup._workers[entry.id]
+        sup.remove_worker(entry, worker)
         entry.state, entry.link, entry.yield_to = "unloaded", None, None
 
     sup._spawn = spawn  # type: ignore[method-assign]
