@@ -9,6 +9,10 @@ does not cancel a load others still wait for.
 Lifecycle: ``unloaded → loading → ready ⇄ sleeping → stopping → unloaded``, and
 ``failed`` (exit code and log tail kept) after a crash or a failed start. A request to a
 ``failed`` model starts it again, after an exponential backoff while failures repeat.
+
+Who gets room and who idles is policy (``router.policy``: plain functions, no awaits);
+the supervisor owns the executors that act on it, ``RoomMaker`` (evict, yield) and
+``IdleReaper`` (stop, sleep, wake), and its own worker records (``worker_of``).
 """
 
 from __future__ import annotations
@@ -40,15 +44,12 @@ from router.errors import (
     WorkerLost,
 )
 from router.events import EventBus
-from router.idling import Idling
+from router.idle_reaper import IdleReaper
 from router.link import WorkerLink
 from router.placement import Placer
-from router.processes import (
-    engine_phases,
-    log_tail,
-)
+from router.processes import engine_phases, log_tail
 from router.registry import Lease, ModelEntry, ModelRegistry
-from router.scheduling import POLL, Scheduling
+from router.room_maker import RoomMaker
 from router.spares import SparePool
 from router.worker_record import WorkerRecord
 from shared.config import ServerConfig, WorkerBoot, restart_needed
@@ -56,8 +57,7 @@ from shared.config import ServerConfig, WorkerBoot, restart_needed
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
 BACKOFF_MAX = 30.0
-LINK_GRACE = 0.3
-"""Seconds a dropped remote link waits for its backend's own word on the worker's end."""
+POLL = 0.05  # seconds between looks at state that has no event of its own
 
 
 def backoff_seconds(failures: int) -> float:
@@ -65,7 +65,10 @@ def backoff_seconds(failures: int) -> float:
     return 0.0 if failures <= 0 else min(BACKOFF_MAX, 0.5 * 2 ** (failures - 1))
 
 
-class Supervisor(Scheduling, Idling):
+class Supervisor:
+    """The one executor of the models' lifecycle: asks policy (``router.policy``), then
+    spawns, stops, sleeps and wakes workers through a backend (module docstring)."""
+
     def __init__(self, registry: ModelRegistry, server: ServerConfig, runtime_dir: Path,
                  placer: Placer | None = None, events: EventBus | None = None) -> None:
         self.registry = registry
@@ -78,7 +81,6 @@ class Supervisor(Scheduling, Idling):
         self._workers: dict[str, WorkerRecord] = {}
         """Each model's running worker (``worker_of``), by model id."""
         self._loads: dict[str, asyncio.Task[WorkerLink]] = {}
-        self._wakes: dict[str, asyncio.Task[None]] = {}
         self._stops: dict[str, asyncio.Task[None]] = {}
         """Each model's one stop under way (``stopping``)."""
         self._reaper: asyncio.Task[None] | None = None
@@ -86,6 +88,10 @@ class Supervisor(Scheduling, Idling):
         self._removed: set[ModelEntry] = set()
         """Models a reload removed whose workers still drain."""
         self._closing = False
+        self.rooms = RoomMaker(registry, self._removed, server, self.placer, self.events,
+                               self.worker_of, self.stop, POLL)
+        self.idler = IdleReaper(registry, server, POLL, self._publish_state, self.stopping,
+                                self._spawn_task)
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
                                 self._command(spare=True), self.base_env, self._spawn_task)
         self.backends: dict[str, Backend] = {
@@ -134,7 +140,7 @@ class Supervisor(Scheduling, Idling):
         ray = self.backends.get("ray")
         if isinstance(ray, RayBackend):
             ray.connect()  # blocks ~2 s, once, before the router serves
-        self._reaper = asyncio.create_task(self._reap_idle(), name="reaper")
+        self._reaper = asyncio.create_task(self.idler.run(), name="reaper")
         self.spares.replenish()  # first: a load_on_startup model takes it as it is
         for entry in self.startup_models():
             self.start_loading(entry)
@@ -217,7 +223,7 @@ class Supervisor(Scheduling, Idling):
             # that arrives in the turn it is cancelled, and the cancel is lost.
             async with asyncio.timeout(self.server.load_timeout):
                 if entry.state == "sleeping":
-                    await asyncio.shield(self._wake(entry))
+                    await asyncio.shield(self.idler.wake(entry))
                     if entry.state == "ready" and entry.link is not None:
                         return entry.link
                 task = self.start_loading(entry)
@@ -304,7 +310,7 @@ class Supervisor(Scheduling, Idling):
                      delay, entry.failures)
             await asyncio.sleep(delay)
         try:
-            await self._make_room(entry)
+            await self.rooms.make(entry)
             entry.restarts += entry.state == "failed"  # a start after a crash or failed start
             # No await between finding room and claiming it: two loads cannot both fit.
             entry.state, entry.error, entry.exit_code = "loading", None, None
@@ -425,7 +431,7 @@ class Supervisor(Scheduling, Idling):
         self._publish_state(entry, reason)
 
     async def _watch(self, entry: ModelEntry, worker: WorkerRecord) -> None:
-        code = await self._gone(worker)
+        code = await worker.gone()
         if self.worker_of(entry) is not worker:
             return
         reason = (f"worker exited unexpectedly with code {code}" if code is not None
@@ -444,24 +450,6 @@ class Supervisor(Scheduling, Idling):
         tail = await asyncio.to_thread(log_tail, worker.log_path)
         if entry.state == "failed" and entry.exit_code == code:
             entry.error = f"{reason}\n{tail}".strip()
-
-    @staticmethod
-    async def _gone(worker: WorkerRecord) -> int | None:
-        """Until the worker is gone: its exit code, or ``None``. A remote worker whose link
-        drops (a dead node sends nothing) is gone too; its backend may still say how
-        within ``LINK_GRACE`` seconds (a killed actor is reported in milliseconds)."""
-        exited: asyncio.Future[int | None] = asyncio.ensure_future(worker.handle.wait())
-        dropped = worker.link.disconnected
-        if dropped is None:
-            return await exited
-        either: set[asyncio.Future[Any]] = {exited, dropped}
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        if not exited.done():
-            await asyncio.wait({exited}, timeout=LINK_GRACE)
-        if exited.done():
-            return exited.result()
-        exited.cancel()
-        return None
 
     async def _reap(self, entry: ModelEntry, worker: WorkerRecord, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""

@@ -21,6 +21,7 @@ import pytest
 from router.api.openai.schema import keep_alive_seconds
 from router.errors import BadRequest, ModelUnavailable
 from router.placement import GIB, GpuMemory, Placer
+from router.policy.idle import idle_limit
 from router.registry import ModelEntry, ModelRegistry
 from router.supervisor import Supervisor
 from shared.config import build_preset
@@ -203,9 +204,9 @@ def test_keep_alive_zero_stops_the_model_after_the_request(tmp_path: Path) -> No
         await asyncio.sleep(0.2)
         assert entry.state == "unloaded"
         entry.keep_alive = -1
-        assert sup.idle_limit(entry) is None  # negative: for good
+        assert idle_limit(entry, sup.server) is None  # negative: for good
         entry.keep_alive = 300
-        assert sup.idle_limit(entry) == 300
+        assert idle_limit(entry, sup.server) == 300
         await sup.stop_all()
 
     run(go())
