@@ -300,7 +300,8 @@ class Supervisor:
 
     async def _load(self, entry: ModelEntry) -> WorkerLink:
         # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
-        while entry.state == "stopping" or (entry.state != "ready" and self.worker_of(entry) is not None):
+        while entry.state == "stopping" or (entry.state != "ready"
+                                            and self.worker_of(entry) is not None):
             await asyncio.sleep(POLL)
         if entry.state == "ready" and entry.link is not None:
             return entry.link

@@ -96,10 +96,10 @@ def idle(entry: ModelEntry) -> None:
 @pytest.mark.parametrize("how", ["unload", "retire"])
 def test_unloading_a_model_that_makes_room_lets_its_victims_stop_finish(
         tmp_path: Path, how: str) -> None:
-    """Defect 1: ``_make_room`` (now ``RoomMaker.make``) awaited ``stop(victim)`` in the load's own task, so
-    unloading (or a reload retiring) the loading model cancelled the victim's stop
-    halfway: the victim stayed ``stopping`` with its worker for good, its requests spun
-    until their timeout and an unload of it never returned."""
+    """Defect 1: ``_make_room`` (now ``RoomMaker.make``) awaited ``stop(victim)`` in the
+    load's own task, so unloading (or a reload retiring) the loading model cancelled the
+    victim's stop halfway: the victim stayed ``stopping`` with its worker for good, its
+    requests spun until their timeout and an unload of it never returned."""
     sup = supervisor(tmp_path, {"victim": {}, "newcomer": {}}, stop_seconds=0.3,
                      load_timeout=2)
 
@@ -341,10 +341,10 @@ def test_a_stranger_connecting_to_a_tcp_link_does_not_make_its_worker_lost() -> 
 
 def test_two_loads_cannot_both_take_the_last_room_across_a_gpu_reading(
         tmp_path: Path) -> None:
-    """Defect 5a (confirmed): ``_make_room`` (now ``RoomMaker.make``) listed the loaded models and checked the line
-    before awaiting the sleeping models' GPU reading (a thread), then judged ``fits`` with
-    that list: a load that claimed room meanwhile was not counted, and two loads took
-    the last room together."""
+    """Defect 5a (confirmed): ``_make_room`` (now ``RoomMaker.make``) listed the loaded
+    models and checked the line before awaiting the sleeping models' GPU reading (a thread),
+    then judged ``fits`` with that list: a load that claimed room meanwhile was not counted,
+    and two loads took the last room together."""
 
     def slow_reading(pids: set[int]) -> dict[int, float]:
         time.sleep(0.2)  # NVML, under load
