@@ -7,7 +7,7 @@ An event is a plain dict: ``type``, ``id`` (a counter, from 1), ``time`` (Unix s
               ``exit_code`` where there is one
     load      a load finished: ``load_seconds``, ``load_phases``, ``pid``
     eviction  a model stops (or yields) to make room: ``for`` (the model that needs the
-              room), ``action`` (``stop`` or ``yield``), ``reason`` (``Supervisor._why``)
+              room), ``action`` (``stop`` or ``yield``), ``reason`` (``policy.room.why``)
     request   one finished request: what its request-log line says
     dropped   (only to one subscriber) ``count`` events it was too slow to take
 

@@ -9,6 +9,10 @@ does not cancel a load others still wait for.
 Lifecycle: ``unloaded → loading → ready ⇄ sleeping → stopping → unloaded``, and
 ``failed`` (exit code and log tail kept) after a crash or a failed start. A request to a
 ``failed`` model starts it again, after an exponential backoff while failures repeat.
+
+Who gets room and who idles is policy (``router.policy``: plain functions, no awaits);
+the supervisor owns the executors that act on it, ``RoomMaker`` (evict, yield) and
+``IdleReaper`` (stop, sleep, wake), and its own worker records (``worker_of``).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from router.backends import Backend, SpawnError, WorkerHandle
+from router.backends import Backend, SpawnError
 from router.backends.local import LocalBackend, LocalHandle
 from router.backends.ray_cluster import RayBackend
 from router.errors import (
@@ -40,23 +44,20 @@ from router.errors import (
     WorkerLost,
 )
 from router.events import EventBus
-from router.idling import Idling
+from router.idle_reaper import IdleReaper
 from router.link import WorkerLink
 from router.placement import Placer
-from router.processes import (
-    engine_phases,
-    log_tail,
-)
+from router.processes import engine_phases, log_tail
 from router.registry import Lease, ModelEntry, ModelRegistry
-from router.scheduling import POLL, Scheduling
+from router.room_maker import RoomMaker
 from router.spares import SparePool
-from shared.config import ModelSpec, ServerConfig, WorkerBoot, restart_needed
+from router.worker_record import WorkerRecord
+from shared.config import ServerConfig, WorkerBoot, restart_needed
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
 BACKOFF_MAX = 30.0
-LINK_GRACE = 0.3
-"""Seconds a dropped remote link waits for its backend's own word on the worker's end."""
+POLL = 0.05  # seconds between looks at state that has no event of its own
 
 
 def backoff_seconds(failures: int) -> float:
@@ -64,23 +65,10 @@ def backoff_seconds(failures: int) -> float:
     return 0.0 if failures <= 0 else min(BACKOFF_MAX, 0.5 * 2 ** (failures - 1))
 
 
-class _Worker:
-    """What the supervisor keeps per running worker: its backend's handle and its link."""
+class Supervisor:
+    """The one executor of the models' lifecycle: asks policy (``router.policy``), then
+    spawns, stops, sleeps and wakes workers through a backend (module docstring)."""
 
-    def __init__(self, handle: WorkerHandle | asyncio.subprocess.Process, link: WorkerLink,
-                 log_path: Path | None = None, spec: ModelSpec | None = None) -> None:
-        if isinstance(handle, asyncio.subprocess.Process):  # a process started here
-            assert log_path is not None
-            handle = LocalHandle(handle, log_path)
-        self.handle = handle
-        self.spec = spec
-        """What it was started with (a reload may have changed its model's since)."""
-        self.link = link
-        self.log_path = handle.log_path
-        self.watcher: asyncio.Task[None] | None = None
-
-
-class Supervisor(Scheduling, Idling):
     def __init__(self, registry: ModelRegistry, server: ServerConfig, runtime_dir: Path,
                  placer: Placer | None = None, events: EventBus | None = None) -> None:
         self.registry = registry
@@ -90,9 +78,9 @@ class Supervisor(Scheduling, Idling):
         self.runtime_dir = runtime_dir
         self.placer = placer or Placer()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, WorkerRecord] = {}
+        """Each model's running worker (``worker_of``), by model id."""
         self._loads: dict[str, asyncio.Task[WorkerLink]] = {}
-        self._wakes: dict[str, asyncio.Task[None]] = {}
         self._stops: dict[str, asyncio.Task[None]] = {}
         """Each model's one stop under way (``stopping``)."""
         self._reaper: asyncio.Task[None] | None = None
@@ -100,6 +88,10 @@ class Supervisor(Scheduling, Idling):
         self._removed: set[ModelEntry] = set()
         """Models a reload removed whose workers still drain."""
         self._closing = False
+        self.rooms = RoomMaker(registry, self._removed, server, self.placer, self.events,
+                               self.worker_of, self.stop, POLL)
+        self.idler = IdleReaper(registry, server, POLL, self._publish_state, self.stopping,
+                                self._spawn_task)
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
                                 self._command(spare=True), self.base_env, self._spawn_task)
         self.backends: dict[str, Backend] = {
@@ -112,6 +104,19 @@ class Supervisor(Scheduling, Idling):
         task = asyncio.create_task(coro)
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
+
+    # -- workers: one per model for now; replicas make these a list per model ------------
+    def worker_of(self, entry: ModelEntry) -> WorkerRecord | None:
+        """``entry``'s running worker, if it has one."""
+        return self._workers.get(entry.id)
+
+    def add_worker(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+        self._workers[entry.id] = worker
+
+    def remove_worker(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+        """Forget ``worker`` (a newer one of ``entry``'s stays)."""
+        if self._workers.get(entry.id) is worker:
+            del self._workers[entry.id]
 
     def _publish_state(self, entry: ModelEntry, reason: str | None = None) -> None:
         """Tell the event bus of ``entry``'s state, if it changed since last told."""
@@ -135,7 +140,7 @@ class Supervisor(Scheduling, Idling):
         ray = self.backends.get("ray")
         if isinstance(ray, RayBackend):
             ray.connect()  # blocks ~2 s, once, before the router serves
-        self._reaper = asyncio.create_task(self._reap_idle(), name="reaper")
+        self._reaper = asyncio.create_task(self.idler.run(), name="reaper")
         self.spares.replenish()  # first: a load_on_startup model takes it as it is
         for entry in self.startup_models():
             self.start_loading(entry)
@@ -224,7 +229,7 @@ class Supervisor(Scheduling, Idling):
             # that arrives in the turn it is cancelled, and the cancel is lost.
             async with asyncio.timeout(self.server.load_timeout):
                 if entry.state == "sleeping":
-                    await asyncio.shield(self._wake(entry))
+                    await asyncio.shield(self.idler.wake(entry))
                     if entry.state == "ready" and entry.link is not None:
                         return entry.link
                 task = self.start_loading(entry)
@@ -301,7 +306,8 @@ class Supervisor(Scheduling, Idling):
 
     async def _load(self, entry: ModelEntry) -> WorkerLink:
         # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
-        while entry.state == "stopping" or (entry.state != "ready" and entry.id in self._workers):
+        while entry.state == "stopping" or (entry.state != "ready"
+                                            and self.worker_of(entry) is not None):
             await asyncio.sleep(POLL)
         if entry.state == "ready" and entry.link is not None:
             return entry.link
@@ -314,7 +320,7 @@ class Supervisor(Scheduling, Idling):
             raise ModelNotFound(f"The model '{entry.id}' was removed from the configuration",
                                 param="model")
         try:
-            await self._make_room(entry)
+            await self.rooms.make(entry)
             entry.restarts += entry.state == "failed"  # a start after a crash or failed start
             # No await between finding room and claiming it: two loads cannot both fit.
             entry.state, entry.error, entry.exit_code = "loading", None, None
@@ -361,8 +367,8 @@ class Supervisor(Scheduling, Idling):
         log.info("model %s: worker pid %d on %s starting%s (%s)", entry.id, handle.pid,
                  handle.node, " from a spare" if spare else "",
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
-        worker = _Worker(handle, link, spec=spec)
-        self._workers[entry.id] = worker
+        worker = WorkerRecord(handle, link, spec=spec)
+        self.add_worker(entry, worker)
         entry.pid, entry.node = handle.pid, handle.node
         self._publish_state(entry)
         exited = asyncio.create_task(handle.wait())
@@ -411,10 +417,10 @@ class Supervisor(Scheduling, Idling):
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
 
-    async def _log_ready(self, entry: ModelEntry, worker: _Worker, offset: int) -> None:
+    async def _log_ready(self, entry: ModelEntry, worker: WorkerRecord, offset: int) -> None:
         """Add the engine's own timings (from its log) to the load's phases; log them."""
         found = await asyncio.to_thread(engine_phases, worker.log_path, offset)
-        if self._workers.get(entry.id) is worker:
+        if self.worker_of(entry) is worker:
             entry.load_phases = {**entry.load_phases, **found}
             self.events.publish("load", entry.id, load_seconds=entry.load_seconds,
                                 load_phases=entry.load_phases, pid=worker.handle.pid)
@@ -434,9 +440,9 @@ class Supervisor(Scheduling, Idling):
         entry.error = f"{reason}\n{tail}".strip()
         self._publish_state(entry, reason)
 
-    async def _watch(self, entry: ModelEntry, worker: _Worker) -> None:
-        code = await self._gone(worker)
-        if self._workers.get(entry.id) is not worker:
+    async def _watch(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+        code = await worker.gone()
+        if self.worker_of(entry) is not worker:
             return
         reason = (f"worker exited unexpectedly with code {code}" if code is not None
                   else f"worker exited unexpectedly: {worker.handle.lost}" if worker.handle.lost
@@ -455,30 +461,11 @@ class Supervisor(Scheduling, Idling):
         if entry.state == "failed" and entry.exit_code == code:
             entry.error = f"{reason}\n{tail}".strip()
 
-    @staticmethod
-    async def _gone(worker: _Worker) -> int | None:
-        """Until the worker is gone: its exit code, or ``None``. A remote worker whose link
-        drops (a dead node sends nothing) is gone too; its backend may still say how
-        within ``LINK_GRACE`` seconds (a killed actor is reported in milliseconds)."""
-        exited: asyncio.Future[int | None] = asyncio.ensure_future(worker.handle.wait())
-        dropped = worker.link.disconnected
-        if dropped is None:
-            return await exited
-        either: set[asyncio.Future[Any]] = {exited, dropped}
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        if not exited.done():
-            await asyncio.wait({exited}, timeout=LINK_GRACE)
-        if exited.done():
-            return exited.result()
-        exited.cancel()
-        return None
-
-    async def _reap(self, entry: ModelEntry, worker: _Worker, reason: str) -> None:
+    async def _reap(self, entry: ModelEntry, worker: WorkerRecord, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""
         await worker.handle.kill()
         worker.link.close(reason)
-        if self._workers.get(entry.id) is worker:
-            del self._workers[entry.id]
+        self.remove_worker(entry, worker)
         self.placer.release(entry.id)
         if entry.link is worker.link:
             entry.link = None
@@ -518,7 +505,7 @@ class Supervisor(Scheduling, Idling):
         if load is not None:  # loading, or still in its backoff or waiting for room
             load.cancel()
             await asyncio.wait({load})  # its own cleanup reaps what it started
-        worker = self._workers.get(entry.id)
+        worker = self.worker_of(entry)
         if worker is None:
             entry.yield_to = None
             if entry.state != "failed":
@@ -529,7 +516,7 @@ class Supervisor(Scheduling, Idling):
         self._publish_state(entry)
         await self._finish_stop(entry, worker, force, grace)
 
-    async def _finish_stop(self, entry: ModelEntry, worker: _Worker, force: bool = False,
+    async def _finish_stop(self, entry: ModelEntry, worker: WorkerRecord, force: bool = False,
                            grace: float = 1.0) -> None:
         """The rest of a stop, once ``entry`` is marked ``stopping``: drain (unless
         ``force``), then ``Shutdown`` (the worker kills its own process group at once),
@@ -585,7 +572,7 @@ class Supervisor(Scheduling, Idling):
             starting = self._loads.get(entry.id)
             if starting is not None and entry.state == "loading":
                 await asyncio.wait({starting})  # its waiters get the worker they waited for
-            worker = self._workers.get(entry.id)
+            worker = self.worker_of(entry)
             if worker is not None and (worker.spec is None
                                        or restart_needed(worker.spec, entry.spec)):
                 log.info("model %s: its spec changed; restarting once its requests are done",
@@ -604,7 +591,7 @@ class Supervisor(Scheduling, Idling):
         for task in list(self._loads.values()):
             task.cancel()
         await asyncio.gather(*(self.stop(e) for e in (*self.registry, *self._removed)
-                               if e.id in self._workers), return_exceptions=True)
+                               if self.worker_of(e) is not None), return_exceptions=True)
         self._ctx.destroy(linger=0)  # closes any socket a cancelled start left behind
         for backend in self.backends.values():
             backend.close()

@@ -24,6 +24,7 @@ import zmq
 from router.errors import ModelUnavailable, TooManyRequests, WorkerLost
 from router.link import WorkerLink
 from router.placement import Placer
+from router.policy import idle
 from router.registry import ModelRegistry
 from router.supervisor import Supervisor
 from shared.config import build_preset
@@ -211,19 +212,20 @@ def test_pings_do_not_keep_a_model_from_its_idle_stop(tmp_path: Path) -> None:
     run(sup, scenario)
 
 
-def test_the_idle_reaper_survives_an_exception(tmp_path: Path) -> None:
+def test_the_idle_reaper_survives_an_exception(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """Defect 11: one exception in the reaper loop ended idle reaping silently."""
     sup = supervisor(tmp_path, m={"ttl": 0.3})
-    real = sup._idle_expired
+    real = idle.expired
     calls = {"n": 0}
 
-    def flaky(entry: Any, now: float) -> bool:
+    def flaky(entry: Any, now: float, server: Any) -> bool:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("a bug in one pass")
-        return real(entry, now)
+        return real(entry, now, server)
 
-    sup._idle_expired = flaky  # type: ignore[method-assign]
+    monkeypatch.setattr(idle, "expired", flaky)  # the policy the reaper asks each pass
 
     async def scenario() -> None:
         lease, _ = await sup.acquire("m")

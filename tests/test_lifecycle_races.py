@@ -52,8 +52,8 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
     async def spawn(entry: ModelEntry) -> Any:
         await asyncio.sleep(0.01)
         pid = next(pids)
-        sup._workers[entry.id] = SimpleNamespace(  # type: ignore[assignment]
-            handle=SimpleNamespace(pids=lambda: {pid}))
+        sup.add_worker(entry, SimpleNamespace(  # type: ignore[arg-type]
+            handle=SimpleNamespace(pids=lambda: {pid})))
         entry.state, entry.link = "ready", FakeLink()  # type: ignore[assignment]
         entry.loaded_at, entry.last_used, entry.load_seconds = time.time(), time.monotonic(), 5
         return entry.link
@@ -61,7 +61,7 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
     async def finish_stop(entry: ModelEntry, worker: Any, force: bool = False,
                           grace: float = 1.0) -> None:
         await asyncio.sleep(stop_seconds)
-        del sup._workers[entry.id]
+        sup.remove_worker(entry, worker)
         entry.state, entry.link, entry.yield_to = "unloaded", None, None
 
     sup._spawn = spawn  # type: ignore[method-assign]
@@ -96,10 +96,10 @@ def idle(entry: ModelEntry) -> None:
 @pytest.mark.parametrize("how", ["unload", "retire"])
 def test_unloading_a_model_that_makes_room_lets_its_victims_stop_finish(
         tmp_path: Path, how: str) -> None:
-    """Defect 1: ``_make_room`` awaited ``stop(victim)`` in the load's own task, so
-    unloading (or a reload retiring) the loading model cancelled the victim's stop
-    halfway: the victim stayed ``stopping`` with its worker for good, its requests spun
-    until their timeout and an unload of it never returned."""
+    """Defect 1: ``_make_room`` (now ``RoomMaker.make``) awaited ``stop(victim)`` in the
+    load's own task, so unloading (or a reload retiring) the loading model cancelled the
+    victim's stop halfway: the victim stayed ``stopping`` with its worker for good, its
+    requests spun until their timeout and an unload of it never returned."""
     sup = supervisor(tmp_path, {"victim": {}, "newcomer": {}}, stop_seconds=0.3,
                      load_timeout=2)
 
@@ -111,7 +111,7 @@ def test_unloading_a_model_that_makes_room_lets_its_victims_stop_finish(
         waiter = asyncio.create_task(sup.acquire("newcomer"))
         await until(lambda: victim.state == "stopping", 2, "the victim's stop begins")
         if how == "unload":
-            await sup.stop(newcomer)  # cancels the newcomer's load, in its _make_room
+            await sup.stop(newcomer)  # cancels the newcomer's load, in its RoomMaker.make
         else:
             sup.retire(newcomer)
             await until(lambda: newcomer not in sup._removed, 2, "the retired model stops")
@@ -341,10 +341,10 @@ def test_a_stranger_connecting_to_a_tcp_link_does_not_make_its_worker_lost() -> 
 
 def test_two_loads_cannot_both_take_the_last_room_across_a_gpu_reading(
         tmp_path: Path) -> None:
-    """Defect 5a (confirmed): ``_make_room`` listed the loaded models and checked the line
-    before awaiting the sleeping models' GPU reading (a thread), then judged ``fits`` with
-    that list: a load that claimed room meanwhile was not counted, and two loads took
-    the last room together."""
+    """Defect 5a (confirmed): ``_make_room`` (now ``RoomMaker.make``) listed the loaded
+    models and checked the line before awaiting the sleeping models' GPU reading (a thread),
+    then judged ``fits`` with that list: a load that claimed room meanwhile was not counted,
+    and two loads took the last room together."""
 
     def slow_reading(pids: set[int]) -> dict[int, float]:
         time.sleep(0.2)  # NVML, under load

@@ -195,7 +195,7 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
 
     from router.errors import ModelUnavailable
     from router.link import WorkerLink
-    from router.supervisor import _Worker
+    from router.worker_record import WorkerRecord
     from shared.protocol import Generate, SamplingSpec, Shutdown
 
     preset = build_preset({"models": {"m": {"model": "/m"}}})
@@ -208,7 +208,7 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", "import time; time.sleep(60)", start_new_session=True)
         entry = sup.registry.entries["m"]
-        sup._workers["m"] = _Worker(proc, link, tmp_path / "m.log")
+        sup.add_worker(entry, WorkerRecord(proc, link, tmp_path / "m.log"))
         entry.state, entry.link = "ready", link
         stream = link.submit([Generate(id="g1", sampling=SamplingSpec())])  # in flight
         stop = asyncio.create_task(sup.stop(entry, force=True, grace=0.5))

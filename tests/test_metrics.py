@@ -242,8 +242,8 @@ def test_evictions_count_models_stopped_for_room(tmp_path: Path) -> None:
     async def stop(entry: Any, **kw: Any) -> None:
         entry.state = "unloaded"
 
-    sup.stop = stop  # type: ignore[method-assign]
-    asyncio.run(sup._make_room(new))
+    sup.rooms.stop = stop
+    asyncio.run(sup.rooms.make(new))
     assert old.evictions == 1 and new.evictions == 0
     sup._ctx.term()
 

@@ -21,6 +21,7 @@ import pytest
 from router.api.openai.schema import keep_alive_seconds
 from router.errors import BadRequest, ModelUnavailable
 from router.placement import GIB, GpuMemory, Placer
+from router.policy.idle import idle_limit
 from router.registry import ModelEntry, ModelRegistry
 from router.supervisor import Supervisor
 from shared.config import build_preset
@@ -45,8 +46,8 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
         loads.append(entry.id)
         await asyncio.sleep(0.01)
         pid = 1000 + len(loads)
-        sup._workers[entry.id] = SimpleNamespace(  # type: ignore[assignment]
-            handle=SimpleNamespace(pids=lambda: {pid}))
+        sup.add_worker(entry, SimpleNamespace(  # type: ignore[arg-type]
+            handle=SimpleNamespace(pids=lambda: {pid})))
         entry.state, entry.link = "ready", FakeLink()  # type: ignore[assignment]
         entry.loaded_at, entry.last_used, entry.load_seconds = time.time(), time.monotonic(), 5
         return entry.link
@@ -54,7 +55,7 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
     async def finish_stop(entry: ModelEntry, worker: Any, force: bool = False,
                           grace: float = 1.0) -> None:
         await asyncio.sleep(0.01)
-        del sup._workers[entry.id]
+        sup.remove_worker(entry, worker)
         entry.state, entry.link, entry.yield_to = "unloaded", None, None
 
     sup._spawn = spawn  # type: ignore[method-assign]
@@ -203,9 +204,9 @@ def test_keep_alive_zero_stops_the_model_after_the_request(tmp_path: Path) -> No
         await asyncio.sleep(0.2)
         assert entry.state == "unloaded"
         entry.keep_alive = -1
-        assert sup.idle_limit(entry) is None  # negative: for good
+        assert idle_limit(entry, sup.server) is None  # negative: for good
         entry.keep_alive = 300
-        assert sup.idle_limit(entry) == 300
+        assert idle_limit(entry, sup.server) == 300
         await sup.stop_all()
 
     run(go())

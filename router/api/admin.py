@@ -17,6 +17,7 @@ from starlette.routing import Route
 
 from router.api.wire import JSONResponse, read_body
 from router.errors import APIError, ModelNotFound, ModelUnavailable
+from router.policy import idle
 from router.registry import ModelEntry
 from router.reload import Reloader
 from router.supervisor import Supervisor
@@ -58,7 +59,7 @@ class AdminAPI:
             "device": entry.spec.device,
             "pid": entry.pid, "node": entry.node, "backend": entry.spec.backend,
             "in_flight": entry.leases, "queued": entry.queued,
-            "ttl": self.supervisor.ttl(entry), "failures": entry.failures,
+            "ttl": idle.ttl(entry, self.supervisor.server), "failures": entry.failures,
             "loads": entry.loads, "evictions": entry.evictions,
             "keep_alive": entry.keep_alive, "pinned": entry.spec.pinned or None,
             "priority": entry.spec.priority or None,

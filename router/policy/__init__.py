@@ -1,0 +1,7 @@
+"""Policy: who gets room (``room``) and who idles (``idle``).
+
+Plain functions over the model entries, the server config, ``now`` and what the placer
+measured. They never await, never touch a process and import nothing of the supervisor,
+which asks them and then acts (stops, sleeps, wakes, publishes events). Unit tests drive
+them alone (``tests/test_policy.py``).
+"""

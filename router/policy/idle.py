@@ -1,0 +1,57 @@
+"""Who idles, and what then (``due``; ``IdleReaper`` acts on it).
+
+A model is idle once it is ready, unleased and its link has nothing in flight. Its limit
+is a request's ``keep_alive`` (Ollama's: seconds, ``-1`` for ever, ``0`` after this
+request) over the preset's ``ttl``; a pinned model has none. Past it the model stops, or
+on a GPU with ``idle_action: sleep`` its engine sleeps (level 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from router.registry import ModelEntry
+from shared.config import ServerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class IdleDecision:
+    """``entry`` has been idle ``idle_seconds``, past its limit: ``action`` it."""
+
+    entry: ModelEntry
+    action: Literal["stop", "sleep"]
+    idle_seconds: float
+
+
+def ttl(entry: ModelEntry, server: ServerConfig) -> float:
+    """The preset's idle ttl for ``entry``: its own, else the server's (0: none)."""
+    return entry.spec.ttl if entry.spec.ttl is not None else server.ttl
+
+
+def idle_limit(entry: ModelEntry, server: ServerConfig) -> float | None:
+    """Seconds idle before the model is stopped (or put to sleep); ``None``: never.
+    A request's ``keep_alive`` overrides the preset's ``ttl``; a pinned model stays."""
+    if entry.spec.pinned:
+        return None
+    if entry.keep_alive is not None:
+        return None if entry.keep_alive < 0 else entry.keep_alive
+    limit = ttl(entry, server)
+    return limit if limit > 0 else None
+
+
+def expired(entry: ModelEntry, now: float, server: ServerConfig) -> bool:
+    """``entry`` is ready, idle and has been so past its ``idle_limit``."""
+    limit = idle_limit(entry, server)
+    return (entry.state == "ready" and limit is not None and entry.leases == 0
+            and entry.link is not None and not entry.link.busy
+            and now - entry.last_used >= limit)
+
+
+def due(models: Iterable[ModelEntry], now: float, server: ServerConfig) -> list[IdleDecision]:
+    """The models idle past their limit, each with what to do: sleep on a GPU with
+    ``idle_action: sleep``, else stop."""
+    return [IdleDecision(e, "sleep" if e.spec.idle_action == "sleep" and e.spec.device == "cuda"
+                         else "stop", now - e.last_used)
+            for e in models if expired(e, now, server)]

@@ -1,0 +1,113 @@
+"""Who gets room, and who makes it (``decide``; ``RoomMaker.make`` acts on it).
+
+Loads waiting for room form one line (``first_in_line``: priority, then wait). The first
+in line stops one ``victim`` at a time: never a pinned one or one within its
+``min_resident``; one that yields or sits idle first, a sleeping one before an awake one;
+then the lowest priority, the lowest ``expected_cost`` (measured load seconds x decaying
+request rate), the least recently used. A model still in use yields only after the waiter
+has waited ``swap_wait``, and only to a model of its priority or higher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from router.placement import GpuMemory, fits
+from router.registry import ModelEntry
+from shared.config import ServerConfig
+
+ACTIVE_GAP = 2.0
+"""A model used this recently still has clients coming: a model waiting for room does not
+evict it at once, but after ``swap_wait``."""
+UNKNOWN_LOAD_SECONDS = 30.0
+"""A model's load time before one was measured (its eviction cost)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoomDecision:
+    """What a load waiting for room does now: start (``fits``), stop ``victim`` at once
+    (``evict``), make a busy ``victim`` take no new requests and stop when done
+    (``yield``), or look again later (``wait``). ``why`` is the victim's reason."""
+
+    action: Literal["fits", "evict", "yield", "wait"]
+    victim: ModelEntry | None = None
+    why: str = ""
+
+
+WAIT = RoomDecision("wait")
+
+
+def expected_cost(entry: ModelEntry, now: float) -> float:
+    """What evicting ``entry`` is expected to cost: the seconds its next load takes,
+    times how often it is asked for (seconds of loading per second)."""
+    return (entry.load_seconds or UNKNOWN_LOAD_SECONDS) * entry.request_rate(now)
+
+
+def is_idle(entry: ModelEntry) -> bool:
+    """No lease held and nothing in flight on its link."""
+    return entry.leases == 0 and not (entry.link is not None and entry.link.busy)
+
+
+def first_in_line(entry: ModelEntry, models: Iterable[ModelEntry]) -> bool:
+    """Of the loads waiting for room among ``models``, ``entry``'s goes first: highest
+    priority, then the longest wait. A waiting ``entry`` is in the line whether or not
+    ``models`` holds it: a reload may have taken it out of the registry while it waits (its
+    retirement cancels the wait)."""
+    waiting = {e for e in (*models, entry) if e.room_since is not None}
+    return bool(waiting) and max(
+        waiting, key=lambda e: (e.spec.priority, -(e.room_since or 0))) is entry
+
+
+def victim(entry: ModelEntry, loaded: Iterable[ModelEntry], now: float,
+           wall: float) -> ModelEntry | None:
+    """The model to stop for ``entry``: never a pinned one or one loaded less than its
+    ``min_resident`` ago (``wall``: ``time.time()``); one that yields to ``entry`` or
+    sits idle first, a sleeping one before an awake one; then the lowest priority, the
+    lowest ``expected_cost``, the least recently used (``now``: ``time.monotonic()``)."""
+    candidates = [e for e in loaded if e.state in ("ready", "sleeping") and not e.spec.pinned
+                  and wall - (e.loaded_at or 0) >= e.spec.min_resident]
+    if not candidates:
+        return None
+
+    def order(e: ModelEntry) -> tuple[bool, bool, int, float, float]:
+        free = e.yield_to == entry.id or (is_idle(e) and now - e.last_used >= ACTIVE_GAP)
+        return (not free, e.state != "sleeping", e.spec.priority, expected_cost(e, now),
+                e.last_used)
+
+    return min(candidates, key=order)
+
+
+def why(victim: ModelEntry, now: float) -> str:
+    """The reason an eviction event and the log give for stopping ``victim``."""
+    rate = victim.request_rate(now)
+    return (f"priority {victim.spec.priority}, expected cost "
+            f"{expected_cost(victim, now):.3f} s/s = load "
+            f"{victim.load_seconds or UNKNOWN_LOAD_SECONDS:.1f} s x {rate * 60:.2f} "
+            f"requests/min, idle {now - victim.last_used:.1f} s")
+
+
+def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEntry],
+           server: ServerConfig, gpus: dict[int, GpuMemory],
+           held: dict[str, dict[str, float]], *, now: float, wall: float,
+           waited: float) -> RoomDecision:
+    """What ``entry``'s load, waiting for room for ``waited`` seconds, does now.
+
+    ``models`` are those that may wait for room (the line), ``loaded`` the others that
+    hold room, ``held`` what each sleeping one still holds on its GPUs. Only the first in
+    line acts. An idle victim goes at once; one in use keeps serving until ``entry`` has
+    waited ``swap_wait``, then yields if ``entry``'s priority is at least its own."""
+    if not first_in_line(entry, models):
+        return WAIT
+    if fits(entry.spec, [e.spec for e in loaded], server, gpus, held):
+        return RoomDecision("fits")
+    chosen = victim(entry, loaded, now, wall)
+    if chosen is None:
+        return WAIT
+    if is_idle(chosen) and (chosen.yield_to == entry.id or now - chosen.last_used >= ACTIVE_GAP):
+        return RoomDecision("evict", chosen, why(chosen, now))
+    if (chosen.yield_to is None and waited >= server.swap_wait
+            and chosen.spec.priority <= entry.spec.priority):
+        return RoomDecision("yield", chosen, why(chosen, now))
+    return WAIT

@@ -1,0 +1,109 @@
+"""``RoomMaker``: carries out the room policy (``router.policy.room``) for a load.
+
+A load that needs room waits in one line with the others; while it is first, it reads
+what sleeping models still hold on their GPUs (a thread), asks ``room.decide`` and acts:
+stops an idle victim (the supervisor's ``stop``, awaited), or makes a busy one yield
+(``yield_to``: it takes no new requests and stops once its own are done). The
+``Supervisor`` owns one and hands it the few of its own operations it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from router.errors import ModelUnavailable
+from router.events import EventBus
+from router.placement import Placer
+from router.policy import room
+from router.registry import ModelEntry, ModelRegistry
+from router.worker_record import WorkerRecord
+from shared.config import ServerConfig
+
+log = logging.getLogger("modelyard.router")
+
+
+class RoomMaker:
+    """Finds a load room by stopping, or making yield, the models policy names.
+
+    ``removed`` are models a reload removed that still hold room; ``worker_of`` gives a
+    model's running worker (whose processes tell what a sleeping model holds); ``stop``
+    is how a victim is stopped (the supervisor's)."""
+
+    def __init__(self, registry: ModelRegistry, removed: set[ModelEntry], server: ServerConfig,
+                 placer: Placer, events: EventBus,
+                 worker_of: Callable[[ModelEntry], WorkerRecord | None],
+                 stop: Callable[[ModelEntry], Coroutine[Any, Any, None]], poll: float) -> None:
+        self.registry = registry
+        self.removed = removed
+        self.server = server
+        self.placer = placer
+        self.events = events
+        self.worker_of = worker_of
+        self.stop = stop
+        self.poll = poll
+
+    def loaded(self, entry: ModelEntry) -> list[ModelEntry]:
+        """The models other than ``entry`` that hold room (or will soon)."""
+        return [e for e in (*self.registry, *self.removed) if e is not entry
+                and e.state in ("loading", "ready", "sleeping", "stopping")]
+
+    async def _held_asleep(self, loaded: list[ModelEntry]) -> dict[str, dict[str, float]]:
+        """What each sleeping model still holds on its GPUs (it counts against the budget
+        by that, not by its full footprint)."""
+        out = {}
+        for e in loaded:
+            if e.state == "sleeping":
+                worker = self.worker_of(e)
+                pids = worker.handle.pids() if worker is not None else set()
+                out[e.id] = await asyncio.to_thread(self.placer.held_asleep, e.spec, pids)
+        return out
+
+    async def make(self, entry: ModelEntry) -> None:
+        """Stop other models until ``entry`` fits, as ``room.decide`` says, one at a time.
+        A yielding model takes no new requests (``yield_to``) and stops once its own are
+        done. The waiting model keeps its state (its ``queued`` count shows the wait) and
+        becomes ``loading`` only once it has room."""
+        began = entry.room_since = time.monotonic()
+        try:
+            while True:
+                held = (await self._held_asleep(self.loaded(entry))
+                        if room.first_in_line(entry, self.registry) else {})
+                # Read after that await (a thread): a load that claimed room meanwhile
+                # counts, and nothing awaits from here until room is claimed.
+                now = time.monotonic()
+                decision = room.decide(entry, self.registry, self.loaded(entry), self.server,
+                                       self.placer.gpus, held, now=now, wall=time.time(),
+                                       waited=now - began)
+                victim = decision.victim
+                if decision.action == "fits":
+                    return
+                if decision.action == "evict" and victim is not None:
+                    log.info("model %s: evicting %s to make room (%s)", entry.id, victim.id,
+                             decision.why)
+                    self.events.publish("eviction", victim.id, action="stop",
+                                        reason=decision.why, **{"for": entry.id})
+                    victim.evictions += 1
+                    await self.stop(victim)
+                    continue
+                if decision.action == "yield" and victim is not None:
+                    log.info("model %s: waited %.1f s for room; %s takes no new requests "
+                             "and stops when its own are done (%s)", entry.id, now - began,
+                             victim.id, decision.why)
+                    self.events.publish("eviction", victim.id, action="yield",
+                                        reason=decision.why, **{"for": entry.id})
+                    victim.yield_to = entry.id
+                if now - began >= self.server.load_timeout:
+                    raise ModelUnavailable(f"model '{entry.id}' found no room within "
+                                           f"{self.server.load_timeout:g} s")
+                await asyncio.sleep(self.poll)  # room appears when a lease ends or a model stops
+        finally:
+            entry.room_since = None
+            # Not needed any more: serve again. Whatever state it is in: one that crashed
+            # while it yielded must not hold its requests back (they wait on ``yield_to``).
+            for other in (*self.registry, *self.removed):
+                if other.yield_to == entry.id:
+                    other.yield_to = None
