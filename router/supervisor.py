@@ -538,7 +538,8 @@ class Supervisor:
             worker.link.shutdown()
             if ended is not None:
                 worker.link.fail(ended)
-            await asyncio.wait_for(worker.handle.wait(), grace)
+            async with asyncio.timeout(grace):
+                await worker.handle.wait()
         except (TimeoutError, APIError):
             log.warning("model %s: worker did not exit within %g s of Shutdown; killing",
                         entry.id, grace)

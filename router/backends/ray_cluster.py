@@ -121,7 +121,8 @@ class RayHandle(WorkerHandle):
         ray = _ray()
         if not self._exit.done():
             try:
-                await asyncio.wait_for(self.actor.kill.remote(), 5)
+                async with asyncio.timeout(5):
+                    await self.actor.kill.remote()
             except (ray.exceptions.RayError, TimeoutError):
                 pass  # the actor is gone or stuck: killing it below ends its worker too
         ray.kill(self.actor, no_restart=True)  # its worker, if alive, gets PDEATHSIG
@@ -188,9 +189,9 @@ class RayBackend(Backend):
                                    **self.actor_options(entry)).remote()
         try:
             # Pending until a node with the resources has room: bounded like any start.
-            node, pid = await asyncio.wait_for(
-                actor.start.remote(self.worker_args, env, boot_for(""),
-                                   str(log_path)), self.load_timeout)
+            async with asyncio.timeout(self.load_timeout):
+                node, pid = await actor.start.remote(self.worker_args, env, boot_for(""),
+                                                     str(log_path))
         except (ray.exceptions.RayError, TimeoutError) as err:
             ray.kill(actor, no_restart=True)
             raise SpawnError(f"its Ray actor did not start: {type(err).__name__}: {err}") from None
