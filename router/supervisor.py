@@ -93,12 +93,18 @@ class Supervisor:
         self.idler = IdleReaper(registry, server, POLL, self._publish_state, self.stopping,
                                 self._spawn_task)
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
-                                self._command(spare=True), self.base_env, self._spawn_task)
+                                self._command(spare=True), self.base_env, self._spawn_task,
+                                self._spares_may_import)
         self.backends: dict[str, Backend] = {
             "local": LocalBackend(self.spares, self._command, self.base_env)}
         if any(entry.spec.backend == "ray" for entry in registry):
             self.backends["ray"] = RayBackend(server.ray_address, self._command()[3:],
                                               server.load_timeout)
+
+    def _spares_may_import(self) -> bool:
+        """A spare imports while no model streams, or while a load waits (for it)."""
+        return bool(self._loads) or not any(
+            e.link is not None and e.link.busy for e in self.registry)
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
