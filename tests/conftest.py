@@ -208,6 +208,9 @@ models:
     aliases: [smol, Tiny-Chat, claude-sonnet]
     cpu_cores: "0"
     max_model_len: 2048
+    # Tests read this model's greedy words ("Paris"); ``auto`` is bfloat16 on a CPU with
+    # AVX-512 BF16 or AMX and float32 elsewhere, and the two decode different words.
+    dtype: float32
     load_on_startup: true
     chat_template: {root}/configs/templates/chatml-tools.jinja
     tool_parser: hermes
