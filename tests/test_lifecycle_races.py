@@ -15,7 +15,6 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import psutil
@@ -32,41 +31,13 @@ from router.registry import ModelEntry, ModelRegistry
 from router.supervisor import Supervisor
 from shared.config import build_preset
 from tests.conftest import connected_peer
-
-
-class FakeLink:
-    busy = False
+from tests.test_scheduling import supervisor as scheduling_supervisor
 
 
 def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer | None = None,
                stop_seconds: float = 0.01, **server: Any) -> Supervisor:
-    """A supervisor whose loads start no process (ready after 10 ms) and whose stops
-    take ``stop_seconds`` (a drain, a worker's exit)."""
-    server = {"max_loaded_models": 1, "spare_workers": 0, **server}
-    preset = build_preset({"server": server,
-                           "models": {k: {"model": f"/{k}", **v} for k, v in models.items()}})
-    sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path,
-                     placer or Placer(cores={0}, gpus={}))
-    pids = iter(range(1000, 2000))
-
-    async def spawn(entry: ModelEntry) -> Any:
-        await asyncio.sleep(0.01)
-        pid = next(pids)
-        sup.add_worker(entry, SimpleNamespace(  # type: ignore[arg-type]
-            handle=SimpleNamespace(pids=lambda: {pid})))
-        entry.state, entry.link = "ready", FakeLink()  # type: ignore[assignment]
-        entry.loaded_at, entry.last_used, entry.load_seconds = time.time(), time.monotonic(), 5
-        return entry.link
-
-    async def finish_stop(entry: ModelEntry, worker: Any, force: bool = False,
-                          grace: float = 1.0) -> None:
-        await asyncio.sleep(stop_seconds)
-        sup.remove_worker(entry, worker)
-        entry.state, entry.link, entry.yield_to = "unloaded", None, None
-
-    sup._spawn = spawn  # type: ignore[method-assign]
-    sup._finish_stop = finish_stop  # type: ignore[method-assign]
-    return sup
+    """``tests.test_scheduling``'s supervisor whose loads and stops start no process."""
+    return scheduling_supervisor(tmp_path, models, placer, stop_seconds, **server)[0]
 
 
 def run(coro: Awaitable[None]) -> None:

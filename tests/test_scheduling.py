@@ -32,8 +32,9 @@ class FakeLink:
 
 
 def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer | None = None,
-               **server: Any) -> tuple[Supervisor, list[str]]:
-    """A supervisor whose loads never start a process; the returned list records the loads
+               stop_seconds: float = 0.01, **server: Any) -> tuple[Supervisor, list[str]]:
+    """A supervisor whose loads never start a process (ready after 10 ms) and whose stops
+    take ``stop_seconds`` (a drain, a worker's exit); the returned list records the loads
     in order."""
     server = {"max_loaded_models": 1, "spare_workers": 0, **server}
     preset = build_preset({"server": server,
@@ -54,7 +55,7 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
 
     async def finish_stop(entry: ModelEntry, worker: Any, force: bool = False,
                           grace: float = 1.0) -> None:
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(stop_seconds)
         sup.remove_worker(entry, worker)
         entry.state, entry.link, entry.yield_to = "unloaded", None, None
 
