@@ -43,9 +43,8 @@ class Slots:
 
     @property
     def waiting(self) -> int:
-        """Waiters still without a slot (a waiter leaves the line when it is handed one or
-        cancelled, so the line holds only those)."""
-        return len(self._waiters)
+        """Waiters still without a slot."""
+        return sum(not w.done() for w in self._waiters)
 
     def try_take(self) -> bool:
         """Take a slot if one is free and nobody waits for one; never waits."""
