@@ -383,12 +383,17 @@ class Supervisor:
             # Bounded: a hung engine start must not hold the start lock (and its GPUs).
             await asyncio.wait({exited, ready}, timeout=self.server.load_timeout,
                                return_when=asyncio.FIRST_COMPLETED)
+            started_ok = ready.done() and not ready.cancelled() and ready.exception() is None
+            # The engine logged its own timings before it was ready: part of the load's
+            # answer, there when the load returns.
+            found = (await asyncio.to_thread(engine_phases, worker.log_path, offset)
+                     if started_ok else {})
         except asyncio.CancelledError:
             exited.cancel()
             ready.cancel()
             await self._reap(entry, worker, "load cancelled")
             raise
-        if ready.done() and not ready.cancelled() and ready.exception() is None:
+        if started_ok:
             exited.cancel()
             info = ready.result()
             entry.state, entry.link = "ready", link
@@ -400,11 +405,11 @@ class Supervisor:
             entry.loads += 1
             phases = {("spare" if spare else "spawn"):
                       round(max(0.0, info.booted_at - started_wall), 3)} if info.booted_at else {}
-            entry.load_phases = {**phases, **info.phases}
+            entry.load_phases = {**phases, **info.phases, **found}
             self._publish_state(entry)
             handle.note_children()
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
-            self._spawn_task(self._log_ready(entry, worker, offset))
+            self._log_ready(entry, worker)
             if isinstance(handle, LocalHandle):
                 self.spares.worker_ready()  # this host can start workers (again)
             self.spares.replenish()  # the spare's place, now the start no longer needs the CPU
@@ -423,13 +428,10 @@ class Supervisor:
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
 
-    async def _log_ready(self, entry: ModelEntry, worker: WorkerRecord, offset: int) -> None:
-        """Add the engine's own timings (from its log) to the load's phases; log them."""
-        found = await asyncio.to_thread(engine_phases, worker.log_path, offset)
-        if self.worker_of(entry) is worker:
-            entry.load_phases = {**entry.load_phases, **found}
-            self.events.publish("load", entry.id, load_seconds=entry.load_seconds,
-                                load_phases=entry.load_phases, pid=worker.handle.pid)
+    def _log_ready(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+        """Publish and log a finished load with its phases."""
+        self.events.publish("load", entry.id, load_seconds=entry.load_seconds,
+                            load_phases=entry.load_phases, pid=worker.handle.pid)
         log.info("model %s: ready in %.1f s (pid %d): %s", entry.id, entry.load_seconds or 0,
                  worker.handle.pid, ", ".join(f"{k} {v:.2f} s"
                                             for k, v in entry.load_phases.items()))
