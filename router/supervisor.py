@@ -386,6 +386,8 @@ class Supervisor:
             started_ok = ready.done() and not ready.cancelled() and ready.exception() is None
             # The engine logged its own timings before it was ready: part of the load's
             # answer, there when the load returns.
+            if started_ok:
+                await handle.sync_log()
             found = (await asyncio.to_thread(engine_phases, worker.log_path, offset)
                      if started_ok else {})
         except asyncio.CancelledError:

@@ -4,6 +4,11 @@ Each test runs once per backend against a router with two real vLLM CPU workers
 (``alpha``, ``beta``: the embedded model). For ``ray`` the module starts a one-node Ray
 instance (2 CPUs, no dashboard, its own temp dir and session) and the router joins it
 with ``ray_address``; the instance and every process it started are gone afterwards.
+
+The Ray node runs in a mount namespace of its own where the router's runtime dir is an
+empty tmpfs: as on a real cluster, the node does not see the router's files, so nothing
+of a Ray worker (its log, its failure's tail, its load phases) may reach the router
+through them.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ server:
   port: {port}
   backend: {backend}
   {ray_address}
+  {runtime_dir}
   spare_workers: 0
   load_timeout: 600
   drain_timeout: 5
@@ -55,18 +61,33 @@ def _session_members(sid: int) -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def ray_head() -> Iterator[str]:
+def ray_runtime_dir() -> Iterator[Path]:
+    """The ray router's runtime dir, which its Ray node does not see."""
+    path = Path(tempfile.mkdtemp(prefix="myrt", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_head(ray_runtime_dir: Path) -> Iterator[str]:
     """``ray start --head`` (2 CPUs, 100 MB object store, no dashboard) in a session of its
-    own; at the end every process of that session is killed, and none is left."""
+    own and a mount namespace where ``ray_runtime_dir`` is an empty tmpfs; at the end every
+    process of that session is killed, and none is left."""
     port = free_port()
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
     log = open(Path(temp) / "head.log", "wb")  # noqa: SIM115  # closed below
     env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
-    head = subprocess.Popen(
-        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-         f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-         "--object-store-memory=100000000", f"--temp-dir={temp}", "--disable-usage-stats"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+             f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+             "--object-store-memory=100000000", f"--temp-dir={temp}", "--disable-usage-stats"]
+    # The mount stays in the namespace (private propagation); a user namespace where
+    # mounting needs one (not root).
+    own_namespace = ["unshare", "--mount", "--propagation", "private",
+                     *(["--map-root-user"] if os.getuid() else []), "--",
+                     "sh", "-c", 'mount -t tmpfs modelyard-test "$0" && exec "$@"',
+                     str(ray_runtime_dir), *start]
+    head = subprocess.Popen(own_namespace, cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while b"Ray runtime started" not in (Path(temp) / "head.log").read_bytes():
@@ -100,10 +121,12 @@ def ray_head() -> Iterator[str]:
 def backend_router(request: pytest.FixtureRequest,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     backend = request.param
-    address = (f"ray_address: \"{request.getfixturevalue('ray_head')}\""
-               if backend == "ray" else "")
+    address = runtime_dir = ""
+    if backend == "ray":
+        address = f"ray_address: \"{request.getfixturevalue('ray_head')}\""
+        runtime_dir = f"runtime_dir: \"{request.getfixturevalue('ray_runtime_dir')}\""
     r = RouterProcess(PRESET, tmp_path_factory.mktemp(backend), backend,
-                      {"backend": backend, "ray_address": address})
+                      {"backend": backend, "ray_address": address, "runtime_dir": runtime_dir})
     r.start()
     try:
         r.wait_healthy(60)
@@ -185,6 +208,31 @@ def test_killed_worker_ends_its_streams_within_2s_and_restarts(
     assert not psutil.pid_exists(pid)  # the worker did not outlive its actor
     assert chat(backend_router, "alpha").status_code == 200, backend_router.tail()
     assert models(backend_router)["alpha"]["pid"] != pid
+
+
+def test_a_workers_log_phases_and_failure_tail_reach_the_router(
+        backend_router: RouterProcess) -> None:
+    """Wherever the worker runs: its log is served by the router, its load's engine phases
+    are there when the load returns, and a crash's error ends with the log's last lines."""
+    r = backend_router
+    reply = r.client.post(f"{r.url}/v1/models/load", json={"model": "beta"}, timeout=600)
+    assert reply.status_code == 200, reply.text
+    phases = models(r)["beta"]["load_phases"]
+    assert {"weights", "kv_cache_and_warmup"} <= set(phases), phases  # type: ignore[arg-type]
+    lines = r.client.get(f"{r.url}/v1/models/beta/logs", params={"lines": 1000}).json()["data"]
+    assert any("Loading weights took" in line for line in lines), lines[-20:]
+    # The worker itself dies (its Ray actor lives on to report the exit code).
+    pid = int(models(r)["beta"]["pid"])  # type: ignore[call-overload]
+    psutil.Process(pid).kill()
+    deadline = time.monotonic() + 30
+    while (state := models(r)["beta"])["state"] != "failed" or "\n" not in str(state["error"]):
+        assert time.monotonic() < deadline, state
+        time.sleep(0.1)
+    assert state["exit_code"] == -9, state
+    reason, tail = str(state["error"]).split("\n", 1)
+    assert "exited unexpectedly with code -9" in reason
+    assert set(tail.splitlines()) & set(lines), (tail, lines[-20:])
+    assert chat(r, "beta").status_code == 200, r.tail()  # a request starts it again
 
 
 def test_router_sigkill_leaves_no_worker(backend_router: RouterProcess) -> None:

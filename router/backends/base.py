@@ -44,6 +44,10 @@ class WorkerHandle(abc.ABC):
         """Until it is gone: its exit code, or ``None`` when it was lost without one (its
         Ray actor or node died). Any number of callers may wait."""
 
+    async def sync_log(self) -> None:
+        """Until ``log_path`` holds all the worker has written so far (a worker on
+        another node writes its output there by copy)."""
+
     def note_children(self) -> None:
         """Remember the processes it started (its engine), to kill them with it."""
 

@@ -8,6 +8,11 @@ starts it), so the port admits nobody else. The actor watches its process; a wor
 actor dies gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and kills its process
 group, and Ray kills the actors of a router (its driver) that dies, so nothing outlives
 the router on any node.
+
+A worker's output goes to a file on its own node (unlinked: nothing is left there when its
+actor ends). The router shares no filesystem with the node: its ``RayHandle`` copies the
+output, as it comes, into the model's log in the router's runtime dir, where logs,
+failure tails and ``load_phases`` read it as they read a local worker's.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +35,8 @@ from router.registry import ModelEntry
 
 log = logging.getLogger("modelyard.router")
 EXIT_POLL = 0.05  # seconds between the actor's looks at its process
+LOG_CHUNK = 1 << 20  # the most of a worker's output one copy call brings
+LOG_WAIT = 1.0  # seconds a copy call waits for new output before it answers empty
 
 
 def _ray() -> Any:
@@ -42,23 +50,24 @@ class WorkerHost:
 
     def __init__(self) -> None:
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None  # the worker's output, a file on this node with no name
 
-    async def start(self, args: list[str], env: dict[str, str], boot: bytes,
-                    log_path: str) -> tuple[str, int]:
+    async def start(self, args: list[str], env: dict[str, str],
+                    boot: bytes) -> tuple[str, int]:
         """Start the worker, write its boot; its node's address and its pid."""
         ray = _ray()
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         full = {**os.environ, **env}
         full.setdefault("HF_HUB_OFFLINE", "1")
         full.setdefault("TOKENIZERS_PARALLELISM", "false")
         full["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # vLLM's Ray executor
         full["MODELYARD_CHILDREN_DIE_WITH_WORKER"] = "1"  # see worker/__main__.py
-        with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append
-            # The worker's parent (for PR_SET_PDEATHSIG) is the thread that starts it: the
-            # actor's event loop thread, which lives as long as the actor.
-            self._proc = subprocess.Popen(  # noqa: ASYNC220
-                [sys.executable, "-m", "worker", *args], stdin=subprocess.PIPE,
-                stdout=log_file, stderr=subprocess.STDOUT, env=full, start_new_session=True)
+        self._log = tempfile.TemporaryFile(  # noqa: SIM115  # held as long as the actor
+            prefix="modelyard-worker-", suffix=".log")
+        # The worker's parent (for PR_SET_PDEATHSIG) is the thread that starts it: the
+        # actor's event loop thread, which lives as long as the actor.
+        self._proc = subprocess.Popen(  # noqa: ASYNC220
+            [sys.executable, "-m", "worker", *args], stdin=subprocess.PIPE,
+            stdout=self._log, stderr=subprocess.STDOUT, env=full, start_new_session=True)
         assert self._proc.stdin is not None
         try:
             self._proc.stdin.write(boot)
@@ -66,6 +75,19 @@ class WorkerHost:
         except (BrokenPipeError, ConnectionResetError):
             pass  # it died meanwhile: wait() reports its exit
         return ray.util.get_node_ip_address(), self._proc.pid
+
+    async def read_log(self, offset: int, wait: float) -> bytes:
+        """The worker's output from ``offset`` on (at most ``LOG_CHUNK``); when there is
+        none yet, waits up to ``wait`` seconds for some while the worker runs."""
+        if self._log is None:
+            return b""
+        deadline = time.monotonic() + wait
+        while True:
+            chunk = os.pread(self._log.fileno(), LOG_CHUNK, offset)
+            if (chunk or time.monotonic() >= deadline
+                    or self._proc is None or self._proc.poll() is not None):
+                return chunk
+            await asyncio.sleep(EXIT_POLL)
 
     async def wait(self) -> int:
         """The worker's exit code, once it exits."""
@@ -95,16 +117,50 @@ class RayHandle(WorkerHandle):
         self.started_at = time.time()
         self._code: int | None = None
         self._lost = ""
+        self._copied = 0  # how much of the worker's output the log holds
+        self._copying = asyncio.Lock()
+        self._follow = asyncio.create_task(self._follow_log(), name=f"ray-log-{pid}")
         self._exit = asyncio.create_task(self._watch(), name=f"ray-exit-{pid}")
+
+    async def _copy(self, wait: float) -> bool:
+        """Append the worker's next output to the log; whether more may be ready."""
+        async with self._copying:
+            chunk = await self.actor.read_log.remote(self._copied, wait)
+            if chunk:
+                with open(self.log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append
+                    log_file.write(chunk)
+                self._copied += len(chunk)
+            return len(chunk) == LOG_CHUNK
+
+    async def _follow_log(self) -> None:
+        ray = _ray()
+        try:
+            while True:
+                await self._copy(LOG_WAIT)
+        except ray.exceptions.RayError:
+            pass  # the actor is gone: what it still held is lost with its node
+
+    async def sync_log(self) -> None:
+        ray = _ray()
+        try:
+            async with asyncio.timeout(5):
+                while await self._copy(0.0):
+                    pass
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # the actor is gone or stuck: the log keeps what it has
 
     async def _watch(self) -> int | None:
         ray = _ray()
         try:
-            self._code = int(await self.actor.wait.remote())
-            return self._code
+            code = int(await self.actor.wait.remote())
         except ray.exceptions.RayError as err:  # the actor, or its node, died
             self._lost = f"its Ray actor died ({type(err).__name__})"
+            self._follow.cancel()
             return None
+        await self.sync_log()  # its last words, before anyone reads its failure's tail
+        self._follow.cancel()
+        self._code = code
+        return code
 
     @property
     def returncode(self) -> int | None:
@@ -125,8 +181,11 @@ class RayHandle(WorkerHandle):
                     await self.actor.kill.remote()
             except (ray.exceptions.RayError, TimeoutError):
                 pass  # the actor is gone or stuck: killing it below ends its worker too
+            else:
+                await self.sync_log()  # the output it holds goes with it
         ray.kill(self.actor, no_restart=True)  # its worker, if alive, gets PDEATHSIG
         self._exit.cancel()
+        self._follow.cancel()
 
 
 class RayBackend(Backend):
@@ -190,8 +249,7 @@ class RayBackend(Backend):
         try:
             # Pending until a node with the resources has room: bounded like any start.
             async with asyncio.timeout(self.load_timeout):
-                node, pid = await actor.start.remote(self.worker_args, env, boot_for(""),
-                                                     str(log_path))
+                node, pid = await actor.start.remote(self.worker_args, env, boot_for(""))
         except (ray.exceptions.RayError, TimeoutError) as err:
             ray.kill(actor, no_restart=True)
             raise SpawnError(f"its Ray actor did not start: {type(err).__name__}: {err}") from None
