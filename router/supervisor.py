@@ -21,15 +21,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import re
-import sys
 import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import zmq
 
 from router.backends import Backend, SpawnError
@@ -52,7 +49,8 @@ from router.registry import Lease, ModelEntry, ModelRegistry
 from router.room_maker import RoomMaker
 from router.spares import SparePool
 from router.worker_record import WorkerRecord
-from shared.config import ServerConfig, WorkerBoot, restart_needed
+from router.worker_start import base_env, model_env, worker_boot, worker_command
+from shared.config import ServerConfig, restart_needed
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
@@ -93,12 +91,12 @@ class Supervisor:
         self.idler = IdleReaper(registry, server, POLL, self._publish_state, self.stopping,
                                 self._spawn_task)
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
-                                self._command(spare=True), self.base_env, self._spawn_task,
+                                worker_command(server, spare=True), base_env, self._spawn_task,
                                 self._spares_may_import)
         self.backends: dict[str, Backend] = {
-            "local": LocalBackend(self.spares, self._command, self.base_env)}
+            "local": LocalBackend(self.spares, lambda: worker_command(server), base_env)}
         if any(entry.spec.backend == "ray" for entry in registry):
-            self.backends["ray"] = RayBackend(server.ray_address, self._command()[3:],
+            self.backends["ray"] = RayBackend(server.ray_address, worker_command(server)[3:],
                                               server.load_timeout)
 
     def _spares_may_import(self) -> bool:
@@ -274,42 +272,6 @@ class Supervisor:
             task.exception()  # retrieved here: a load nobody awaits still ends quietly
 
     # -- starting ----------------------------------------------------------------------
-    def _command(self, spare: bool = False) -> list[str]:
-        """The worker's command line: nothing secret, since every user can read it in ``ps``
-        (the model's spec goes over the worker's stdin: ``worker_boot``)."""
-        cmd = [sys.executable, "-m", "worker", "--log-level", self.server.log_level]
-        if spare:
-            cmd.append("--spare")
-        if self.server.cache_dir:
-            cmd += ["--cache-dir", self.server.cache_dir]
-        return cmd
-
-    def worker_boot(self, entry: ModelEntry, link: WorkerLink, endpoint: str,
-                    log_path: str = "") -> bytes:
-        """What the worker reads from stdin: its spec (``env`` apart), its link's address
-        and key, the environment its model adds (its ``env`` and placement), and for a
-        spare, where its output goes now."""
-        spec = msgspec.structs.replace(entry.spec, env={})
-        fraction = self.placer.gpu_memory_utilization(spec)
-        if fraction != spec.gpu_memory_utilization:
-            spec = msgspec.structs.replace(spec, gpu_memory_utilization=fraction)
-        return msgspec.json.encode(WorkerBoot(
-            spec=spec, router_key=link.key, endpoint=endpoint,
-            env={**entry.spec.env, **entry.placement}, log_path=log_path))
-
-    @staticmethod
-    def base_env() -> dict[str, str]:
-        """Every worker's environment before its model's: ours, and an offline hub."""
-        env = dict(os.environ)
-        env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub unless asked
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        return env
-
-    def worker_env(self, entry: ModelEntry) -> dict[str, str]:
-        """The full environment a fresh worker starts with: ours, offline hub, the model's
-        ``env``, its placement (the only part shown in ``/v1/models`` and logs)."""
-        return {**self.base_env(), **entry.spec.env, **entry.placement}
-
     async def _load(self, entry: ModelEntry) -> WorkerLink:
         # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
         while entry.state == "stopping" or (entry.state != "ready"
@@ -354,8 +316,8 @@ class Supervisor:
             entry.placement = backend.place(entry, self.placer)
             bound = link
             handle = await backend.spawn(
-                entry, lambda own_log: self.worker_boot(entry, bound, bound.endpoint, own_log),
-                log_path, {**entry.spec.env, **entry.placement})
+                entry, lambda own_log: worker_boot(entry, self.placer, bound, own_log),
+                log_path, model_env(entry))
         except asyncio.CancelledError:  # an unload while the process started
             if link is not None:
                 link.close("load cancelled")

@@ -11,6 +11,7 @@ import pytest
 from router.placement import GIB, GpuMemory, Placer, fits, footprint
 from router.registry import ModelRegistry
 from router.supervisor import Supervisor, backoff_seconds
+from router.worker_start import base_env, model_env, worker_command
 from shared.config import ModelSpec, ServerConfig, build_preset
 from tests.conftest import connected_peer, from_router
 
@@ -74,16 +75,16 @@ def test_worker_env_for_cpu_and_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
                      Placer(cores={0, 1}, gpus=H100))
     for entry in sup.registry:  # as a load does, before the worker's environment
         entry.placement = sup.placer.place(entry.spec)
-    cpu_env = sup.worker_env(sup.registry.entries["cpu-a"])
+    assert base_env()["HF_HUB_OFFLINE"] == "1"
+    cpu_env = model_env(sup.registry.entries["cpu-a"])
     assert cpu_env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert cpu_env["VLLM_CPU_KVCACHE_SPACE"] == "2"
-    assert cpu_env["HF_HUB_OFFLINE"] == "1"
-    gpu_env = sup.worker_env(sup.registry.entries["gpu-b"])
+    gpu_env = model_env(sup.registry.entries["gpu-b"])
     assert gpu_env["CUDA_VISIBLE_DEVICES"] == "2,3" and gpu_env["NCCL_DEBUG"] == "WARN"
     assert "VLLM_CPU_KVCACHE_SPACE" not in gpu_env
-    cmd = sup._command()
+    cmd = worker_command(preset.server)
     assert cmd[1:3] == ["-m", "worker"] and "--spare" not in cmd
-    assert "--spare" in sup._command(spare=True)
+    assert "--spare" in worker_command(preset.server, spare=True)
     assert "NCCL_DEBUG" not in " ".join(cmd)  # the spec and its env go over stdin
     assert sup.registry.entries["gpu-b"].placement == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                                                        "CUDA_VISIBLE_DEVICES": "2,3"}
