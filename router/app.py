@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -22,6 +23,7 @@ from router.api.admin import AdminAPI
 from router.api.anthropic import AnthropicAPI
 from router.api.events import EventsAPI
 from router.api.hotpath import HotPath
+from router.api.keys import KeysAPI
 from router.api.metrics import MetricsAPI
 from router.api.openai import OpenAIAPI
 from router.api.openapi import OpenAPIDocument
@@ -29,9 +31,13 @@ from router.api.relay import Relay
 from router.api.responses import ResponsesAPI
 from router.api.responses.store import ResponseStore
 from router.api.status import StatusPage
+from router.api.usage import UsageAPI
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
+from router.database import Database, default_url
 from router.errors import APIError, ModelNotFound
 from router.events import EventBus
+from router.key_store import REFRESH, KeyStore
+from router.ledger import Ledger
 from router.limits import middleware_stack
 from router.metrics import Metrics
 from router.placement import Placer, check_budgets
@@ -81,7 +87,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     registry = ModelRegistry(preset)
     for name in server.preload:
         try:
-            registry.resolve(name, use_default=False)
+            registry.named(name)
         except ModelNotFound as err:
             raise ConfigError(f"{preset.source}: [server]: key 'preload': {err.message}") from None
     keys = Keys.load(server, preset.source)
@@ -94,7 +100,9 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     events = EventBus()
     supervisor = Supervisor(registry, server, runtime_dir, placer, events)
     metrics = MetricsAPI(Metrics(registry))
-    relay = Relay(supervisor, metrics.metrics)
+    database = Database(server.database_url or default_url(server.cache_dir))
+    ledger = Ledger(database)
+    relay = Relay(supervisor, metrics.metrics, ledger)
     openai = OpenAIAPI(relay, server.max_body_bytes)
     anthropic = AnthropicAPI(relay, server.max_body_bytes)
     responses = ResponsesAPI(relay, server.max_body_bytes, ResponseStore(
@@ -103,28 +111,45 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     watch = EventsAPI(supervisor, events)
     reloader = Reloader(preset.source, preset, supervisor, keys, overrides)
     admin = AdminAPI(supervisor, server.max_body_bytes, reloader)
+    named = KeysAPI(KeyStore(database), keys, server.max_body_bytes)
+
+    async def follow_named_keys() -> None:
+        """Other routers (and ``modelyard keys``) change the keys too: look again."""
+        while True:
+            await asyncio.sleep(REFRESH)
+            try:
+                await named.refresh()
+            except Exception as err:  # noqa: BLE001  # either driver's errors: the keys stay
+                log.warning("named keys: cannot read %s: %s", database.url, err)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log.info("modelyard: %d model(s) from %s; runtime dir %s; %s", len(registry.entries),
                  preset.source, runtime_dir,
-                 f"{len(keys.user)} API key(s) required" if keys.required else "no API keys")
+                 f"{len(keys.principals)} API key(s) required" if keys.required else "no API keys")
+        await named.refresh()  # before the first request: a named key works at once
+        await ledger.start()
+        following = asyncio.create_task(follow_named_keys(), name="named-keys")
         supervisor.start()
         reloader.start(watch_config)
         try:
             yield
         finally:
+            following.cancel()
             reloader.close()
             watch.close()
             await responses.background.cancel_all()
             await supervisor.stop_all()
             if own_runtime_dir:
                 shutil.rmtree(runtime_dir, ignore_errors=True)
+            await ledger.close()  # SIGTERM loses no row
+            database.close()
 
     app = ModelyardApp(
         routes=(metrics.counted(openai.routes() + anthropic.routes() + responses.routes())
-                + watch.routes() + admin.routes() + metrics.routes()
-                + OpenAPIDocument(keys.required).routes() + StatusPage().routes()),
+                + watch.routes() + admin.routes() + named.routes()
+                + UsageAPI(ledger).routes() + metrics.routes()
+                + OpenAPIDocument(keys).routes() + StatusPage().routes()),
         lifespan=lifespan,
         front=[*middleware_stack(server, keys),
                Middleware(HotPath, handlers=openai.handlers(), metrics=metrics.metrics)],

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import logging
 import socket
 import sys
 
+import msgspec
 import uvicorn
 
 from router.app import build_app
+from router.database import Database, default_url
+from router.key_store import KeyExists, KeySpec, KeyStore
 from router.limits import http_protocol, uvicorn_backstop
 from shared.config import ConfigError, ServerConfig, load_preset
 
@@ -34,7 +38,52 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--runtime-dir",
                        help="overrides the preset's server.runtime_dir (worker sockets, logs)")
     serve.add_argument("--cache-dir", help="overrides the preset's server.cache_dir")
+    serve.add_argument("--database-url", help="overrides the preset's server.database_url")
+    keys = sub.add_parser("keys", help="named API keys, in the preset's database")
+    keys.add_argument("--config", "-c", default="configs/default.yaml",
+                      help="the preset whose database holds the keys")
+    keys.add_argument("--database-url", help="this database instead of the preset's")
+    action = keys.add_subparsers(dest="action", required=True)
+    create = action.add_parser("create", help="make a key; its secret is printed once")
+    create.add_argument("name")
+    create.add_argument("--role", choices=["admin", "user", "viewer"], default="user")
+    create.add_argument("--models", nargs="+", default=[], metavar="GLOB",
+                        help="model ids or aliases it may use (globs); default: all")
+    create.add_argument("--rpm", type=int, default=0, help="requests per minute")
+    create.add_argument("--tpm", type=int, default=0, help="tokens per minute")
+    create.add_argument("--max-concurrent", type=int, default=0,
+                        help="requests in flight at once")
+    action.add_parser("list", help="every key (never a secret)")
+    revoke = action.add_parser("revoke", help="revoke a key (its name stays taken)")
+    revoke.add_argument("name")
     return parser
+
+
+async def keys_command(args: argparse.Namespace, database: Database) -> int:
+    """``modelyard keys create|list|revoke``."""
+    store = KeyStore(database)
+    if args.action == "create":
+        if args.name.startswith("key-"):
+            print("modelyard: a key's name may not start with 'key-'", file=sys.stderr)
+            return 2
+        try:
+            made, secret = await store.create(args.name, args.role, KeySpec(
+                models=args.models, rpm=args.rpm, tpm=args.tpm,
+                max_concurrent=args.max_concurrent))
+        except (ValueError, KeyExists) as err:
+            print(f"modelyard: {'a key of that name exists' if isinstance(err, KeyExists) else err}",
+                  file=sys.stderr)
+            return 2
+        print(f"{made.name} ({made.role}): {secret}\nThe secret is shown only now.")
+    elif args.action == "list":
+        for key in await store.listed():
+            state = "revoked" if key.revoked else "active"
+            limits = msgspec.json.encode(key.spec).decode()
+            print(f"{key.name}\t{key.role}\t{state}\t{limits}")
+    elif not await store.revoke(args.name):
+        print(f"modelyard: no active key named {args.name!r}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,9 +95,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"modelyard: {err}", file=sys.stderr)
         return 2
     server = preset.server
+    if args.command == "keys":
+        database = Database(args.database_url or server.database_url
+                            or default_url(server.cache_dir))
+        try:
+            return asyncio.run(keys_command(args, database))
+        finally:
+            database.close()
     overrides = {key: value for key, value in (
         ("host", args.host), ("port", args.port), ("log_level", args.log_level),
-        ("runtime_dir", args.runtime_dir), ("cache_dir", args.cache_dir))
+        ("runtime_dir", args.runtime_dir), ("cache_dir", args.cache_dir),
+        ("database_url", args.database_url))
                  if value is not None and value != ""}
     for key, value in overrides.items():
         setattr(server, key, value)

@@ -29,11 +29,17 @@ class APIError(Exception):
     type = "server_error"
     default_code: str | None = None
 
+    retry_after = 1
+    """Seconds a 429, 503 or 529 asks the client to wait (``Retry-After``)."""
+
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 status: int | None = None, type: str | None = None) -> None:
+                 status: int | None = None, type: str | None = None,
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        if retry_after is not None:
+            self.retry_after = retry_after
         self.code = code if code is not None else self.default_code
         if status is not None:
             self.status = status

@@ -36,7 +36,15 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
-from router.admission import OPEN_PATHS, KeyGuard, Keys, presented_key, send_error
+from router.admission import (
+    OPEN,
+    OPEN_PATHS,
+    KeyGuard,
+    Keys,
+    client_address,
+    principal_of,
+    send_error,
+)
 from router.errors import APIError
 from shared.config import ServerConfig
 
@@ -51,11 +59,11 @@ def middleware_stack(server: ServerConfig, keys: Keys) -> list[Middleware]:
     if server.trusted_proxies:  # uvicorn's own is turned off: it trusts 127.0.0.1 by default
         stack.append(Middleware(ProxyHeadersMiddleware,
                                 trusted_hosts=server.trusted_proxies))
-    if keys.required:  # an open server has nothing to check: no layer at all
-        stack.append(Middleware(KeyGuard, keys=keys))
-    if server.rate_limit_per_minute:
-        buckets = TokenBuckets(server.rate_limit_per_minute, server.rate_limit_burst)
-        stack.append(Middleware(RateLimit, buckets=buckets, keys=keys))
+    # Always there: named keys can turn keys on in a running router.
+    failures = (TokenBuckets(server.auth_failures_per_minute)
+                if server.auth_failures_per_minute else None)
+    stack.append(Middleware(KeyGuard, keys=keys, failures=failures))
+    stack.append(Middleware(RateLimit, server=server))
     return stack
 
 
@@ -396,53 +404,131 @@ class TokenBuckets:
         bucket.tokens -= 1.0
         return int(bucket.tokens)
 
+    def empty(self, client: Hashable) -> bool:
+        """Whether ``client``'s next ``take`` would be refused (takes nothing)."""
+        bucket = self._buckets.get(client)
+        if bucket is None:
+            return False
+        return min(self.size, bucket.tokens + (self.clock() - bucket.stamp) * self.rate) < 1.0
+
     def retry_after(self, client: Hashable) -> int:
         """Whole seconds (at least 1) until ``client``'s next token, after a refused take."""
         bucket = self._buckets[client]
         return max(1, math.ceil((1.0 - bucket.tokens) / self.rate))
 
 
-class RateLimit:
-    """ASGI middleware: a request whose client's bucket is empty gets a 429
-    (``rate_limit_exceeded``) with ``Retry-After``; every answer carries OpenAI's
-    ``x-ratelimit-limit-requests`` and ``x-ratelimit-remaining-requests``. The client is
-    the API key when keys are required, else the address (after ``trusted_proxies``)."""
+class TokensPerMinute:
+    """Each key's tokens per minute (its ``tpm``) as a bucket of ``tpm`` tokens refilled at
+    that rate: a request is admitted while its key's bucket holds any, and its prompt
+    and completion tokens are taken once it is done (the last one may overdraw; the
+    next waits until the bucket is above zero again). Only keys with a ``tpm`` have one."""
 
-    def __init__(self, app: ASGIApp, buckets: TokenBuckets, keys: Keys) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._buckets: dict[str, tuple[_Bucket, float]] = {}  # key -> (bucket, per second)
+
+    def _refilled(self, key: str) -> _Bucket | None:
+        found = self._buckets.get(key)
+        if found is None:
+            return None
+        bucket, rate = found
+        now = self.clock()
+        bucket.tokens = min(rate * 60, bucket.tokens + (now - bucket.stamp) * rate)
+        bucket.stamp = now
+        return bucket
+
+    def wait(self, key: str, tpm: int) -> int:
+        """0 if ``key`` may send a request now, else whole seconds until it may."""
+        bucket = self._refilled(key)
+        if bucket is None:
+            self._buckets[key] = (_Bucket(float(tpm), self.clock()), tpm / 60.0)
+            return 0
+        self._buckets[key] = (bucket, tpm / 60.0)  # a changed tpm applies from now
+        return 0 if bucket.tokens > 0 else max(1, math.ceil(-bucket.tokens / (tpm / 60.0)))
+
+    def spend(self, key: str, tokens: int) -> None:
+        """A finished request of ``key`` used ``tokens``."""
+        bucket = self._refilled(key)
+        if bucket is not None:
+            bucket.tokens -= tokens
+
+
+class RateLimit:
+    """ASGI middleware: per-client request limits. A client is the request's key (its
+    principal's name) when keys are required, else its address (after
+    ``trusted_proxies``).
+
+    - Requests per minute: the key's ``rpm``, else the server's ``rate_limit_per_minute``,
+      as a token bucket; an empty one answers 429 (``rate_limit_exceeded``) with
+      ``Retry-After``, and every answer carries OpenAI's ``x-ratelimit-limit-requests`` and
+      ``x-ratelimit-remaining-requests``.
+    - Requests at once: the key's ``max_concurrent``; one more is a 429 at once (a stream
+      counts until its last byte).
+    """
+
+    def __init__(self, app: ASGIApp, server: ServerConfig) -> None:
         self.app = app
-        self.buckets = buckets
-        self.by_key = keys.required
-        self.limit_header = (b"x-ratelimit-limit-requests", str(buckets.per_minute).encode())
+        self.server = server
+        self._buckets: dict[int, TokenBuckets] = {}
+        self._in_flight: dict[str, int] = {}
+
+    def _buckets_for(self, per_minute: int) -> TokenBuckets:
+        buckets = self._buckets.get(per_minute)
+        if buckets is None:
+            burst = (self.server.rate_limit_burst
+                     if per_minute == self.server.rate_limit_per_minute else 0)
+            buckets = self._buckets[per_minute] = TokenBuckets(per_minute, burst)
+        return buckets
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
-        client: Hashable = (presented_key(scope) if self.by_key else None) or _address(scope)
-        left = self.buckets.take(client)
-        if left < 0:
-            wait = self.buckets.retry_after(client)
-            await send_error(send, APIError(
-                f"rate limit of {self.buckets.per_minute} requests per minute reached; "
-                f"retry in {wait} s", status=429, type="rate_limit_error",
-                code="rate_limit_exceeded"), scope["path"],
-                [(b"retry-after", str(wait).encode()), self.limit_header,
-                 (b"x-ratelimit-remaining-requests", b"0")])
+        principal = principal_of(scope)
+        per_minute = principal.limits.rpm or self.server.rate_limit_per_minute
+        at_once = principal.limits.max_concurrent
+        if not per_minute and not at_once:
+            await self.app(scope, receive, send)
             return
-        remaining = (b"x-ratelimit-remaining-requests", str(left).encode())
+        client: str = principal.name if principal is not OPEN else client_address(scope)
+        extra: list[tuple[bytes, bytes]] = []
+        if per_minute:
+            buckets = self._buckets_for(per_minute)
+            limit = (b"x-ratelimit-limit-requests", str(per_minute).encode())
+            left = buckets.take(client)
+            if left < 0:
+                wait = buckets.retry_after(client)
+                await send_error(send, APIError(
+                    f"rate limit of {per_minute} requests per minute reached; "
+                    f"retry in {wait} s", status=429, type="rate_limit_error",
+                    code="rate_limit_exceeded"), scope["path"],
+                    [(b"retry-after", str(wait).encode()), limit,
+                     (b"x-ratelimit-remaining-requests", b"0")])
+                return
+            extra = [limit, (b"x-ratelimit-remaining-requests", str(left).encode())]
+        if at_once and self._in_flight.get(client, 0) >= at_once:
+            await send_error(send, APIError(
+                f"this key may have {at_once} requests in flight at once; retry when one "
+                "is done", status=429, type="rate_limit_error",
+                code="rate_limit_exceeded"), scope["path"], [(b"retry-after", b"1")])
+            return
 
         async def send_counted(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", ()), self.limit_header,
-                                      remaining]
+            if message["type"] == "http.response.start" and extra:
+                message["headers"] = [*message.get("headers", ()), *extra]
             await send(message)
 
-        await self.app(scope, receive, send_counted)
-
-
-def _address(scope: Scope) -> str:
-    client = scope.get("client")
-    return str(client[0]) if client else ""  # no peer address: a unix socket, one client
+        if not at_once:
+            await self.app(scope, receive, send_counted)
+            return
+        self._in_flight[client] = self._in_flight.get(client, 0) + 1
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            if (still := self._in_flight[client] - 1):
+                self._in_flight[client] = still
+            else:
+                del self._in_flight[client]
 
 
 CAP_SCOPE_KEY = "modelyard.connection_cap"

@@ -65,9 +65,11 @@ class Usage:
     relay's per-batch path does no second pass; the relay fills in the timings.
     """
 
-    __slots__ = ("cached", "completion", "finish", "first_at", "prompt", "started")
+    __slots__ = ("cached", "completion", "finish", "first_at", "key", "prompt", "started")
 
-    def __init__(self) -> None:
+    def __init__(self, key: str = "") -> None:
+        self.key = key
+        """The name of the key that asked (``Principal.name``)."""
         self.prompt: dict[str, int] = {}
         self.cached: dict[str, int] = {}
         self.completion = 0

@@ -142,6 +142,8 @@ class _RequestCollector:
         self.requests: dict[tuple[str, str, int], int] = {}
         self.models: dict[str, _ModelSeries] = {}
         self.e2e: dict[tuple[str, str], _Histogram] = {}
+        self.keys: dict[str, list[int]] = {}
+        """Per key name (keys only): requests, prompt, cached and completion tokens."""
 
     def collect(self) -> Iterator[Metric]:
         requests = CounterMetricFamily("modelyard_requests", "Requests answered, by final "
@@ -170,7 +172,17 @@ class _RequestCollector:
             "last byte, successful requests", labels=["model", "endpoint"])
         for (model, endpoint), histogram in self.e2e.items():
             e2e.add_metric([model, endpoint], histogram.cumulative(), histogram.sum)
-        yield from (requests, *tokens.values(), ttft, inter_token, e2e)
+        by_key = CounterMetricFamily("modelyard_key_requests", "Requests answered, by the "
+                                     "name of the key that asked", labels=["key"])
+        key_tokens = CounterMetricFamily("modelyard_key_tokens", "Tokens, by the name of the "
+                                         "key that asked and kind (prompt, cached, "
+                                         "completion)", labels=["key", "kind"])
+        for key, (n, prompt, cached, completion) in self.keys.items():
+            by_key.add_metric([key], n)
+            for kind, count in (("prompt", prompt), ("cached", cached),
+                                ("completion", completion)):
+                key_tokens.add_metric([key, kind], count)
+        yield from (requests, *tokens.values(), ttft, inter_token, e2e, by_key, key_tokens)
 
 
 class Metrics:
@@ -204,6 +216,15 @@ class Metrics:
         counts = self._counts
         key = (model, endpoint, status)
         counts.requests[key] = counts.requests.get(key, 0) + 1
+        if usage is not None and usage.key:
+            per_key = counts.keys.get(usage.key)
+            if per_key is None:
+                per_key = counts.keys[usage.key] = [0, 0, 0, 0]
+            per_key[0] += 1
+            if usage.completion or usage.prompt:
+                per_key[1] += usage.prompt_tokens
+                per_key[2] += usage.cached_tokens
+                per_key[3] += usage.completion
         if usage is None or not (status == 200 or usage.first_at):
             return  # nothing was generated: no tokens, no latencies
         series = counts.models.get(model)

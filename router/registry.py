@@ -113,8 +113,11 @@ class ModelEntry:
     """Starts that became ready."""
     placement: dict[str, str] = field(default_factory=dict)
     keep_alive: float | None = None
-    """The last request's ``keep_alive`` in seconds (negative: forever; 0: stop when idle);
-    ``None``: the preset's ``ttl`` applies."""
+    """The last admin request's ``keep_alive`` in seconds (negative: forever; 0: stop when
+    idle); ``None``: the preset's ``ttl`` applies."""
+    kept_until: float = 0.0
+    """Until when (``time.monotonic``) the model stays loaded however long it idles: the
+    latest end of a non-admin request's ``keep_alive``."""
     yield_to: str | None = None
     """The model this one makes room for after it waited ``swap_wait``: new requests wait
     (they will load this one again later) and it stops once its requests are done."""
@@ -190,15 +193,25 @@ class ModelRegistry:
     def __iter__(self) -> Iterator[ModelEntry]:
         return iter(self.entries.values())
 
-    def resolve(self, name: str | None, use_default: bool = True) -> ModelEntry:
-        """Find the model a request names; raise ``ModelNotFound`` (404) if none fits.
-        Without ``use_default`` (load, unload) a name that fits nothing is never the
-        default model: a typo must not unload it."""
+    def named(self, name: str) -> ModelEntry:
+        """The model whose id or alias is exactly ``name`` (load, unload, preload: a name
+        that only resembles a model's, or the default, must never unload it); else
+        ``ModelNotFound`` (404)."""
+        found = self.entries.get(name) or self.entries.get(self._aliases.get(name, ""))
+        if found is None:
+            raise ModelNotFound(f"The model '{name}' does not exist (give its exact id or an "
+                                f"alias). Available: {', '.join(sorted(self.entries))}",
+                                param="model")
+        return found
+
+    def resolve(self, name: str | None) -> ModelEntry:
+        """Find the model a request names (exactly, by case, substring or prefix, else the
+        default); raise ``ModelNotFound`` (404) if none fits."""
         if name:
             found = self._match(name)
             if found is not None:
                 return self.entries[found]
-        if self.default_model and use_default:
+        if self.default_model:
             default = self._match(self.default_model)
             if default is not None:
                 return self.entries[default]
@@ -238,11 +251,14 @@ class Lease:
     response can release in its generator's ``finally`` whatever path it ends by.
     """
 
-    __slots__ = ("_held", "entry", "slot")
+    __slots__ = ("_held", "entry", "keep_for", "slot")
 
     def __init__(self, entry: ModelEntry) -> None:
         self.entry = entry
         self._held = True
+        self.keep_for = 0.0
+        """Seconds the model stays loaded after this request, whatever its idle limit (a
+        non-admin key's ``keep_alive``)."""
         self.slot: Slots | None = None
         """Where the ``max_concurrent`` slot it holds came from (``Supervisor.acquire``)."""
         entry.leases += 1
@@ -254,6 +270,9 @@ class Lease:
             self._held = False
             self.entry.leases -= 1
             self.entry.last_used = time.monotonic()
+            if self.keep_for:
+                self.entry.kept_until = max(self.entry.kept_until,
+                                            self.entry.last_used + self.keep_for)
             if self.slot is not None:
                 self.slot.give()
 

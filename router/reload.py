@@ -21,7 +21,7 @@ Models, compared by their whole ``ModelSpec``:
 
 Server keys: ``RUNTIME_KEYS`` are read where they are used, so they apply at once; API
 keys (``api_keys``, ``admin_api_keys``, ``api_key_file``'s content) are swapped in place
-as long as keys stay required (or stay off). Any other key that differs is reported in
+(keys turned on or off included). Any other key that differs is reported in
 ``restart_required`` and otherwise ignored until the next start.
 """
 
@@ -48,7 +48,7 @@ log = logging.getLogger("modelyard.router")
 
 RUNTIME_KEYS = frozenset({"ttl", "default_model", "max_loaded_models", "memory_budget_gib",
                           "max_queue_depth", "drain_timeout", "load_timeout", "send_timeout",
-                          "swap_wait", "preload"})
+                          "swap_wait", "preload", "keep_alive_max"})
 """Server keys a reload applies: everything that reads them reads the live value."""
 KEY_KEYS = frozenset({"api_keys", "admin_api_keys", "api_key_file"})
 WATCH_SECONDS = 1.0
@@ -150,19 +150,16 @@ class Reloader:
         except ConfigError as err:
             raise ConfigError(f"{new.source}: {err}") from None
         self._check_preload(new, after)
-        if (keys.user, keys.admin) != (self.keys.user, self.keys.admin):
-            if keys.required == self.keys.required:
-                self.keys.user, self.keys.admin = keys.user, keys.admin
-                diff.applied.append("api_keys")
-            else:  # turning keys on or off changes more than the guard (the OpenAPI doc)
-                diff.restart_required.append("api_keys")
+        if keys.preset != self.keys.preset:
+            self.keys.set_preset(keys.preset)
+            diff.applied.append("api_keys")
         for key in diff.applied:
             if key != "api_keys":
                 setattr(live, key, getattr(after, key))
         registry = self.supervisor.registry
         added, removed = registry.reconfigure(Preset(server=live, models=new.models))
         self.models = dict(new.models)
-        preload = {registry.resolve(name, use_default=False).id for name in live.preload}
+        preload = {registry.named(name).id for name in live.preload}
         for entry in removed:
             self.supervisor.retire(entry)
         for entry in added:

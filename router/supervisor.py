@@ -151,7 +151,7 @@ class Supervisor:
 
     def startup_models(self) -> list[ModelEntry]:
         """The models started with the router: ``load_on_startup`` ones and ``preload``."""
-        preload = {self.registry.resolve(name, use_default=False).id
+        preload = {self.registry.named(name).id
                    for name in self.server.preload}
         return [e for e in self.registry if e.spec.load_on_startup or e.id in preload]
 
@@ -268,8 +268,17 @@ class Supervisor:
         for model_id, running in list(self._loads.items()):
             if running is task:
                 del self._loads[model_id]
+                self._keep_up(self.registry.entries.get(model_id))
         if not task.cancelled():
             task.exception()  # retrieved here: a load nobody awaits still ends quietly
+
+    def _keep_up(self, entry: ModelEntry | None) -> None:
+        """A start-up model that failed to start or crashed is started again (after the
+        backoff, which its load waits): a router taken out of rotation gets no request
+        that would restart it, and its readiness probe starts nothing."""
+        if (entry is not None and entry.state == "failed" and not self._closing
+                and not entry.removed and entry in self.startup_models()):
+            self.start_loading(entry)
 
     # -- starting ----------------------------------------------------------------------
     async def _load(self, entry: ModelEntry) -> WorkerLink:
@@ -432,6 +441,7 @@ class Supervisor:
         tail = await asyncio.to_thread(log_tail, worker.log_path)
         if entry.state == "failed" and entry.exit_code == code:
             entry.error = f"{reason}\n{tail}".strip()
+        self._keep_up(entry)
 
     async def _reap(self, entry: ModelEntry, worker: WorkerRecord, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""

@@ -7,6 +7,7 @@ import sys
 
 import msgspec
 
+from router.admission import KEYS_VARIABLE
 from router.link import WorkerLink
 from router.placement import Placer
 from router.registry import ModelEntry
@@ -25,8 +26,10 @@ def worker_command(server: ServerConfig, spare: bool = False) -> list[str]:
 
 
 def base_env() -> dict[str, str]:
-    """Every local worker's environment before its model's: ours, and an offline hub."""
+    """Every local worker's environment before its model's: ours without the API keys,
+    and an offline hub."""
     env = dict(os.environ)
+    env.pop(KEYS_VARIABLE, None)  # a worker (and all it runs: vLLM, a model's code) has no use for them
     env.setdefault("HF_HUB_OFFLINE", "1")  # nothing is fetched from a hub unless asked
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env

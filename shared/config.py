@@ -90,6 +90,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Where ZeroMQ sockets and worker logs live; default: a fresh 0700 temp dir."""
     cache_dir: str | None = None
     """Where the embedded model is materialised; default: ~/.cache/modelyard."""
+    database_url: str | None = None
+    """Where named keys live: ``sqlite:///PATH`` or ``postgresql://...`` (several routers
+    sharing keys); unset: SQLite in the cache dir (``modelyard.db``)."""
     log_level: str = "info"
     max_body_bytes: int = 32 * 1024 * 1024
     """Larger request bodies get a 413."""
@@ -100,6 +103,14 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """When set, loading and unloading models needs one of these; they open every endpoint."""
     api_key_file: str | None = None
     """A file of keys, one per line (``#`` starts a comment)."""
+    auth_failures_per_minute: Annotated[int, msgspec.Meta(ge=0)] = 20
+    """Requests with a wrong key one address may send a minute (a token bucket); past it,
+    every request from there gets a 429 until the bucket refills. 0: no limit."""
+    keep_alive_max: Annotated[float, msgspec.Meta(ge=0)] = 3600.0
+    """The longest a request's ``keep_alive`` from a non-admin key keeps its model loaded
+    after the request (``-1`` asks for this much; ``0`` asks nothing). Such a key never
+    stops or pins a model others use: only an admin key's ``keep_alive`` sets the model's
+    idle limit."""
     rate_limit_per_minute: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Requests per minute per client (its API key when keys are set, else its address),
     as a token bucket; more get a 429 with ``Retry-After``. 0: no rate limit."""

@@ -59,7 +59,9 @@ class RouterProcess:
         env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
         self.log = open(self.log_path, "wb")  # noqa: SIM115  # the router's stdout until stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "router", "serve", "--config", str(self.preset)],
+            [sys.executable, "-m", "router", "serve", "--config", str(self.preset),
+             # its own named keys: none unless a test makes some
+             "--database-url", f"sqlite:///{self.workdir / 'modelyard.db'}"],
             cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, timeout: float = 30) -> None:

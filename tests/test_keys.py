@@ -27,6 +27,7 @@ server:
   api_keys: [k-user-1f3a]
   admin_api_keys: [k-admin-77c2]
   api_key_file: {key_file}
+  auth_failures_per_minute: 0  # its tests send many wrong keys on purpose
 models:
   smollm2: {model: "builtin:smollm2", cpu_cores: "0", max_model_len: 512}
 """

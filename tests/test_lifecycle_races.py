@@ -22,6 +22,7 @@ import pytest
 import zmq
 from starlette.requests import Request
 
+from router.admission import OPEN
 from router.api.relay import Relay
 from router.api.wire import unless_disconnected
 from router.errors import ClientGone, ModelUnavailable
@@ -231,7 +232,7 @@ def test_a_cold_stream_left_as_its_slot_frees_leaks_no_lease_or_slot(
         entry = sup.registry.entries["m"]
         held, _ = await sup.acquire("m")
         body = relay._cold_stream("m", "m", [], None, b": ping\n\n", Usage(),  # type: ignore[arg-type]
-                                  "/v1/messages", None)
+                                  "/v1/messages", None, OPEN)
         assert await body.__anext__() == b": ping\n\n"
         await until(lambda: entry.queued == 1, 1, "the stream waits for a slot")
         if first == "free":

@@ -64,10 +64,15 @@ def test_lease_counts_and_release_is_idempotent() -> None:
     assert entry.leases == 0 and entry.last_used > 0
 
 
-def test_load_and_unload_never_fall_back_to_the_default() -> None:
-    """A typo in ``POST /v1/models/unload`` unloaded the default model."""
+def test_load_and_unload_take_an_exact_id_or_alias_only() -> None:
+    """A typo in ``POST /v1/models/unload`` unloaded the default model; ``{"model": "lla"}``
+    unloaded ``llama-...`` by substring."""
     reg = registry(default="qwen3-32b")
     assert reg.resolve("no-such-model").id == "qwen3-32b"  # requests do fall back
     with pytest.raises(ModelNotFound):
-        reg.resolve("no-such-model", use_default=False)
-    assert reg.resolve("big", use_default=False).id == "llama-3.1-70b"
+        reg.named("no-such-model")
+    assert reg.named("big").id == "llama-3.1-70b"  # an alias
+    assert reg.named("llama-3.1-70b").id == "llama-3.1-70b"
+    for loose in ("LLAMA-3.1-70B", "llama-3.1", "lla"):  # case, substring: requests only
+        with pytest.raises(ModelNotFound):
+            reg.named(loose)

@@ -135,13 +135,14 @@ def test_a_reload_switches_names_default_keys_and_runtime_keys_at_once(
         "changed_keys": {"first": ["aliases"], "second": ["aliases", "max_concurrent"]},
         "applied": ["default_model", "ttl", "api_keys"], "restart_required": ["port"]}
     assert server.ttl == 5 and server.port == 8080  # the port waits for a restart
-    assert rl.keys.user == [b"new-key"]  # rotated in place: the KeyGuard holds this object
+    # rotated in place: the KeyGuard holds this object
+    assert rl.keys.identify(b"new-key") is not None and rl.keys.identify(b"old-key") is None
     assert registry.resolve("shared-name") is second and registry.resolve("one") is first
     assert registry.resolve(None) is second and registry.resolve("four").id == "fourth"
     assert registry.entries["first"] is first  # the same entry: its worker is kept
     assert second.slots is not None and second.slots.free == 1
     with pytest.raises(ModelNotFound):
-        registry.resolve("third", use_default=False)
+        registry.named("third")
     assert third.removed and list(registry.entries) == ["first", "second", "fourth"]
     with pytest.raises(ModelNotFound, match="removed from the configuration"):
         rl.supervisor.start_loading(third)  # a request queued before the reload
@@ -190,7 +191,7 @@ def test_the_watch_sees_the_files_a_preset_names(tmp_path: Path,
         assert got == [f"changed: {tmp_path / 'a.jinja'}"]
         assert rl.models["m"].chat_template == "{{ messages }} A!"
         got = await after(lambda: keys.write_text("k2\n"))
-        assert got == [f"changed: {keys}"] and rl.keys.user == [b"k2"]
+        assert got == [f"changed: {keys}"] and rl.keys.identify(b"k2") is not None
         got = await after(lambda: path.write_text(preset.format(keys=keys, template="b.jinja")))
         assert got == ["file changed"] and rl.watched[1] == str(tmp_path / "b.jinja")
         got = await after(lambda: (tmp_path / "b.jinja").write_text("{{ messages }} B!"))

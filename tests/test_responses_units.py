@@ -11,6 +11,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from router.admission import Principal, principal_of
 from router.api.responses import shaper as shaper_module
 from router.api.responses.background import BackgroundRuns
 from router.api.responses.schema import (
@@ -343,9 +344,11 @@ def test_background_run_ends_when_cancelled() -> None:
         seen: list[str] = []
 
         async def run(req: Any) -> None:
+            assert principal_of(req.scope) is alice  # it asks as the key that made it
             seen.append((await req.receive())["type"])  # the relay's disconnect watch
 
-        runs.start("resp_1", run)
+        alice = Principal("alice", "user")
+        runs.start("resp_1", run, alice)
         await asyncio.sleep(0)
         assert "resp_1" in runs
         await runs.cancel("resp_1")

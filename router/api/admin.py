@@ -15,6 +15,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.admission import ANONYMOUS, Principal, principal_of
+from router.api.events import first_line
 from router.api.wire import JSONResponse, read_body
 from router.errors import APIError, ModelNotFound, ModelUnavailable
 from router.policy import idle
@@ -50,8 +52,9 @@ class AdminAPI:
             Route("/health/ready", self.ready, methods=["GET"]),
         ]
 
-    def model_object(self, entry: ModelEntry) -> dict[str, Any]:
-        """OpenAI's model object plus modelyard's fields (None values left out)."""
+    def model_object(self, entry: ModelEntry, principal: Principal) -> dict[str, Any]:
+        """OpenAI's model object plus modelyard's fields (None values left out); for a key
+        that is not an admin's, a failure's reason without its worker's log tail."""
         now = time.monotonic()
         extra: dict[str, Any] = {
             "state": entry.state, "aliases": entry.spec.aliases,
@@ -68,22 +71,26 @@ class AdminAPI:
             "loaded_at": int(entry.loaded_at) if entry.loaded_at else None,
             "idle_seconds": round(now - entry.last_used, 3) if entry.last_used else None,
             "placement": entry.placement or None, "exit_code": entry.exit_code,
-            "error": entry.error,
+            "error": entry.error if principal.sees_all or not entry.error
+            else first_line(entry.error),
         }
         return {"id": entry.id, "object": "model", "created": self.created,
                 "owned_by": entry.spec.owned_by,
                 **{k: v for k, v in extra.items() if v is not None}}
 
     async def list_models(self, request: Request) -> Response:
+        principal = principal_of(request.scope)
         return JSONResponse({"object": "list",
-                             "data": [self.model_object(e) for e in self.registry]})
+                             "data": [self.model_object(e, principal)
+                                      for e in self.registry if _visible(e, principal)]})
 
     async def get_model(self, request: Request) -> Response:
         name = request.path_params["model_id"]
         entry = self.registry.entries.get(name)
-        if entry is None:  # exact ids only; aliases are for requests
+        principal = principal_of(request.scope)
+        if entry is None or not _visible(entry, principal):  # exact ids only
             raise ModelNotFound(f"The model '{name}' does not exist", param="model")
-        body = self.model_object(entry)
+        body = self.model_object(entry, principal)
         if entry.state == "ready" and entry.link is not None:
             try:  # the engine's own count: shows that cancelled requests really ended
                 pong = await asyncio.wait_for(entry.link.ping(), 2)
@@ -95,14 +102,16 @@ class AdminAPI:
     def _entries(self, body: ModelAction) -> list[ModelEntry]:
         """Every named model, or a 404 before anything is done."""
         names = [body.model] if isinstance(body.model, str) else body.model
-        return list({e.id: e for e in (self.registry.resolve(n, use_default=False)
+        return list({e.id: e for e in (self.registry.named(n)
                                        for n in names)}.values())
 
-    def _answer(self, body: ModelAction, entries: list[ModelEntry],
+    def _answer(self, request: Request, body: ModelAction, entries: list[ModelEntry],
                 status: int = 200) -> Response:
+        principal = principal_of(request.scope)
         if isinstance(body.model, str):
-            return JSONResponse(self.model_object(entries[0]), status_code=status)
-        return JSONResponse({"object": "list", "data": [self.model_object(e) for e in entries]},
+            return JSONResponse(self.model_object(entries[0], principal), status_code=status)
+        return JSONResponse({"object": "list",
+                             "data": [self.model_object(e, principal) for e in entries]},
                             status_code=status)
 
     async def load(self, request: Request) -> Response:
@@ -114,17 +123,17 @@ class AdminAPI:
             for entry in entries:
                 if entry.state != "ready":
                     self.supervisor.start_loading(entry)
-            return self._answer(body, entries, 202)
+            return self._answer(request, body, entries, 202)
         for entry in entries:
             lease, _ = await self.supervisor.acquire(entry.id)
             lease.release()
-        return self._answer(body, entries)
+        return self._answer(request, body, entries)
 
     async def unload(self, request: Request) -> Response:
         body = await read_body(request, ModelAction, self.max_body_bytes)
         entries = self._entries(body)
         await asyncio.gather(*(self.supervisor.stop(e, force=body.force) for e in entries))
-        return self._answer(body, entries)
+        return self._answer(request, body, entries)
 
     async def reload(self, request: Request) -> Response:
         """Read the preset file again and apply it (``router/reload.py``); a file that does
@@ -132,6 +141,10 @@ class AdminAPI:
         return JSONResponse(await self.reloader.reload("POST /v1/config/reload"))
 
     async def health(self, request: Request) -> Response:
+        """Liveness. Without a key (where keys are required) only ``status``: model ids
+        and process ids are for those who hold one."""
+        if principal_of(request.scope) is ANONYMOUS:
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok",
                              "models": {e.id: e.state for e in self.registry},
                              "spares": self.supervisor.spares.describe(),
@@ -139,10 +152,10 @@ class AdminAPI:
 
     async def ready(self, request: Request) -> Response:
         """Readiness: 200 once every start-up model (``load_on_startup``, ``preload``) has
-        loaded, else a 503 naming the ones that have not. One stopped on purpose since
-        (ttl, eviction, unload) still counts: the next request loads it. One that crashed
-        or failed to start does not, and is started again here (after the supervisor's
-        backoff): a router taken out of rotation gets no request that would restart it."""
+        loaded, else a 503 (naming the ones that have not, for a request with a key). One
+        stopped on purpose since (ttl, eviction, unload) still counts: the next request
+        loads it. One that crashed or failed to start does not; the supervisor starts it
+        again itself. A pure read: a probe starts nothing."""
         models: dict[str, str] = {}
         waiting: list[str] = []
         for entry in self.supervisor.startup_models():
@@ -151,11 +164,16 @@ class AdminAPI:
                     entry.state in ("unloaded", "stopping") and entry.loads > 0):
                 continue
             waiting.append(f"{entry.id} ({entry.state})")
-            if entry.state == "failed":
-                self.supervisor.start_loading(entry)
+        shown = {} if principal_of(request.scope) is ANONYMOUS else {"models": models}
         if not waiting:
-            return JSONResponse({"ready": True, "models": models})
-        err = ModelUnavailable("not ready: start-up model(s) " + ", ".join(waiting),
+            return JSONResponse({"ready": True, **shown})
+        err = ModelUnavailable("not ready: start-up model(s) " + ", ".join(waiting)
+                               if shown else "not ready: start-up models are loading",
                                code="not_ready")
-        return JSONResponse({**err.body(), "ready": False, "models": models},
+        return JSONResponse({**err.body(), "ready": False, **shown},
                             status_code=503, headers={"Retry-After": "1"})
+
+
+def _visible(entry: ModelEntry, principal: Principal) -> bool:
+    """A key limited to some models sees only those."""
+    return principal.limits.allows([entry.id, *entry.spec.aliases])

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.admission import Principal, principal_of
 from router.api.sse import EventStream, encode_json
 from router.api.wire import JSONResponse
 from router.errors import BadRequest, ModelNotFound
@@ -38,6 +39,23 @@ KEEPALIVE = b": keep-alive\n\n"
 LOG_READERS = 2
 """Threads that read logs for every follower together: they never take the default
 executor's threads, which the supervisor needs to reap workers."""
+
+
+def seen_by(event: Event, principal: Principal) -> Event | None:
+    """``event`` as ``principal`` may see it: an admin or a viewer, whole; a user, its own
+    requests only, and a failure's reason without the log tail under it (a worker's log
+    can quote other users' prompts)."""
+    if principal.sees_all:
+        return event
+    if event["type"] == "request":
+        return event if event.get("key") == principal.name else None
+    if event.get("error"):
+        return {**event, "error": first_line(event["error"])}
+    return event
+
+
+def first_line(text: str) -> str:
+    return text.split("\n", 1)[0]
 
 
 def sse_event(event: Event) -> bytes:
@@ -148,20 +166,22 @@ class EventsAPI:
 
     async def events(self, request: Request) -> Response:
         replay = _query_bool(request, "replay") if "replay" in request.query_params else True
-        if "text/event-stream" not in request.headers.get("accept", ""):
-            return JSONResponse({"object": "list",
-                                 "data": list(self.bus.recent) if replay else []})
+        principal = principal_of(request.scope)
         # Taken together, with no await between: the replay and the live events neither
         # overlap nor leave a gap.
-        recent = list(self.bus.recent) if replay else []
+        recent = [seen for e in self.bus.recent
+                  if (seen := seen_by(e, principal)) is not None] if replay else []
+        if "text/event-stream" not in request.headers.get("accept", ""):
+            return JSONResponse({"object": "list", "data": recent})
         sub = self.bus.subscribe(replay=False)
-        return EventStream(self._event_stream(sub, recent), self.supervisor.server.send_timeout)
+        return EventStream(self._event_stream(sub, recent, principal),
+                           self.supervisor.server.send_timeout)
 
     def _activity(self) -> dict[str, dict[str, int]]:
         return {e.id: {"in_flight": e.leases, "queued": e.queued} for e in self.supervisor.registry}
 
-    async def _event_stream(self, sub: Subscription,
-                            recent: list[Event]) -> AsyncGenerator[bytes, None]:
+    async def _event_stream(self, sub: Subscription, recent: list[Event],
+                            principal: Principal) -> AsyncGenerator[bytes, None]:
         """The recent events (marked ``replayed``), then ``hello`` (live from here on, with
         every model's state and counts now), then events as they are published, and
         ``activity`` when a model's in-flight or queued count changed."""
@@ -177,7 +197,7 @@ class EventsAPI:
                                         for e in self.supervisor.registry}})
             while True:
                 event = await sub.get(timeout=self.activity_every)
-                if event is not None:
+                if event is not None and (event := seen_by(event, principal)) is not None:
                     yield sse_event(event)
                     quiet_since = loop.time()
                 now = self._activity()

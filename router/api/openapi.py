@@ -18,13 +18,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from router.admission import OPEN_PATHS
+from router.admission import OPEN_PATHS, Keys
 from router.api.admin import ModelAction
 from router.api.anthropic.schema import CountTokensRequest, MessagesRequest
 from router.api.openai.embeddings import EmbeddingRequest
 from router.api.openai.schema import ChatCompletionRequest, CompletionRequest
 from router.api.openai.tokens import DetokenizeRequest, TokenizeRequest
 from router.api.responses.schema import CreateResponseRequest, ResponseInput
+from router.key_store import KeyCreate
 
 Schema = dict[str, Any]
 _REF = "#/components/schemas/{name}"
@@ -182,25 +183,36 @@ RESPONSES: dict[str, Schema] = {
                                 "input_tokens": _INT}),
     "ResponseDeleted": _obj({"id": _STR, "object": _const("response"),
                              "deleted": {"type": "boolean"}}),
-    "Health": _obj({"status": _STR,
-                    "models": {"type": "object", "additionalProperties": _STR},
-                    "spares": _array(_obj({"pid": _INT, "ready": {"type": "boolean"},
-                                           "rss_mib": _NUM,
-                                           "age_seconds": _NUM})),
-                    "tasks": _INT}),
+    "Health": _obj({"status": _STR}, {
+        "models": {"type": "object", "additionalProperties": _STR},
+        "spares": _array(_obj({"pid": _INT, "ready": {"type": "boolean"},
+                               "rss_mib": _NUM, "age_seconds": _NUM})),
+        "tasks": _INT}),
     "Event": _obj({"type": {"type": "string", "enum": [
         "hello", "activity", "state", "load", "eviction", "request", "dropped"]},
         "id": _nullable(_INT), "time": _NUM, "model": _nullable(_STR)}),
     "EventList": _obj({"object": _const("list"), "data": _array(_ref("Event"))}),
     "LogLines": _obj({"object": _const("list"), "model": _STR, "data": _array(_STR)}),
+    "Key": _obj({"name": _STR, "role": {"type": "string", "enum": ["admin", "user", "viewer"]},
+                 "spec": {"type": "object"}, "created": _NUM},
+                {"revoked": _nullable(_NUM)}),
+    "KeyList": _obj({"object": _const("list"), "data": _array(_ref("Key"))}),
+    "KeyCreated": _obj({"name": _STR, "role": _STR, "spec": {"type": "object"},
+                        "created": _NUM, "key": _STR}, {"revoked": {"type": "null"}}),
+    "KeyRevoked": _obj({"name": _STR, "revoked": {"type": "boolean", "enum": [True]}}),
+    "UsageReport": _obj({
+        "object": _const("list"), "start": _NUM, "end": _NUM, "group_by": _array(_STR),
+        "data": _array(_obj({"requests": _INT, "prompt_tokens": _INT, "cached_tokens": _INT,
+                             "completion_tokens": _INT, "seconds": _NUM},
+                            {"key": _STR, "model": _STR, "endpoint": _STR, "day": _STR}))}),
     "LogLine": _obj({"model": _STR, "line": _STR}),
     "ConfigReload": _obj({"source": _STR, "added": _array(_STR), "removed": _array(_STR),
                           "changed": _array(_STR), "unchanged": _array(_STR),
                           "changed_keys": {"type": "object",
                                            "additionalProperties": _array(_STR)},
                           "applied": _array(_STR), "restart_required": _array(_STR)}),
-    "Ready": _obj({"ready": {"type": "boolean"},
-                   "models": {"type": "object", "additionalProperties": _STR}}),
+    "Ready": _obj({"ready": {"type": "boolean"}},
+                  {"models": {"type": "object", "additionalProperties": _STR}}),
 }
 
 _ERRORS = {
@@ -303,12 +315,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/config/reload"): Operation(
         "Read the preset file again and apply what changed (a 400 names file, model and "
         "key of a file that does not load; the running config stays)", None, "ConfigReload"),
-    ("GET", "/health"): Operation("Liveness and every model's state (never needs a key)",
-                                  None, "Health"),
+    ("GET", "/health"): Operation(
+        "Liveness (never needs a key); with a valid key also every model's state and the "
+        "spare workers", None, "Health"),
     ("GET", "/health/ready"): Operation(
         "Readiness: 200 once every start-up model (`load_on_startup`, `preload`) has "
-        "loaded; a 503 error naming the others, with `ready` and `models` beside it "
-        "(never needs a key)", None, "Ready"),
+        "loaded, else a 503 error with `ready` beside it (never needs a key); with a valid "
+        "key the error names the models not ready, and `models` gives every start-up "
+        "model's state", None, "Ready"),
     ("GET", "/metrics"): Operation("Prometheus metrics (text exposition format)", text=True),
     ("GET", "/v1/metrics"): Operation("The same metrics as one JSON object, per model"),
     ("GET", "/openapi.json"): Operation("This document", None, None),
@@ -326,6 +340,17 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                "follow": {"type": "string", "enum": ["0", "1", "true", "false"]}}),
     ("GET", "/"): Operation("The status page (HTML; its assets are under /static/)",
                             html=True),
+    ("GET", "/v1/keys"): Operation("The named API keys (an admin key; never a secret)",
+                                   None, "KeyList"),
+    ("POST", "/v1/keys"): Operation(
+        "Make a named key (an admin key); its secret is answered once, as `key`", KeyCreate,
+        "KeyCreated"),
+    ("DELETE", "/v1/keys/{name}"): Operation("Revoke a named key (an admin key)", None,
+                                             "KeyRevoked"),
+    ("GET", "/v1/usage"): Operation(
+        "Usage from the ledger, summed per group: every key's for an admin or a viewer, "
+        "else the key's own", None, "UsageReport",
+        query={"group_by": _STR, "start": _STR, "end": _STR, "key": _STR}),
 }
 
 
@@ -415,16 +440,18 @@ def build_document(routes: list[BaseRoute], auth: bool) -> dict[str, Any]:
 
 
 class OpenAPIDocument:
-    """Serves ``build_document`` for the app's routes, built once at the first request."""
+    """Serves ``build_document`` for the app's routes, built at the first request while
+    keys are required (or not): keys turn on and off with a reload or a first named key."""
 
-    def __init__(self, auth: bool) -> None:
-        self.auth = auth
-        self._body: bytes | None = None
+    def __init__(self, keys: Keys) -> None:
+        self.keys = keys
+        self._bodies: dict[bool, bytes] = {}
 
     def routes(self) -> list[Route]:
         return [Route("/openapi.json", self.serve, methods=["GET"])]
 
     async def serve(self, request: Request) -> Response:
-        if self._body is None:  # the app's routes are final by the first request
-            self._body = msgspec.json.encode(build_document(request.app.routes, self.auth))
-        return Response(self._body, media_type="application/json")
+        auth = self.keys.required
+        if auth not in self._bodies:  # the app's routes are final by the first request
+            self._bodies[auth] = msgspec.json.encode(build_document(request.app.routes, auth))
+        return Response(self._bodies[auth], media_type="application/json")

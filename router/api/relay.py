@@ -16,15 +16,19 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.admission import Principal, principal_of
 from router.api.sse import EventStream
 from router.api.wire import JSONResponse, disconnected, error_response, unless_disconnected
-from router.errors import APIError, BadRequest, ClientGone, ClientTooSlow
+from router.errors import APIError, BadRequest, ClientGone, ClientTooSlow, ModelNotFound
+from router.ledger import Ledger
+from router.limits import TokensPerMinute
 from router.link import RequestStream, Usage, WorkerLink
 from router.metrics import Metrics
 from router.registry import Lease, ModelEntry
@@ -70,9 +74,12 @@ def protocol_route(path: str, handler: Callable[[Request], Awaitable[Response]],
 class Relay:
     """Runs generation requests for every protocol module; see the module docstring."""
 
-    def __init__(self, supervisor: Supervisor, metrics: Metrics | None = None) -> None:
+    def __init__(self, supervisor: Supervisor, metrics: Metrics | None = None,
+                 ledger: Ledger | None = None) -> None:
         self.supervisor = supervisor
         self.metrics = metrics or Metrics(supervisor.registry)
+        self.ledger = ledger
+        self.tpm = TokensPerMinute()
 
     keepalive_every = 5.0
     """Seconds between keep-alive events on a stream that waits for a cold model."""
@@ -86,21 +93,24 @@ class Relay:
         A stream for a model that is not ready yet begins at once when the protocol gives
         a ``keepalive`` event (Anthropic's ``ping``): the client sees it every few seconds
         while the model loads, and a failure to start then arrives in-band. ``keep_alive``
-        (seconds; the request's own) replaces the model's idle ttl from now on.
+        (seconds; the request's own) is ``_keep_alive``'s.
         """
-        usage = Usage()
+        principal = principal_of(request.scope)
+        usage = Usage(principal.name)
+        if principal.limits.budgets or principal.limits.tpm:
+            await self._within_limits(principal, model, endpoint, streaming, usage)
         if streaming and keepalive:
-            now = self._now(endpoint, model, "generate", True, usage)
+            now = self._now(endpoint, model, "generate", True, usage, principal)
             if not isinstance(now, tuple):
                 body = self._cold_stream(now.id, model, gens, shaper_for(now.id), keepalive,
-                                         usage, endpoint, keep_alive)
+                                         usage, endpoint, keep_alive, principal)
                 return EventStream(body, self.supervisor.server.send_timeout)
             lease, link = now
         else:
             lease, link = await self._acquire(request, endpoint, model, "generate", streaming,
-                                              usage)
+                                              usage, principal)
         if keep_alive is not None:
-            lease.entry.keep_alive = keep_alive
+            self._keep_alive(lease, keep_alive, principal)
         stream, first = await self._start(lease, link, gens, usage, endpoint, streaming, request)
         shaper = shaper_for(lease.entry.id)
         if streaming:
@@ -124,6 +134,17 @@ class Relay:
             else:  # before the answer: ``HotPath`` asks whether it was counted
                 self._log(endpoint, lease.entry.id, False, status, usage)
         return JSONResponse(shaper.body(usage))
+
+    def _keep_alive(self, lease: Lease, seconds: float, principal: Principal) -> None:
+        """A request's ``keep_alive``. An admin key's is the model's idle limit from now on
+        (Ollama's: ``0`` stops it once idle, ``-1`` keeps it). Any other key's only keeps
+        the model loaded up to ``keep_alive_max`` seconds after this request: it never
+        stops or pins a model others use, nor outlives the admin's bound."""
+        if principal.admin:
+            lease.entry.keep_alive = seconds
+            return
+        bound = self.supervisor.server.keep_alive_max
+        lease.keep_for = bound if seconds < 0 else min(seconds, bound)
 
     async def _start(self, lease: Lease, link: WorkerLink, gens: list[Generate], usage: Usage,
                      endpoint: str, streaming: bool, request: Request | None
@@ -150,7 +171,7 @@ class Relay:
 
     async def _cold_stream(self, model_id: str, model: str | None, gens: list[Generate],
                            shaper: Shaper, keepalive: bytes, usage: Usage,
-                           endpoint: str, keep_alive: float | None
+                           endpoint: str, keep_alive: float | None, principal: Principal
                            ) -> AsyncGenerator[bytes, None]:
         """A stream that begins before its model is ready: ``keepalive`` at once and every
         ``keepalive_every`` seconds until it is, then as ``_stream``. A client that leaves
@@ -179,7 +200,7 @@ class Relay:
             yield shaper.error_event(err)
             return
         if keep_alive is not None:
-            lease.entry.keep_alive = keep_alive
+            self._keep_alive(lease, keep_alive, principal)
         try:
             stream, first = await self._start(lease, link, gens, usage, endpoint, True, None)
         except APIError as err:
@@ -199,19 +220,68 @@ class Relay:
             await rest.aclose()
 
     def _now(self, endpoint: str, model: str | None, task: str, streaming: bool,
-             usage: Usage) -> tuple[Lease, WorkerLink] | ModelEntry:
-        """``Supervisor.acquire_now``, its refusal logged."""
+             usage: Usage, principal: Principal) -> tuple[Lease, WorkerLink] | ModelEntry:
+        """``Supervisor.acquire_now``, for a model ``principal`` may use; its refusal
+        logged."""
         try:
+            if principal.limits.models:
+                self._allowed(model, principal)
             return self.supervisor.acquire_now(model, task)
         except APIError as err:  # unknown model, wrong task
-            self._log(endpoint, model or "-", streaming, err.status, usage)
+            self._log(endpoint, self._model_id(model), streaming, err.status, usage)
             raise
 
+    async def _within_limits(self, principal: Principal, model: str | None, endpoint: str,
+                             streaming: bool, usage: Usage) -> None:
+        """A 429 (logged) for a key past its tokens per minute or one of its budgets."""
+        try:
+            entry = self.supervisor.registry.resolve(model)
+        except APIError:
+            return  # an unknown model: ``_now`` answers and logs it
+        limits = principal.limits
+        err: APIError | None = None
+        wait = self.tpm.wait(principal.name, limits.tpm) if limits.tpm else 0
+        if wait:
+            err = APIError(f"this key's {limits.tpm} tokens per minute are spent; retry in "
+                           f"{wait} s", status=429, type="rate_limit_error",
+                           code="rate_limit_exceeded", retry_after=wait)
+        elif limits.budgets and self.ledger is not None:
+            over = await self.ledger.over_budget(principal.name, limits.budgets, entry.id,
+                                                 [entry.id, *entry.spec.aliases])
+            if over is not None:
+                budget, resets = over
+                on = f" on {budget.model}" if budget.model else ""
+                err = APIError(
+                    f"this key's budget of {budget.tokens} tokens per {budget.period}{on} is "
+                    f"spent; it resets at {_iso(resets)}", status=429,
+                    type="rate_limit_error", code="budget_exceeded",
+                    retry_after=max(1, int(resets - time.time())))
+        if err is not None:
+            self._log(endpoint, entry.id, streaming, err.status, usage)
+            raise err
+
+    def _allowed(self, model: str | None, principal: Principal) -> None:
+        """A model the key's ``models`` globs leave out does not exist, for that key."""
+        entry = self.supervisor.registry.resolve(model)
+        if not principal.limits.allows([entry.id, *entry.spec.aliases]):
+            raise ModelNotFound(f"The model '{model or entry.id}' does not exist",
+                                param="model")
+
+    def _model_id(self, model: str | None) -> str:
+        """The id a refused request's ``model`` names, for its log line, count and event;
+        ``-`` for a name that fits no model (a client's own words are never kept: they
+        could be megabytes)."""
+        try:
+            return self.supervisor.registry.resolve(model).id
+        except APIError:
+            return "-"
+
     async def _acquire(self, request: Request | None, endpoint: str, model: str | None, task: str,
-                       streaming: bool, usage: Usage) -> tuple[Lease, WorkerLink]:
+                       streaming: bool, usage: Usage, principal: Principal
+                       ) -> tuple[Lease, WorkerLink]:
         """The model's lease and link; a client that leaves while it waits (for a load or
         a slot) gives its place in the queue back at once (``ClientGone``)."""
-        now = self._now(endpoint, model, task, streaming, usage)
+        now = self._now(endpoint, model, task, streaming, usage, principal)
         if isinstance(now, tuple):
             return now
         try:
@@ -220,7 +290,7 @@ class Relay:
                 return await waiting
             return await unless_disconnected(request, waiting, _release)
         except APIError as err:  # unknown model, queue full, load failed, gone: one line
-            self._log(endpoint, model or "-", streaming, err.status, usage)
+            self._log(endpoint, self._model_id(model), streaming, err.status, usage)
             raise
 
     @staticmethod
@@ -260,6 +330,11 @@ class Relay:
         (``now``: when it ended, if not now)."""
         now = now or time.perf_counter()
         self.metrics.request(endpoint, model, status, usage, now)
+        if self.ledger is not None:
+            self.ledger.record(usage.key, model, endpoint, status, usage.prompt_tokens,
+                               usage.cached_tokens, usage.completion, now - usage.started)
+        if usage.key and (usage.prompt or usage.completion):
+            self.tpm.spend(usage.key, usage.prompt_tokens + usage.completion)
         if log.isEnabledFor(logging.INFO):  # its arguments cost more than the check
             ttft, decode, total = _timings(usage, now)
             log.info("%s model=%s stream=%s status=%d prompt=%d cached=%d completion=%d "
@@ -272,11 +347,14 @@ class Relay:
         self.supervisor.events.publish_with("request", model, _request_event, endpoint,
                                             streaming, status, usage, now)
 
-    async def call(self, endpoint: str, model: str | None, task: str,
+    async def call(self, request: Request, endpoint: str, model: str | None, task: str,
                    work: Callable[[WorkerLink], Awaitable[Any]]) -> tuple[ModelEntry, Any]:
         """A one-shot request (tokenize, embeddings ...): acquire, ``work(link)``, release."""
-        usage = Usage()
-        lease, link = await self._acquire(None, endpoint, model, task, False, usage)
+        principal = principal_of(request.scope)
+        usage = Usage(principal.name)
+        if principal.limits.budgets or principal.limits.tpm:
+            await self._within_limits(principal, model, endpoint, False, usage)
+        lease, link = await self._acquire(None, endpoint, model, task, False, usage, principal)
         status = 200
         try:
             with lease:
@@ -305,7 +383,7 @@ def _request_event(endpoint: str, streaming: bool, status: int, usage: Usage,
                    now: float) -> dict[str, Any]:
     """A ``request`` event's fields: what its log line says."""
     ttft, decode, total = _timings(usage, now)
-    return {"endpoint": endpoint, "stream": streaming, "status": status,
+    return {"key": usage.key, "endpoint": endpoint, "stream": streaming, "status": status,
             "prompt_tokens": usage.prompt_tokens, "cached_tokens": usage.cached_tokens,
             "completion_tokens": usage.completion, "ttft_ms": round(ttft, 1),
             "decode_tps": round(decode, 1), "total_ms": round(total, 1),
@@ -365,3 +443,7 @@ def _refuse_oversized(entry: ModelEntry, gens: list[Generate]) -> None:
                 f"prompt of {size} characters cannot fit it. Please reduce the length of the "
                 "prompt.", param="prompt" if gen.messages is None else "messages",
                 code="context_length_exceeded")
+
+
+def _iso(when: float) -> str:
+    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -54,7 +54,7 @@ class JSONResponse(Response):
 def error_response(err: APIError, path: str = "") -> JSONResponse:
     """``err`` as a response, in the error shape of the protocol serving ``path``."""
     status, body = shaped(err, path)
-    headers = ({"Retry-After": "1"} if status in (429, 503, 529) else
+    headers = ({"Retry-After": str(err.retry_after)} if status in (429, 503, 529) else
                {"Connection": "close"} if status == 408 else None)  # a body never came
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from router.admission import KEYS_VARIABLE
 from router.backends.base import Backend, BootFor, SpawnError, WorkerHandle
 from router.placement import Placer
 from router.registry import ModelEntry
@@ -57,6 +58,7 @@ class WorkerHost:
         """Start the worker, write its boot; its node's address and its pid."""
         ray = _ray()
         full = {**os.environ, **env}
+        full.pop(KEYS_VARIABLE, None)  # a local Ray instance inherits the router's
         full.setdefault("HF_HUB_OFFLINE", "1")
         full.setdefault("TOKENIZERS_PARALLELISM", "false")
         full["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # vLLM's Ray executor

@@ -1,8 +1,9 @@
 """Who idles, and what then (``due``; ``IdleReaper`` acts on it).
 
 A model is idle once it is ready, unleased and its link has nothing in flight. Its limit
-is a request's ``keep_alive`` (Ollama's: seconds, ``-1`` for ever, ``0`` after this
-request) over the preset's ``ttl``; a pinned model has none. Past it the model stops, or
+is an admin request's ``keep_alive`` (Ollama's: seconds, ``-1`` for ever, ``0`` after
+this request) over the preset's ``ttl``; a pinned model has none. Other keys' requests
+only keep it loaded until their ``kept_until``. Past it the model stops, or
 on a GPU with ``idle_action: sleep`` its engine sleeps (level 1).
 """
 
@@ -42,11 +43,12 @@ def idle_limit(entry: ModelEntry, server: ServerConfig) -> float | None:
 
 
 def expired(entry: ModelEntry, now: float, server: ServerConfig) -> bool:
-    """``entry`` is ready, idle and has been so past its ``idle_limit``."""
+    """``entry`` is ready, idle and has been so past its ``idle_limit`` and past what any
+    request asked to keep it (``kept_until``)."""
     limit = idle_limit(entry, server)
     return (entry.state == "ready" and limit is not None and entry.leases == 0
             and entry.link is not None and not entry.link.busy
-            and now - entry.last_used >= limit)
+            and now - entry.last_used >= limit and now >= entry.kept_until)
 
 
 def due(models: Iterable[ModelEntry], now: float, server: ServerConfig) -> list[IdleDecision]:

@@ -95,9 +95,11 @@ def install_fakes(sup: Supervisor, net: SimNet) -> None:
 
 # -- clients -----------------------------------------------------------------------------
 class SimRequest:
-    """What the relay uses of a Starlette request: ``receive`` (for disconnects)."""
+    """What the relay uses of a Starlette request: ``receive`` (for disconnects) and
+    ``scope`` (no key: the open server's principal)."""
 
     def __init__(self) -> None:
+        self.scope: dict[str, Any] = {}
         self.gone = asyncio.Event()
         self.streaming: asyncio.Task[Any] | None = None
 
@@ -288,7 +290,7 @@ class Simulation:
         return f"ok stream of {len(chunks)}"
 
     async def load(self, op: Op) -> str:
-        entry = self.sup.registry.resolve(op.model, use_default=False)
+        entry = self.sup.registry.named(op.model)
         if not op.args["wait"]:
             if entry.state != "ready":
                 self.sup.start_loading(entry)
@@ -298,7 +300,7 @@ class Simulation:
         return "ok loaded"
 
     async def unload(self, op: Op) -> str:
-        entry = self.sup.registry.resolve(op.model, use_default=False)
+        entry = self.sup.registry.named(op.model)
         await self.sup.stop(entry, force=op.args["force"])
         return f"ok {entry.state}"
 

@@ -60,7 +60,7 @@ class AnthropicAPI:
         async def work(link: WorkerLink) -> Any:
             return await link.tokenize(message)
 
-        _, result = await self.relay.call("messages", req.model, "generate", work)
+        _, result = await self.relay.call(request, "messages", req.model, "generate", work)
         return JSONResponse({"input_tokens": len(result.token_ids)})
 
     def routes(self) -> list[Route]:

@@ -59,7 +59,7 @@ async def tokenize(relay: Relay, request: Request, max_body: int) -> Response:
     async def work(link: WorkerLink) -> Any:
         return await link.tokenize(message)
 
-    entry, result = await relay.call("tokenize", body.model, "any", work)
+    entry, result = await relay.call(request, "tokenize", body.model, "any", work)
     out: dict[str, Any] = {"model": entry.id, "count": len(result.token_ids),
                            "max_model_len": result.max_model_len, "tokens": result.token_ids}
     if result.token_strs is not None:
@@ -74,5 +74,5 @@ async def detokenize(relay: Relay, request: Request, max_body: int) -> Response:
     async def work(link: WorkerLink) -> Any:
         return await link.detokenize(message)
 
-    entry, text = await relay.call("detokenize", body.model, "any", work)
+    entry, text = await relay.call(request, "detokenize", body.model, "any", work)
     return JSONResponse({"model": entry.id, "prompt": text})

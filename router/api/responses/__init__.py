@@ -18,6 +18,7 @@ cancelled (``background``). Errors keep OpenAI's ``{"error": {...}}`` shape.
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 import msgspec
@@ -25,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.admission import principal_of
 from router.api.openai.schema import keep_alive_seconds
 from router.api.relay import Relay, protocol_route
 from router.api.responses.background import BackgroundRuns
@@ -97,11 +99,11 @@ class ResponsesAPI:
             protocol_route("/v1/responses/{response_id}/cancel", self.cancel),
         ]
 
-    def _prior(self, previous_response_id: str | None) -> list[ResponseItem]:
+    def _prior(self, previous_response_id: str | None, owner: str) -> list[ResponseItem]:
         """The conversation ``previous_response_id`` ended with (its items and output)."""
         if previous_response_id is None:
             return []
-        stored = self.store.get(previous_response_id)
+        stored = self.store.get(previous_response_id, owner)
         if stored is None:
             raise APIError(f"Previous response with id '{previous_response_id}' not found.",
                            status=404, type="invalid_request_error",
@@ -113,14 +115,15 @@ class ResponsesAPI:
 
     async def create(self, request: Request) -> Response:
         req = await read_body(request, CreateResponseRequest, self.max_body_bytes)
-        rid = f"resp_{request_id()}"
-        gen, items = create_generate(req, rid, self._prior(req.previous_response_id))
+        rid = f"resp_{secrets.token_hex(24)}"  # not guessable: the id opens it (for its owner)
+        owner = principal_of(request.scope).name
+        gen, items = create_generate(req, rid, self._prior(req.previous_response_id, owner))
         store = req.store is not False
         kept = encode_items(items) if store else b""
 
         def done(response: dict[str, Any]) -> None:
             if store:
-                self.store.put(rid, response, kept)
+                self.store.put(rid, response, kept, owner)
 
         shaper = ResponseShaper(rid, echo(req, gen), streaming=req.stream,
                                 logprobs=gen.sampling.logprobs, on_done=done)
@@ -138,12 +141,13 @@ class ResponsesAPI:
         """Answer ``queued`` at once and run the response without its client. The run
         counts against ``max_connections`` (``ConnectionCap.hold``) until it ends."""
         rid = shaper.rid
+        owner = principal_of(creating.scope)
         shaper.bind(self.relay.supervisor.registry.resolve(model).id)  # unknown: 404 now
         cap: ConnectionCap | None = creating.scope.get(CAP_SCOPE_KEY)
         if cap is not None:
             cap.hold()  # 503 at the cap: nothing stored, nothing started
         queued = shaper.response("queued")
-        self.store.put(rid, queued, items)
+        self.store.put(rid, queued, items, owner.name)
 
         async def run(request: Request) -> None:
             try:
@@ -153,24 +157,25 @@ class ResponsesAPI:
                     cap.let_go()
 
         async def relay(request: Request) -> None:
-            self.store.put(rid, shaper.response("in_progress"), items)
+            self.store.put(rid, shaper.response("in_progress"), items, owner.name)
             try:  # the shaper stores the final object itself (``on_done``)
                 await self.relay.generate(request, ENDPOINT, model, [gen], False, shaper.bind)
             except ClientGone:  # cancelled: the relay has stopped the generation
-                self.store.put(rid, shaper.response("cancelled"), items)
+                self.store.put(rid, shaper.response("cancelled"), items, owner.name)
             except APIError as err:
-                self.store.put(rid, shaper.response("failed", error=err), items)
+                self.store.put(rid, shaper.response("failed", error=err), items, owner.name)
             except Exception as err:  # a bug, and no caller to answer: record it and log it
                 log.exception("background response %s failed", rid)
                 failure = APIError(f"internal error: {type(err).__name__}")
-                self.store.put(rid, shaper.response("failed", error=failure), items)
+                self.store.put(rid, shaper.response("failed", error=failure), items, owner.name)
 
-        self.background.start(rid, run)
+        self.background.start(rid, run, owner)
         return JSONResponse(queued)
 
     def _stored(self, request: Request) -> tuple[str, Stored]:
+        """The response the path names, if this request's key made it (else a 404)."""
         rid = request.path_params["response_id"]
-        stored = self.store.get(rid)
+        stored = self.store.get(rid, principal_of(request.scope).name)
         if stored is None:
             raise _not_found(rid)
         return rid, stored
@@ -198,7 +203,7 @@ class ResponsesAPI:
         if not stored.head().background:
             raise BadRequest("Cannot cancel a synchronous response.", param="response_id")
         await self.background.cancel(rid)  # a finished one is answered as it is
-        final = self.store.get(rid)
+        final = self.store.get(rid, stored.owner)
         if final is None:
             raise _not_found(rid)
         return Response(final.response, media_type="application/json")
@@ -236,7 +241,8 @@ class ResponsesAPI:
         tools: what a create with the same fields reports as ``usage.input_tokens``."""
         body = await read_body(request, ResponseInput, self.max_body_bytes)
         gen, _ = prompt_generate(body, f"count-{request_id()}",
-                                 self._prior(body.previous_response_id))
+                                 self._prior(body.previous_response_id,
+                                             principal_of(request.scope).name))
         message = Tokenize(id=gen.id, messages=gen.messages, tools=gen.tools,
                            template_kwargs=gen.template_kwargs, add_generation_prompt=True)
 
@@ -244,7 +250,7 @@ class ResponsesAPI:
             return await link.tokenize(message)
 
         try:
-            _, result = await self.relay.call(ENDPOINT, body.model, "generate", work)
+            _, result = await self.relay.call(request, ENDPOINT, body.model, "generate", work)
         except APIError as err:
             raise _as_input(err) from None
         return JSONResponse({"object": "response.input_tokens",

@@ -13,6 +13,8 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.types import Message
 
+from router.admission import PRINCIPAL_SCOPE_KEY, Principal
+
 
 class _Run:
     __slots__ = ("gone", "task")
@@ -31,8 +33,10 @@ class BackgroundRuns:
     def __contains__(self, rid: str) -> bool:
         return rid in self._runs
 
-    def start(self, rid: str, run: Callable[[Request], Awaitable[None]]) -> None:
-        """Run ``run(request)`` as a task; ``request`` is the client it relays for."""
+    def start(self, rid: str, run: Callable[[Request], Awaitable[None]],
+              principal: Principal) -> None:
+        """Run ``run(request)`` as a task; ``request`` is the client it relays for, asking
+        as ``principal`` (the key that created it)."""
         gone = asyncio.Event()
 
         async def receive() -> Message:
@@ -40,7 +44,8 @@ class BackgroundRuns:
             return {"type": "http.disconnect"}
 
         request = Request({"type": "http", "method": "POST", "path": "/v1/responses",
-                           "headers": [], "query_string": b""}, receive)
+                           "headers": [], "query_string": b"",
+                           PRINCIPAL_SCOPE_KEY: principal}, receive)
 
         async def main() -> None:
             await run(request)

@@ -33,14 +33,16 @@ class _Head(msgspec.Struct):
 
 
 class Stored:
-    """One stored response: its object and its conversation's input items, as JSON."""
+    """One stored response: its object and its conversation's input items, as JSON, and
+    the name of the key that made it (its owner)."""
 
-    __slots__ = ("expires", "items", "response")
+    __slots__ = ("expires", "items", "owner", "response")
 
-    def __init__(self, response: bytes, items: bytes, expires: float) -> None:
+    def __init__(self, response: bytes, items: bytes, expires: float, owner: str) -> None:
         self.response = response
         self.items = items
         self.expires = expires
+        self.owner = owner
 
     @property
     def size(self) -> int:
@@ -75,11 +77,12 @@ class ResponseStore:
         self.expire()
         return len(self._entries)
 
-    def put(self, rid: str, response: dict[str, Any], items: bytes) -> None:
-        """Store (or replace) ``rid``: its Response object and its items' JSON
-        (``encode_items``). One larger than ``max_bytes`` by itself is not kept."""
+    def put(self, rid: str, response: dict[str, Any], items: bytes, owner: str = "") -> None:
+        """Store (or replace) ``rid`` for ``owner`` (a key's name): its Response object and
+        its items' JSON (``encode_items``). One larger than ``max_bytes`` by itself is not
+        kept."""
         self.delete(rid)
-        entry = Stored(_json.encode(response), items, self.clock() + self.ttl)
+        entry = Stored(_json.encode(response), items, self.clock() + self.ttl, owner)
         if entry.size > self.max_bytes:
             self.evicted["bytes"] += 1
             return
@@ -91,9 +94,11 @@ class ResponseStore:
         while self.bytes > self.max_bytes:
             self._pop_oldest("bytes")
 
-    def get(self, rid: str) -> Stored | None:
+    def get(self, rid: str, owner: str = "") -> Stored | None:
+        """``rid``, if ``owner`` made it: for any other key it does not exist."""
         self.expire()
-        return self._entries.get(rid)
+        entry = self._entries.get(rid)
+        return entry if entry is not None and entry.owner == owner else None
 
     def delete(self, rid: str) -> bool:
         entry = self._entries.pop(rid, None)

@@ -1,0 +1,152 @@
+"""Named API keys, kept hashed in the router's database (``router.database``).
+
+A key has a name, a role (``admin``, ``user``, ``viewer``) and limits (``KeySpec``): the
+models it may use (globs; none: all), requests and tokens per minute, requests at once.
+Only its SHA-256 is stored; the secret (``my-`` and 43 random characters) is shown once,
+by ``modelyard keys create`` or ``POST /v1/keys``. A revoked key stays listed (its name
+stays taken: usage rows keep naming it) and opens nothing. Routers sharing one database
+see a change within ``REFRESH`` seconds.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import secrets
+import time
+from typing import Annotated, Literal
+
+import msgspec
+
+from router.database import Conn, Database
+
+Role = Literal["admin", "user", "viewer"]
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+"""A key's name: it shows in usage and events, so it stays short and plain."""
+REFRESH = 2.0
+"""Seconds between a router's looks at the keys in its database."""
+
+
+class Budget(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """At most ``tokens`` prompt+completion tokens per calendar ``period`` (UTC), on the
+    models ``model`` (a glob of ids) names, else on every model."""
+
+    tokens: Annotated[int, msgspec.Meta(ge=1)]
+    period: Literal["day", "week", "month"]
+    model: str | None = None
+
+
+class KeySpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    """What a key may do beside its role (every field optional; stored as JSON)."""
+
+    models: list[str] = []
+    """Model ids or aliases it may use, as globs (``llama-*``); none: every model."""
+    rpm: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Requests per minute (0: the server's ``rate_limit_per_minute``, if any)."""
+    tpm: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Prompt and completion tokens per minute (0: no limit)."""
+    max_concurrent: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Requests in flight at once (0: no limit)."""
+    budgets: list[Budget] = []
+    """Token budgets per period (``router.ledger`` enforces them)."""
+
+    def allows(self, names: list[str]) -> bool:
+        """Whether a model known by ``names`` (its id and aliases) is one it may use."""
+        return not self.models or any(fnmatch.fnmatchcase(n, glob)
+                                      for glob in self.models for n in names)
+
+
+class NamedKey(msgspec.Struct, kw_only=True):
+    """A stored key as listed (never its secret or digest)."""
+
+    name: str
+    role: Role
+    spec: KeySpec = msgspec.field(default_factory=KeySpec)
+    created: float = 0.0
+    revoked: float | None = None
+
+
+class KeyCreate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The body of ``POST /v1/keys``."""
+
+    name: str
+    role: Role = "user"
+    models: list[str] = []
+    rpm: Annotated[int, msgspec.Meta(ge=0)] = 0
+    tpm: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_concurrent: Annotated[int, msgspec.Meta(ge=0)] = 0
+    budgets: list[Budget] = []
+
+    def spec(self) -> KeySpec:
+        return KeySpec(models=self.models, rpm=self.rpm, tpm=self.tpm,
+                       max_concurrent=self.max_concurrent, budgets=self.budgets)
+
+
+class KeyExists(Exception):
+    """A key of that name exists (revoked or not)."""
+
+
+def new_secret() -> str:
+    return "my-" + secrets.token_urlsafe(32)
+
+
+_spec_json = msgspec.json.Encoder()
+_spec_of = msgspec.json.Decoder(KeySpec)
+
+
+class KeyStore:
+    """The named keys of ``db``."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    @staticmethod
+    def _create(conn: Conn, name: str, role: str, spec: KeySpec, digest: str) -> None:
+        if conn.execute("SELECT 1 FROM api_keys WHERE name = ?", (name,)):
+            raise KeyExists(name)
+        conn.execute("INSERT INTO api_keys (name, digest, role, spec, created) "
+                     "VALUES (?, ?, ?, ?, ?)",
+                     (name, digest, role, _spec_json.encode(spec).decode(), time.time()))
+
+    async def create(self, name: str, role: str, spec: KeySpec) -> tuple[NamedKey, str]:
+        """A new key: what it is, and its secret (shown once, stored only hashed)."""
+        from router.admission import key_digest
+
+        if not NAME.fullmatch(name):
+            raise ValueError(f"key name {name!r}: 1-64 letters, digits and _.@- "
+                             "(starting with a letter or digit)")
+        secret = new_secret()
+        digest = key_digest(secret.encode()).hex()
+        await self.db.run(lambda conn: self._create(conn, name, role, spec, digest))
+        return NamedKey(name=name, role=role, spec=spec, created=time.time()), secret  # type: ignore[arg-type]
+
+    async def revoke(self, name: str) -> bool:
+        """Revoke ``name``; False if there is no such key (or it was revoked already)."""
+        def work(conn: Conn) -> bool:
+            live = conn.execute("SELECT 1 FROM api_keys WHERE name = ? AND revoked IS NULL",
+                                (name,))
+            if live:
+                conn.execute("UPDATE api_keys SET revoked = ? WHERE name = ?",
+                             (time.time(), name))
+            return bool(live)
+
+        return await self.db.run(work)
+
+    @staticmethod
+    def _rows(conn: Conn) -> list[tuple[str, str, str, str, float, float | None]]:
+        return [tuple(r) for r in conn.execute(
+            "SELECT name, digest, role, spec, created, revoked FROM api_keys ORDER BY name")]
+
+    @staticmethod
+    def _listed(row: tuple[str, str, str, str, float, float | None]) -> NamedKey:
+        name, _, role, spec, created, revoked = row
+        return NamedKey(name=name, role=role, spec=_spec_of.decode(spec),  # type: ignore[arg-type]
+                        created=created, revoked=revoked)
+
+    async def listed(self) -> list[NamedKey]:
+        return [self._listed(row) for row in await self.db.run(self._rows)]
+
+    async def active(self) -> list[tuple[bytes, NamedKey]]:
+        """Every key not revoked, with its digest (the router's refresh)."""
+        rows = await self.db.run(self._rows)
+        return [(bytes.fromhex(row[1]), self._listed(row)) for row in rows if row[5] is None]
