@@ -67,7 +67,8 @@ class Server:
     """A server process (modelyard or ``vllm serve``) on a free port, stopped on exit."""
 
     def __init__(self, cmd: list[str], port: int, env: dict[str, str] | None = None,
-                 cpus: set[int] | None = None, name: str = "server") -> None:
+                 cpus: set[int] | None = None, name: str = "server",
+                 cwd: Path = ROOT) -> None:
         self.port = port
         # Kept open (and on disk) while the server runs; closed by __exit__.
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
@@ -75,7 +76,7 @@ class Server:
         full_env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
         preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=self.log,
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=full_env, stdout=self.log,
                                      stderr=subprocess.STDOUT, preexec_fn=preexec,  # noqa: PLW1509  # no threads yet
                                      start_new_session=True)
 
@@ -83,14 +84,15 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait(self, path: str, ok: Any = None, timeout: float = 600) -> float:
+    def wait(self, path: str, ok: Any = None, timeout: float = 600,
+             headers: dict[str, str] | None = None) -> float:
         """Poll ``path`` until it answers 200 (and ``ok(json)``); seconds since start."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited; see {self.log.name}")
             try:
-                r = httpx.get(self.url + path, timeout=2)
+                r = httpx.get(self.url + path, timeout=2, headers=headers)
                 if r.status_code == 200 and (ok is None or ok(r.json())):
                     return time.monotonic() - self.started
             except (httpx.HTTPError, ValueError):
@@ -124,12 +126,18 @@ class Server:
         self.stop()
 
 
-def modelyard(preset: str, name: str = "modelyard", cpus: set[int] | None = None) -> Server:
+TREE = Path(os.environ.get("BENCH_TREE") or ROOT)
+"""The tree whose router ``modelyard`` starts: this one, or (``BENCH_TREE``) another
+checkout with the same venv, to compare two trees side by side with one benchmark."""
+
+
+def modelyard(preset: str, name: str = "modelyard", cpus: set[int] | None = None,
+              env: dict[str, str] | None = None) -> Server:
     port = free_port()
     path = Path(tempfile.mkdtemp(prefix="bench-preset-")) / "preset.yaml"
     path.write_text(preset.replace("{port}", str(port)))
     return Server([PY, "-m", "router", "serve", "--config", str(path), "--log-level",
-                   "warning"], port, cpus=cpus, name=name)
+                   "warning"], port, env=env, cpus=cpus, name=name, cwd=TREE)
 
 
 @dataclass

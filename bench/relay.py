@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import zmq
 
-from bench.common import PY, Server, free_port, modelyard, pct, report
+from bench.common import PY, TREE, Server, free_port, modelyard, pct, report
 
 TOKENS = 200
 SECONDS = 4
@@ -44,8 +44,12 @@ ROUNDS = 3
 CONCURRENCY = (1, 16, 64)
 ROUTER_CPU, LOAD_CPU = 0, 1
 
+KEY = os.environ.get("BENCH_API_KEY", "")
+"""With it, the router requires this key and every request shows it (keys, the usage
+ledger and per-key metrics all on the request's path)."""
 PRESET = f"""
-server: {{host: 127.0.0.1, port: {{port}}, max_queue_depth: 100000}}
+server: {{host: 127.0.0.1, port: {{port}}, max_queue_depth: 100000
+         {f', api_keys: ["{KEY}"]' if KEY else ''}}}
 models:
   synth: {{model: none, engine: synthetic, cpu_cores: "{LOAD_CPU}", load_on_startup: true,
           max_model_len: 100000}}
@@ -53,12 +57,14 @@ models:
              max_model_len: 100000, engine_args: {{timestamps: true, tokens_per_second: 100}}}}
 """
 CHAT = {"model": "synth", "messages": [{"role": "user", "content": "hi"}]}
+HEADERS = {"Authorization": f"Bearer {KEY}"} if KEY else {}
 
 
 def wrk(url: str, body: dict[str, Any], connections: int) -> dict[str, float]:
     script = Path(tempfile.mkdtemp()) / "post.lua"
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                      f"wrk.body = {json.dumps(json.dumps(body))}\n")
+                      + (f'wrk.headers["Authorization"] = "Bearer {KEY}"\n' if KEY else "")
+                      + f"wrk.body = {json.dumps(json.dumps(body))}\n")
     out = subprocess.run(["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}",
                           f"-d{SECONDS}s", "-s", str(script), url],
                          capture_output=True, text=True, check=True).stdout
@@ -75,7 +81,7 @@ async def latency(url: str, concurrency: int, per_client: int = 3) -> list[float
     samples: list[float] = []
     body = {"model": "synth-ts", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 100, "stream": True}
-    async with httpx.AsyncClient(timeout=60) as client:
+    async with httpx.AsyncClient(timeout=60, headers=HEADERS) as client:
         async def lane() -> None:
             for _ in range(per_client):
                 async with client.stream("POST", url, json=body) as r:
@@ -157,13 +163,18 @@ def main() -> None:
         raise SystemExit("wrk is not installed (make bench installs it with apt-get)")
     os.sched_setaffinity(0, {LOAD_CPU})
     result: dict[str, Any] = {"tokens_per_stream": TOKENS, "seconds_per_point": SECONDS,
-                              "router_cpu": ROUTER_CPU, "load_cpu": LOAD_CPU}
+                              "router_cpu": ROUTER_CPU, "load_cpu": LOAD_CPU,
+                              "api_key": bool(KEY), "tree": str(TREE)}
     rows = [("what", "conns", "router", "bare", "share")]
     bare_port = free_port()
     with Server([PY, "-m", "bench.bare_app", str(bare_port)], bare_port, cpus={ROUTER_CPU},
-                name="bare") as bare, modelyard(PRESET, cpus={ROUTER_CPU}) as yard:
+                name="bare") as bare, modelyard(
+                    PRESET, cpus={ROUTER_CPU},
+                    # its usage ledger (SQLite in the cache dir) in a dir of its own
+                    env={"XDG_CACHE_HOME": tempfile.mkdtemp(prefix="bench-cache-")}) as yard:
         bare.wait_port()
-        yard.wait("/health", lambda h: set(h["models"].values()) == {"ready"}, timeout=120)
+        yard.wait("/health", lambda h: set(h["models"].values()) == {"ready"}, timeout=120,
+                  headers=HEADERS)
         chat_url = yard.url + "/v1/chat/completions"
         wrk(chat_url, {**CHAT, "max_tokens": 4}, 4)  # warm-up
         # (label, key, router body, bare path, units per request)
