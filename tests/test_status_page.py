@@ -1,7 +1,8 @@
 """The status page in a real headless Chromium (Debian's ``chromium``, driven by
 Playwright, never downloaded): against a real router and a real vLLM worker, Load makes
-the model ``ready`` on the page, the playground streams an answer with its TTFT, Unload
-makes it ``unloaded``, and nothing is logged to the console as an error. A screenshot is
+the model ``ready`` on the page, the playground streams an answer with its TTFT (and the
+usage panel shows the request), Unload makes it ``unloaded``, and nothing is logged to
+the console as an error. A screenshot is
 kept in ``tests/artifacts/status-page.png``.
 """
 
@@ -100,6 +101,11 @@ def test_the_status_page_loads_chats_and_unloads_a_model(page_router: RouterProc
             request.first.wait_for(timeout=10_000)
             assert "page-model" in (request.first.text_content() or "")
             assert page.text_content(f"{row} .tps") != "–"
+            # The usage panel: the ledger's row for the model, a second or so later.
+            usage = page.locator('#usage tbody tr[data-model="page-model"]')
+            usage.wait_for(timeout=15_000)
+            cells = usage.locator("td").all_text_contents()
+            assert cells[0] == "(no key)" and int(cells[2]) >= 1 and int(cells[5]) >= 1
             # The worker log streams (the model has been loaded, so its log has lines).
             page.select_option("#log-model", "page-model")
             page.wait_for_function(

@@ -1,5 +1,6 @@
 // modelyard status page: one GET /v1/models, then the /v1/events stream; worker logs from
-// /v1/models/{id}/logs?follow=1; a chat playground on /v1/chat/completions. Streams are
+// /v1/models/{id}/logs?follow=1; a chat playground on /v1/chat/completions; this month's
+// usage from /v1/usage (every 10 s, and soon after a request). Streams are
 // read with fetch (not EventSource) so the API key travels as an Authorization header,
 // never in a URL.
 "use strict";
@@ -246,6 +247,7 @@ function describe(ev) {
 
 function logEvent(ev) {
   if (ev.type === "request") {
+    if (!ev.replayed) usageAfterRequest();
     const bad = ev.status >= 400;
     const row = el("tr", { "data-status": String(ev.status) },
       el("td", {}, el("time", {}, clock(ev.time))),
@@ -415,6 +417,33 @@ async function sendChat(event) {
   }
 }
 
+// -- usage -------------------------------------------------------------------------------
+const USAGE_EVERY_MS = 10000;
+let usageSoon = null;
+
+async function refreshUsage() {
+  usageSoon = null;
+  try {
+    const usage = await api("/v1/usage?group_by=key,model");
+    const rows = usage.data.map((u) => el("tr", { "data-key": u.key, "data-model": u.model },
+      el("td", {}, u.key || "(no key)"), el("td", {}, u.model),
+      el("td", { class: "num" }, String(u.requests)),
+      el("td", { class: "num" }, String(u.prompt_tokens)),
+      el("td", { class: "num" }, String(u.cached_tokens)),
+      el("td", { class: "num" }, String(u.completion_tokens)),
+      el("td", { class: "num" }, fixed(u.seconds, 1))));
+    $("usage").tBodies[0].replaceChildren(...rows);
+    $("usage-note").textContent = rows.length ? "" : "no requests this month";
+  } catch (err) {
+    $("usage-note").textContent = "/v1/usage: " + err.message;
+  }
+}
+
+// A finished request shows in the ledger within a second: look again shortly after.
+function usageAfterRequest() {
+  if (usageSoon === null) usageSoon = setTimeout(refreshUsage, 1500);
+}
+
 // -- start -------------------------------------------------------------------------------
 function start() {
   $("key").value = apiKey();
@@ -424,6 +453,7 @@ function start() {
     if (key) sessionStorage.setItem(KEY_ITEM, key); else sessionStorage.removeItem(KEY_ITEM);
     followEvents();
     followLog();
+    refreshUsage();
   });
   $("chat-form").addEventListener("submit", sendChat);
   $("chat-stop").addEventListener("click", () => chatAbort && chatAbort.abort());
@@ -434,6 +464,8 @@ function start() {
     }
   }, 1000);
   followEvents();
+  refreshUsage();
+  setInterval(refreshUsage, USAGE_EVERY_MS);
   // The log list needs the model ids: the first snapshot brings them.
   const waitForModels = setInterval(() => {
     if (models.size) { clearInterval(waitForModels); followLog(); }
