@@ -120,15 +120,22 @@ def build_app(preset: Preset, *, watch_config: bool = False,
             try:
                 await named.refresh()
             except Exception as err:  # noqa: BLE001  # either driver's errors: the keys stay
-                log.warning("named keys: cannot read %s: %s", database.url, err)
+                log.warning("named keys: cannot read %s: %s", database.shown, err)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log.info("modelyard: %d model(s) from %s; runtime dir %s; %s", len(registry.entries),
                  preset.source, runtime_dir,
                  f"{len(keys.principals)} API key(s) required" if keys.required else "no API keys")
-        await named.refresh()  # before the first request: a named key works at once
-        await ledger.start()
+        try:
+            # Before the first request: a named key works at once, and a server whose
+            # keys cannot be read does not start open.
+            await named.refresh()
+            await ledger.start()
+        except Exception:
+            log.error("modelyard: cannot use the database %s (server.database_url); "
+                      "not starting", database.shown)
+            raise
         following = asyncio.create_task(follow_named_keys(), name="named-keys")
         supervisor.start()
         reloader.start(watch_config)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import re
 import sqlite3
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -85,6 +86,11 @@ class Database:
             raise ValueError(f"database_url {url!r}: not sqlite:///PATH or postgresql://...")
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="modelyard-db")
         self._conn: Conn | None = None
+
+    @property
+    def shown(self) -> str:
+        """The URL for logs: a password in it is replaced by ``***``."""
+        return re.sub(r"(://[^:/@]*:)[^/]*@", r"\1***@", self.url)
 
     def _connect(self) -> Conn:
         if self.postgres:

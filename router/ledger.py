@@ -122,7 +122,7 @@ class Ledger:
             try:
                 await self.flush()
             except Exception as err:  # noqa: BLE001  # either driver's: the rows wait
-                log.warning("usage ledger: cannot write to %s: %s", self.db.url, err)
+                log.warning("usage ledger: cannot write to %s: %s", self.db.shown, err)
 
     async def flush(self) -> None:
         """Write every queued row (one transaction); on failure they stay queued."""
