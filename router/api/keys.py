@@ -25,9 +25,14 @@ class KeysAPI:
         self.max_body_bytes = max_body_bytes
 
     def routes(self) -> list[Route]:
-        return [Route("/v1/keys", self.list_keys, methods=["GET"]),
-                Route("/v1/keys", self.create, methods=["POST"]),
+        # One route for both methods, so that a 405 lists them both in Allow.
+        return [Route("/v1/keys", self.keys_route, methods=["GET", "POST"]),
                 Route("/v1/keys/{name}", self.revoke, methods=["DELETE"])]
+
+    async def keys_route(self, request: Request) -> Response:
+        if request.method == "POST":
+            return await self.create(request)
+        return await self.list_keys(request)
 
     async def refresh(self) -> None:
         """The database's keys into the guard's (``Keys.set_named``)."""
