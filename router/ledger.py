@@ -51,8 +51,10 @@ SCHEMA = (
         endpoint TEXT NOT NULL, status INTEGER NOT NULL,
         prompt_tokens BIGINTEGER NOT NULL, cached_tokens BIGINTEGER NOT NULL,
         completion_tokens BIGINTEGER NOT NULL, seconds DOUBLE NOT NULL)""",
+    # One index: a key's spending and usage are read by key and time. Queries over every
+    # key scan the table (a month of a busy router: a few hundred ms), and writes, which
+    # every request makes, keep one index instead of two (1.7 against 2.3 us a row).
     "CREATE INDEX IF NOT EXISTS usage_key_time ON usage (key, time)",
-    "CREATE INDEX IF NOT EXISTS usage_time ON usage (time)",
 )
 GROUPS = ("key", "model", "endpoint", "day")
 INSERT = (f"INSERT INTO usage ({', '.join(COLUMNS)}) "
