@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.modelyard-installed
 SYSTEM := $(VENV)/.system-packages-installed
 PIP    := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: install system serve test lint unit bench clean
+.PHONY: install system clients serve test lint unit bench clean
 
 install: $(STAMP)
 
@@ -29,10 +29,18 @@ $(SYSTEM): system-packages.txt $(STAMP)
 	if [ -n "$$missing" ]; then echo "apt-get install $$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
 	touch $(SYSTEM)
 
+# The agent CLIs the tests drive (Claude Code, Codex), pinned in tests/clients' lock file.
+CLIENTS := tests/clients/node_modules/.modelyard-installed
+clients: $(CLIENTS)
+
+$(CLIENTS): tests/clients/package-lock.json
+	npm ci --prefix tests/clients --no-audit --no-fund --loglevel=error
+	touch $(CLIENTS)
+
 serve: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/modelyard serve --config configs/default.yaml --host 127.0.0.1 --port 8080
 
-test: install system lint
+test: install system clients lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 # Both are pinned in the test extra, so a new release cannot turn CI red on its own.

@@ -21,6 +21,7 @@ a 401 or 413 on ``/v1/messages`` reads as the Anthropic SDK expects.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 
@@ -60,12 +61,21 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     529: "overloaded_error"}
 
 
+_PROMPT_TOO_LONG = re.compile(r"maximum context length is (\d+) tokens\. However, your "
+                              r"prompt contains (?:at least )?(\d+) tokens")
+
+
 def anthropic_error(err: APIError) -> tuple[int, dict[str, Any]]:
-    """``err``'s status and body as Anthropic's API would answer them."""
+    """``err``'s status and body as Anthropic's API would answer them. A prompt that does
+    not fit the context is told in Anthropic's words, which its clients read to compact
+    a conversation: ``prompt is too long: N tokens > M maximum``."""
     overloaded = isinstance(err, TooManyRequests) or err.code == "server_overloaded"
     status = 529 if overloaded else err.status
     kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return status, {"type": "error", "error": {"type": kind, "message": err.message}}
+    message = err.message
+    if err.code == "context_length_exceeded" and (m := _PROMPT_TOO_LONG.search(message)):
+        message = f"prompt is too long: {m[2]} tokens > {m[1]} maximum"
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def shaped(err: APIError, path: str) -> tuple[int, dict[str, Any]]:

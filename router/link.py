@@ -65,7 +65,8 @@ class Usage:
     relay's per-batch path does no second pass; the relay fills in the timings.
     """
 
-    __slots__ = ("cached", "completion", "finish", "first_at", "key", "prompt", "started")
+    __slots__ = ("cached", "clamped", "completion", "finish", "first_at", "key", "prompt",
+                 "started")
 
     def __init__(self, key: str = "") -> None:
         self.key = key
@@ -76,12 +77,16 @@ class Usage:
         self.finish: list[str] = []
         self.started = time.perf_counter()
         self.first_at = 0.0
+        self.clamped = 0
+        """What ``max_tokens`` was clamped to (``SamplingSpec.clamp_max_tokens``); 0: not."""
 
     def add(self, delta: Delta) -> None:
         self.completion += delta.tokens
         if delta.prompt_tokens:  # a choice's first and last deltas
             self.prompt[delta.id] = delta.prompt_tokens
             self.cached[delta.id] = delta.cached_tokens
+            if delta.max_tokens:
+                self.clamped = delta.max_tokens
         if delta.finish_reason is not None:
             self.finish.append(delta.finish_reason)
 

@@ -214,11 +214,19 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     task: Literal["generate", "embed"] = "generate"
     """``embed`` runs the model with vLLM's pooling runner for ``/v1/embeddings``."""
     chat_template: str | None = None
-    """Jinja text, or the path of a ``.jinja`` file (relative to the preset's folder)."""
+    """Jinja text, the path of a ``.jinja`` file (relative to the preset's folder), or
+    ``builtin:chatml-tools`` (SmolLM2's ChatML with Hermes tools, shipped with modelyard)."""
     tool_parser: str | None = None
     """vLLM's tool parser name (``hermes``, ``llama3_json`` ...) for ``tool_choice: auto``."""
     reasoning_parser: str | None = None
     """vLLM's reasoning parser name (``deepseek_r1``, ``qwen3``, ``olmo3`` ...)."""
+    max_tokens_overflow: (Literal["clamp", "reject"]
+                          | dict[Literal["openai", "anthropic", "responses"],
+                                 Literal["clamp", "reject"]]) = {}
+    """When prompt + ``max_tokens`` exceed the context: ``clamp`` ``max_tokens`` to what
+    the context leaves, or ``reject`` (a 400); one value for every protocol, or per
+    protocol. Default: Anthropic's Messages clamp (its clients hard-code 32 000), OpenAI's
+    chat/completions and Responses reject, as OpenAI does."""
     owned_by: str = "modelyard"
     engine_args: dict[str, Any] = {}
     """Extra ``AsyncEngineArgs`` keyword arguments, passed through unchanged."""
@@ -226,9 +234,23 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 ROUTER_ONLY_FIELDS = frozenset({"aliases", "ttl", "pinned", "priority", "min_resident",
-                                "idle_action", "owned_by", "load_on_startup"})
+                                "idle_action", "owned_by", "load_on_startup",
+                                "max_tokens_overflow"})
 """``ModelSpec`` fields only the router reads: a reload changes them in a running model
 without restarting its worker."""
+
+
+OVERFLOW_DEFAULTS = {"openai": "reject", "anthropic": "clamp", "responses": "reject"}
+
+
+def clamps_max_tokens(spec: ModelSpec, protocol: str) -> bool:
+    """Whether ``protocol``'s requests to ``spec``'s model clamp an overflowing
+    ``max_tokens`` (``max_tokens_overflow``) instead of refusing it."""
+    policy = spec.max_tokens_overflow
+    if isinstance(policy, str):
+        return policy == "clamp"
+    chosen: str = policy.get(protocol, OVERFLOW_DEFAULTS[protocol])  # type: ignore[call-overload]
+    return chosen == "clamp"
 
 
 def restart_needed(old: ModelSpec, new: ModelSpec) -> bool:
@@ -319,14 +341,22 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
     return Preset(server=server, models=models, source=source, read_files=read_files)
 
 
+BUILTIN_TEMPLATE = "builtin:"
+TEMPLATES = Path(__file__).parent / "templates"
+"""Chat templates shipped with modelyard (``chat_template: builtin:NAME``)."""
+
+
 def _read_template(spec: ModelSpec, source: str) -> str | None:
     """A ``chat_template`` that is not Jinja text names a file: read it now; its path."""
     value = spec.chat_template
     if value is None or "{{" in value or "{%" in value:
         return None
     base = Path(source).parent if source and not source.startswith("<") else Path.cwd()
-    path = Path(value).expanduser()
-    path = path if path.is_absolute() else base / path
+    if value.startswith(BUILTIN_TEMPLATE):  # shipped with modelyard: a preset copied
+        path = TEMPLATES / f"{value.removeprefix(BUILTIN_TEMPLATE)}.jinja"  # anywhere finds it
+    else:
+        path = Path(value).expanduser()
+        path = path if path.is_absolute() else base / path
     try:
         spec.chat_template = path.read_text(encoding="utf-8")
     except OSError as err:

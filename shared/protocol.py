@@ -48,6 +48,9 @@ class SamplingSpec(msgspec.Struct, **_WIRE):
     ignore_eos: bool = False
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    clamp_max_tokens: bool = False
+    """A ``max_tokens`` over what the context leaves the prompt is lowered to it (and the
+    first delta says so, ``Delta.max_tokens``) instead of refused."""
 
 
 class ToolCall(msgspec.Struct, omit_defaults=True, gc=False):
@@ -227,6 +230,9 @@ class Delta(msgspec.Struct, **_WIRE):
     cached_tokens: int = 0
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] | None = None
+    max_tokens: int = 0
+    """On a choice's first delta, when the request's ``max_tokens`` was clamped: what it
+    became (``SamplingSpec.clamp_max_tokens``)."""
 
 
 class Ready(msgspec.Struct, tag="ready", **_MSG):

@@ -214,7 +214,7 @@ models:
     # AVX-512 BF16 or AMX and float32 elsewhere, and the two decode different words.
     dtype: float32
     load_on_startup: true
-    chat_template: {root}/configs/templates/chatml-tools.jinja
+    chat_template: builtin:chatml-tools
     tool_parser: hermes
   smollm2-b:
     model: "builtin:smollm2"

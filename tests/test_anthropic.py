@@ -8,6 +8,7 @@ with httpx as well, to check the grammar the SDK relies on without showing it.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -162,6 +163,35 @@ def test_errors_are_anthropic_shaped(claude: Any, router: RouterProcess) -> None
     assert "max_tokens" in r.json()["error"]["message"]
     r = httpx.post(router.url + "/v1/messages/batches", headers=HEADERS, json={})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_claude_codes_32000_max_tokens_are_clamped_to_the_context(
+        claude: Any, router: RouterProcess) -> None:
+    """Claude Code sends ``max_tokens: 32000`` whatever the model: on 651c79a a 400 ("you
+    requested 32 0xx tokens"); now what the 2 048-token context leaves, said in a header.
+    OpenAI's endpoint still refuses, as OpenAI does."""
+    raw = claude.messages.with_raw_response.create(
+        model="smollm2", max_tokens=32000, messages=[{"role": "user", "content": "Hi"}],
+        extra_body={"stop_sequences": ["."]})
+    message = raw.parse()
+    granted = int(raw.headers["x-modelyard-max-tokens-clamped"])
+    assert 1900 < granted < 2048 - message.usage.input_tokens + 1
+    assert message.usage.output_tokens <= granted
+    events = raw_events(router, {"model": "smollm2", "max_tokens": 32000,
+                                 "messages": [{"role": "user", "content": "Hi"}],
+                                 "stop_sequences": ["."]})
+    assert events[-1][1] == "message_stop"
+    chat = httpx.post(router.url + "/v1/chat/completions", timeout=60, json={
+        "model": "smollm2", "max_tokens": 32000, "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_tokens"
+    # A prompt that does not fit at all, in Anthropic's words (its clients compact on them).
+    r = httpx.post(router.url + "/v1/messages", headers=HEADERS, timeout=60, json={
+        "model": "smollm2", "max_tokens": 10,
+        "messages": [{"role": "user", "content": "lighthouse " * 3000}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 2048 maximum", error["message"]), error
 
 
 def test_a_cold_model_streams_pings_until_it_is_ready(claude: Any,

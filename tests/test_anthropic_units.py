@@ -167,6 +167,30 @@ def test_thinking_text_and_tool_calls_stream_as_contiguous_blocks() -> None:
     assert body["stop_reason"] == "tool_use" and body["usage"]["output_tokens"] == 9
 
 
+def test_a_tool_input_streams_as_the_body_has_it_even_when_the_model_wrote_bad_json() -> None:
+    """On 651c79a the stream forwarded the model's text as ``input_json_delta`` (an SDK's
+    partial-JSON parser throws on ``{"q": 1,,}``) while the body said ``{}``."""
+    batches = [
+        [Delta(id="r", prompt_tokens=3, tool_calls=[
+            ToolCallDelta(index=0, id="x", name="good", arguments='{"q": '),
+        ])],
+        [Delta(id="r", tool_calls=[ToolCallDelta(index=0, arguments='"1"}'),
+                                   ToolCallDelta(index=1, id="y", name="bad",
+                                                 arguments='{"q": 1,,}')])],
+        [Delta(id="r", finish_reason="tool_calls", prompt_tokens=3)],
+    ]
+    evs, body = run(MessagesShaper("msg_abc", "m", []), batches, 4)
+    check_grammar(evs)
+    streamed: dict[int, str] = {}
+    for event, data in evs:
+        if event == "content_block_delta" and data["delta"]["type"] == "input_json_delta":
+            streamed[data["index"]] = streamed.get(data["index"], "") + data["delta"][
+                "partial_json"]
+    assert {i: json.loads(text) for i, text in streamed.items()} == {
+        i: block["input"] for i, block in enumerate(body["content"])}
+    assert body["content"][0]["input"] == {"q": "1"} and body["content"][1]["input"] == {}
+
+
 @pytest.mark.parametrize("finish,stop_reason,expected", [
     ("stop", "END", ("stop_sequence", "END")),
     ("stop", None, ("end_turn", None)),

@@ -17,6 +17,7 @@ from router.api.responses.background import BackgroundRuns
 from router.api.responses.schema import (
     CreateResponseRequest,
     ResponseItem,
+    chat_messages,
     create_generate,
     echo,
     normalize,
@@ -262,7 +263,6 @@ def test_echo_validates_as_the_response_object() -> None:
     ({"input": [{"role": "user", "content": [{"type": "output_audio"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "assistant", "content": [{"type": "input_image",
                                                    "image_url": "x"}]}]}, "input[0].content[0]"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
     ({"input": "x", "temperature": 3}, "temperature"),
     ({"input": "x", "top_p": 0}, "top_p"),
@@ -382,3 +382,44 @@ def test_routes_through_the_app_without_a_worker() -> None:
         assert r.status_code == 405 and {"GET", "DELETE"} <= set(
             r.headers["allow"].replace(" ", "").split(","))
         assert "modelyard_responses_stored 0.0" in client.get("/metrics").text
+
+
+def test_every_history_item_codex_and_the_agents_sdk_send_is_taken() -> None:
+    """On 651c79a each of these was a 400 ("input item type ... is not supported"): Codex
+    sends its custom and shell calls back in later turns. Calls become the assistant's
+    tool calls and their outputs tool turns; the rest is kept and left out of the prompt."""
+    raw = msgspec.json.decode(json.dumps([
+        {"role": "user", "content": "fix the bug"},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch",
+         "input": "*** Begin Patch\n*** End Patch"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done!"},
+        {"type": "local_shell_call", "call_id": "s1", "status": "completed",
+         "action": {"type": "exec", "command": ["ls", "-a"]}},
+        {"type": "local_shell_call_output", "call_id": "s1", "output": ".  ..  main.py"},
+        {"type": "mcp_call", "id": "m1", "name": "search", "server_label": "docs",
+         "arguments": "{\"q\": \"x\"}", "output": "3 results"},
+        {"type": "web_search_call", "id": "ws1", "status": "completed",
+         "action": {"type": "search", "query": "vllm"}},
+        {"type": "item_reference", "id": "msg_earlier"},
+        {"type": "mcp_list_tools", "id": "ml1", "server_label": "docs"},
+        {"type": "image_generation_call", "id": "ig1", "status": "completed"},
+    ]), type=list[ResponseItem])
+    items = normalize(raw)
+    assert [i.type for i in items] == [
+        "message", "custom_tool_call", "custom_tool_call_output", "local_shell_call",
+        "local_shell_call_output", "mcp_call", "web_search_call", "item_reference",
+        "mcp_list_tools", "image_generation_call"]
+    assert items[7].id == "msg_earlier" and items[1].input.startswith("*** Begin Patch")  # type: ignore[union-attr]
+    chat = chat_messages(items, None)
+    assert [m.role for m in chat] == ["user", "assistant", "tool", "assistant", "tool",
+                                      "assistant", "tool"]
+    calls = [c for m in chat for c in m.tool_calls or []]
+    assert [(c.id, c.name) for c in calls] == [("c1", "apply_patch"), ("s1", "local_shell"),
+                                               ("m1", "search")]
+    assert json.loads(calls[0].arguments) == {"input": "*** Begin Patch\n*** End Patch"}
+    assert json.loads(calls[1].arguments)["command"] == ["ls", "-a"]
+    assert [(m.tool_call_id, m.content) for m in chat if m.role == "tool"] == [
+        ("c1", "Done!"), ("s1", ".  ..  main.py"), ("m1", "3 results")]
+    # Kept as given in the store, and listed back, as the client sent them.
+    again = msgspec.json.decode(encode_items(items), type=list[ResponseItem])
+    assert again[6].action == {"type": "search", "query": "vllm"}

@@ -1,5 +1,5 @@
 """Tool calling against a real worker: ``smollm2`` runs a ChatML template with Hermes-style
-tools (``configs/templates/chatml-tools.jinja``) and vLLM's ``hermes`` parser.
+tools (``builtin:chatml-tools``, ``shared/templates/``) and vLLM's ``hermes`` parser.
 
 ``auto`` is made deterministic by forcing the model's text with a ``structured_outputs``
 regex, so vLLM's parser runs on real output; ``required`` and named choices are sampled at

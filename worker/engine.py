@@ -311,7 +311,7 @@ class VllmEngine:
         if prompt_len >= self.max_model_len:
             raise _too_long(self.max_model_len, str(prompt_len))
         room = self.max_model_len - prompt_len
-        if spec.max_tokens is not None and spec.max_tokens > room:  # as OpenAI: no clamping
+        if spec.max_tokens is not None and spec.max_tokens > room and not spec.clamp_max_tokens:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {prompt_len + spec.max_tokens} tokens ({prompt_len} in the "
@@ -400,6 +400,8 @@ class VllmEngine:
                   TokensPrompt(prompt_token_ids=ids, multi_modal_data=media))
         outputs = self._llm.generate(prompt, params, gen.id, priority=gen.priority)
         counted: set[int] = set()  # choices whose first delta told the prompt's size
+        clamped = (params.max_tokens if gen.sampling.max_tokens is not None
+                   and params.max_tokens < gen.sampling.max_tokens else 0)
         try:
             async for out in outputs:
                 deltas: list[Delta] = []
@@ -410,6 +412,7 @@ class VllmEngine:
                         counted.add(choice.index)
                         d.prompt_tokens = len(out.prompt_token_ids or ids)
                         d.cached_tokens = out.num_cached_tokens or 0
+                        d.max_tokens = clamped
                     if make_parser is not None:
                         parser = parsers.get(choice.index)
                         if parser is None:

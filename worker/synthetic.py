@@ -70,7 +70,17 @@ class SyntheticEngine:
         if prompt_len >= self.max_model_len:
             raise SyntheticError("prompt longer than the context", param="messages",
                                  code="context_length_exceeded")
-        total = min(gen.sampling.max_tokens or 16, self.max_model_len - prompt_len)
+        room = self.max_model_len - prompt_len
+        asked = gen.sampling.max_tokens
+        if asked is not None and asked > room and not gen.sampling.clamp_max_tokens:
+            raise SyntheticError(  # vLLM's wording (worker/engine.py)
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {prompt_len + asked} tokens ({prompt_len} in the "
+                f"prompt, {asked} for the completion). Please reduce the length of the "
+                "prompt or the completion.", param="max_tokens",
+                code="context_length_exceeded")
+        total = min(asked or 16, room)
+        clamped = total if asked is not None and total < asked else 0
         sent = 0
         self._running += 1
         try:
@@ -81,7 +91,8 @@ class SyntheticEngine:
                 text = f"{time.monotonic_ns()} " if self._timestamps else "tok " * step
                 yield [Delta(id=gen.id, index=i, text=text, tokens=step,
                              finish_reason="length" if done else None,
-                             prompt_tokens=prompt_len if done or sent == step else 0)
+                             prompt_tokens=prompt_len if done or sent == step else 0,
+                             max_tokens=clamped if sent == step else 0)
                        for i in range(gen.sampling.n)]
                 await asyncio.sleep(self._interval * step)
         finally:

@@ -33,6 +33,7 @@ from router.link import RequestStream, Usage, WorkerLink
 from router.metrics import Metrics
 from router.registry import Lease, ModelEntry
 from router.supervisor import Supervisor
+from shared.config import clamps_max_tokens
 from shared.protocol import Delta, Generate
 
 log = logging.getLogger("modelyard.requests")
@@ -113,9 +114,11 @@ class Relay:
             self._keep_alive(lease, keep_alive, principal)
         stream, first = await self._start(lease, link, gens, usage, endpoint, streaming, request)
         shaper = shaper_for(lease.entry.id)
+        # A clamp is known by the first batch, before any header is sent.
+        extra = {CLAMPED_HEADER: str(usage.clamped)} if usage.clamped else None
         if streaming:
             body = self._stream(stream, shaper, first, usage, lease, endpoint)
-            return EventStream(body, self.supervisor.server.send_timeout)
+            return EventStream(body, self.supervisor.server.send_timeout, extra)
         status = 200
         try:
             shaper.add(first)
@@ -133,7 +136,7 @@ class Relay:
                     time.perf_counter())
             else:  # before the answer: ``HotPath`` asks whether it was counted
                 self._log(endpoint, lease.entry.id, False, status, usage)
-        return JSONResponse(shaper.body(usage))
+        return JSONResponse(shaper.body(usage), headers=extra)
 
     def _keep_alive(self, lease: Lease, seconds: float, principal: Principal) -> None:
         """A request's ``keep_alive``. An admin key's is the model's idle limit from now on
@@ -155,6 +158,9 @@ class Relay:
         engine's queue back at once. On failure the stream is closed, the lease released
         and an ``APIError`` logged."""
         stream: RequestStream | None = None
+        if clamps_max_tokens(lease.entry.spec, PROTOCOLS.get(endpoint, "openai")):
+            for gen in gens:
+                gen.sampling.clamp_max_tokens = True
         try:
             _refuse_oversized(lease.entry, gens)
             stream = link.submit(gens, usage)
@@ -342,6 +348,9 @@ class Relay:
                      "true" if streaming else "false", status, usage.prompt_tokens,
                      usage.cached_tokens, usage.completion, ttft, decode, total,
                      ",".join(usage.finish) or "-")
+            if usage.clamped:
+                log.info("%s model=%s max_tokens clamped to %d: the prompt left no more of "
+                         "the context", endpoint, model, usage.clamped)
         # Made only if someone reads it (``EventBus.publish_with``); ``usage`` is not
         # touched again once its request is logged.
         self.supervisor.events.publish_with("request", model, _request_event, endpoint,
@@ -429,6 +438,12 @@ async def _first_batch(request: Request | None, stream: RequestStream) -> list[D
             watch.cancel()
 
 
+PROTOCOLS = {"messages": "anthropic", "responses": "responses"}
+"""Endpoints by the protocol whose ``max_tokens_overflow`` applies (any other: openai)."""
+CLAMPED_HEADER = "x-modelyard-max-tokens-clamped"
+"""On a response whose ``max_tokens`` was clamped: what it became."""
+
+
 def _refuse_oversized(entry: ModelEntry, gens: list[Generate]) -> None:
     """A prompt longer than the worker's bound cannot fit the context: refuse it here,
     before megabytes cross the socket and stall the worker's other streams."""
@@ -438,10 +453,12 @@ def _refuse_oversized(entry: ModelEntry, gens: list[Generate]) -> None:
     for gen in gens:
         size = len(gen.prompt or "") + sum(len(m.content or "") for m in gen.messages or ())
         if size > limit:
+            at_least = size * (entry.max_model_len or 1) // limit  # no token is longer
             raise BadRequest(
-                f"This model's maximum context length is {entry.max_model_len} tokens; a "
-                f"prompt of {size} characters cannot fit it. Please reduce the length of the "
-                "prompt.", param="prompt" if gen.messages is None else "messages",
+                f"This model's maximum context length is {entry.max_model_len} tokens. "
+                f"However, your prompt contains at least {at_least} tokens ({size} "
+                "characters), which leaves no room for output. Please reduce the length of "
+                "the prompt.", param="prompt" if gen.messages is None else "messages",
                 code="context_length_exceeded")
 
 

@@ -39,8 +39,10 @@ class EventStream(StreamingResponse):
     attribute stores, not a timer of its own.
     """
 
-    def __init__(self, body: AsyncGenerator[bytes, None], send_timeout: float) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    def __init__(self, body: AsyncGenerator[bytes, None], send_timeout: float,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={**SSE_HEADERS, **headers} if headers else SSE_HEADERS)
         self._body = body
         self._send_timeout = send_timeout
         self._sending_since = 0.0  # loop time a write began; 0: no write in progress

@@ -7,7 +7,8 @@ events and ``add`` only applies, so a stream and a body always hold the same blo
 Stream grammar: ``message_start`` (the prompt's real token counts), then per block
 ``content_block_start`` → ``content_block_delta``… → ``content_block_stop`` with indexes
 0, 1, 2… and one block open at a time (``thinking_delta`` then ``signature_delta`` before
-a thinking block closes; ``text_delta``; ``input_json_delta`` for all tool input), then
+a thinking block closes; ``text_delta``; one ``input_json_delta`` with a tool's whole
+input as parsed, when its block closes, so that it always parses), then
 ``message_delta`` (``stop_reason``, cumulative ``output_tokens``) and ``message_stop``.
 """
 
@@ -89,7 +90,11 @@ class MessagesShaper:
             block["signature"] = _signature(block["thinking"])
             self._delta(index, {"type": "signature_delta", "signature": block["signature"]})
         elif self.open == "tool_use":
+            # The input as parsed, once, in stream and body alike: a model's invalid JSON
+            # would make the SDKs' partial-JSON parsers throw (it becomes {} in both).
             block["input"] = _input("".join(self.arguments.get(index, ())))
+            self._delta(index, {"type": "input_json_delta",
+                                "partial_json": msgspec.json.encode(block["input"]).decode()})
         self._emit("content_block_stop", {"type": "content_block_stop", "index": index})
         self.open = None
 
@@ -119,8 +124,6 @@ class MessagesShaper:
             if index < 0 or not c.arguments:
                 continue
             self.arguments.setdefault(index, []).append(c.arguments)
-            if index == len(self.blocks) - 1 and self.open == "tool_use":
-                self._delta(index, {"type": "input_json_delta", "partial_json": c.arguments})
         if d.finish_reason is not None:
             self.finish, self.stop_reason = d.finish_reason, d.stop_reason
 

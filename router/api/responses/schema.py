@@ -13,6 +13,7 @@ ignored; fields OpenAI documents that this server cannot honour (``conversation`
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 import msgspec
@@ -54,7 +55,9 @@ class ResponsePart(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class ResponseItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One input item: a message (``type`` may be left out), ``function_call``,
-    ``function_call_output`` or ``reasoning``. Normalised, it is what ``input_items`` lists."""
+    ``function_call_output``, ``reasoning``, or any item a client keeps in its history
+    (``custom_tool_call``, ``local_shell_call``, ``mcp_call``, ``web_search_call`` ...; see
+    ``normalize``). Normalised, it is what ``input_items`` lists."""
 
     type: str | None = None
     id: str | None = None
@@ -67,6 +70,13 @@ class ResponseItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     output: str | list[ResponsePart] | None = None
     summary: list[ResponsePart] | None = None
     encrypted_content: str | None = None
+    input: str | None = None
+    """A ``custom_tool_call``'s free-form input."""
+    action: dict[str, Any] | None = None
+    """A ``local_shell_call``'s (``exec``: ``command``, ``working_directory`` ...), a
+    ``computer_call``'s or a ``web_search_call``'s action."""
+    server_label: str | None = None
+    """An ``mcp_*`` item's server."""
 
 
 class ResponseTool(msgspec.Struct, kw_only=True):
@@ -221,11 +231,46 @@ def normalize(raw: str | list[ResponseItem]) -> list[ResponseItem]:
             items.append(ResponseItem(type=kind, id=item.id or f"rs_{request_id()}",
                               summary=item.summary or [], content=content,
                               encrypted_content=item.encrypted_content))
-        else:
-            raise _bad(f"input item type '{kind}' is not supported (messages, function_call, "
-                       "function_call_output and reasoning are)", f"{at}.type",
-                       "unsupported_parameter")
+        elif kind in _CALLS:  # a tool call of another kind: rendered as a call
+            items.append(ResponseItem(
+                type=kind, id=item.id or f"{_CALLS[kind]}_{request_id()}",
+                call_id=item.call_id or item.id, name=item.name, input=item.input,
+                arguments=item.arguments, action=item.action,
+                server_label=item.server_label, status=item.status or "completed",
+                output=(None if item.output is None else _output_text(item.output, at))))
+        elif kind in _OUTPUTS:
+            items.append(ResponseItem(
+                type=kind, id=item.id or f"{_CALLS[kind.removesuffix('_output')]}o_"
+                                         f"{request_id()}",
+                call_id=item.call_id or item.id, output=_output_text(item.output, at),
+                status=item.status or "completed"))
+        else:  # web_search_call, item_reference, mcp_list_tools ...: kept, not in the prompt
+            items.append(ResponseItem(type=kind, id=item.id or f"item_{request_id()}",
+                                      call_id=item.call_id, name=item.name,
+                                      action=item.action, server_label=item.server_label,
+                                      status=item.status))
     return items
+
+
+_CALLS = {"custom_tool_call": "ctc", "local_shell_call": "lsh", "mcp_call": "mcp"}
+"""Calls of other kinds than ``function_call`` a client keeps in its history (Codex, the
+Agents SDK), with their id prefixes: each becomes the assistant's tool call in the
+prompt, and its ``*_output`` item (or an ``mcp_call``'s own ``output``) the tool's turn."""
+
+
+_OUTPUTS = frozenset({"function_call_output", *(f"{kind}_output" for kind in _CALLS)})
+"""Items whose ``output`` is a tool's turn in the prompt."""
+
+
+def _call_arguments(item: ResponseItem) -> str:
+    """A call's arguments as the model sees them: JSON, whatever the call's kind."""
+    if item.arguments is not None:
+        return item.arguments
+    if item.action is not None:
+        return json.dumps(item.action)
+    if item.input is not None:
+        return json.dumps({"input": item.input})
+    return "{}"
 
 
 def _output_text(output: str | list[ResponsePart] | None, at: str) -> str:
@@ -262,14 +307,17 @@ def chat_messages(items: list[ResponseItem], instructions: str | None) -> list[C
             message = RequestMessage(role=item.role or "user",
                                      content=[_chat_part(p) for p in parts])
             out.append(flatten_message(message, i))
-        elif item.type == "function_call":
-            call = ToolCall(id=item.call_id or "", name=item.name or "",
-                            arguments=item.arguments or "{}")
+        elif item.type == "function_call" or item.type in _CALLS:
+            name = item.name or ("local_shell" if item.type == "local_shell_call" else "tool")
+            call = ToolCall(id=item.call_id or "", name=name, arguments=_call_arguments(item))
             if out and out[-1].role == "assistant":
                 out[-1].tool_calls = [*(out[-1].tool_calls or []), call]
             else:
                 out.append(ChatMessage(role="assistant", tool_calls=[call]))
-        elif item.type == "function_call_output":
+            if item.type == "mcp_call" and isinstance(item.output, str):  # its own result
+                out.append(ChatMessage(role="tool", content=item.output,
+                                       tool_call_id=item.call_id))
+        elif item.type in _OUTPUTS:
             text = item.output if isinstance(item.output, str) else ""
             out.append(ChatMessage(role="tool", content=text, tool_call_id=item.call_id))
     return out

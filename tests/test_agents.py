@@ -1,0 +1,86 @@
+"""Real clients with their defaults (issue 23) against a router serving
+``configs/default.yaml`` as it is (its port aside): the embedded model, 8 192 tokens of
+context, Hermes tools. The CLIs come from npm (``tests/clients``, ``make clients``).
+
+On 651c79a: Claude Code's every request was a 400 (it sends ``max_tokens: 32000``), and
+a tool round trip with ``tool_choice`` left to ``auto`` was a 400 ("no tool_parser").
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from tests.conftest import ROOT, RouterProcess, running_router
+
+pytestmark = pytest.mark.integration
+
+CLIENTS = ROOT / "tests" / "clients" / "node_modules" / ".bin"
+WEATHER_TOOL = {"name": "get_weather", "description": "The current weather in a city",
+                "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                                 "required": ["city"]}}
+
+
+@pytest.fixture(scope="module")
+def default_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    text = (ROOT / "configs" / "default.yaml").read_text()
+    text = re.sub(r"(?m)^  port: 8080$", "  port: {port}", text)
+    assert "{port}" in text
+    with running_router(text, tmp_path_factory.mktemp("agents"), "default") as r:
+        r.wait_model("smollm2", timeout=600)
+        yield r
+
+
+def test_the_anthropic_sdks_tool_round_trip_with_auto_on_the_default_preset(
+        default_router: RouterProcess) -> None:
+    from anthropic import Anthropic
+
+    with Anthropic(base_url=default_router.url, api_key="unused", max_retries=0,
+                   timeout=300) as claude:
+        ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+        first = claude.messages.create(  # a call it must make: the tool named
+            model="smollm2", max_tokens=100, messages=ask, tools=[WEATHER_TOOL],  # type: ignore[list-item]
+            tool_choice={"type": "tool", "name": "get_weather"})
+        call = next(b for b in first.content if b.type == "tool_use")
+        # The result goes back with the tools still offered and tool_choice left unset
+        # (auto), as every agent sends it.
+        second = claude.messages.create(
+            model="smollm2", max_tokens=60, tools=[WEATHER_TOOL],  # type: ignore[list-item]
+            messages=[*ask, {"role": "assistant", "content": first.content},  # type: ignore[list-item]
+                      {"role": "user", "content": [{
+                          "type": "tool_result", "tool_use_id": call.id,
+                          "content": "Sunny, 24 degrees"}]}])
+    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use"), second
+    assert second.content
+
+
+def claude_code(router: RouterProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    """Claude Code headless, pointed at ``router`` and nothing else (no telemetry, no
+    updates: the machine has no other network)."""
+    home = router.workdir / "claude-home"
+    home.mkdir(exist_ok=True)
+    env = {"PATH": os.environ["PATH"], "HOME": str(home),
+           "ANTHROPIC_BASE_URL": router.url, "ANTHROPIC_AUTH_TOKEN": "unused",
+           "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+           "DISABLE_TELEMETRY": "1"}
+    return subprocess.run([str(CLIENTS / "claude"), *args], env=env, cwd=router.workdir,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_claude_code_with_its_default_max_tokens_gets_an_answer(
+        default_router: RouterProcess) -> None:
+    """Claude Code 2.1 headless with a short system prompt and one tool: its request asks
+    ``max_tokens: 32000`` (no environment override), which the router clamps."""
+    done = claude_code(default_router, "-p", "Say hello in one short sentence.", "--bare",
+                       "--model", "smollm2", "--system-prompt", "You are a helpful assistant.",
+                       "--tools", "Read", "--output-format", "json")
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:],
+                                  default_router.tail(30))
+    assert '"is_error":false' in done.stdout.replace(" ", ""), done.stdout[-2000:]
+    log = default_router.tail(400)
+    assert re.search(r"messages model=smollm2 max_tokens clamped to \d+", log), log[-3000:]
+    assert "status=200" in log
