@@ -84,3 +84,56 @@ def test_claude_code_with_its_default_max_tokens_gets_an_answer(
     log = default_router.tail(400)
     assert re.search(r"messages model=smollm2 max_tokens clamped to \d+", log), log[-3000:]
     assert "status=200" in log
+
+
+SCRIPTED = """
+server: {host: 127.0.0.1, port: {port}, spare_workers: 0}
+models:
+  scripted:
+    model: /synthetic
+    engine: synthetic
+    max_model_len: 200000
+    engine_args:
+      script:
+        - tool_call: {name: exec_command, arguments: {cmd: "echo modelyard-was-here > proof.txt"}}
+        - text: "I wrote proof.txt for you."
+"""
+
+
+@pytest.fixture(scope="module")
+def scripted_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    with running_router(SCRIPTED, tmp_path_factory.mktemp("scripted"), "scripted") as r:
+        yield r
+
+
+def test_codex_exec_completes_two_turns_where_the_first_used_a_tool(
+        scripted_router: RouterProcess) -> None:
+    """Codex 0.169 ``exec`` over the Responses API (streamed), as README configures it.
+    The model's words are scripted (a synthetic engine replays a tool call, then an
+    answer), so the tool round trip is deterministic: turn one asks for ``exec_command``,
+    Codex runs it and sends its output back in turn two with its whole history."""
+    r = scripted_router
+    home = r.workdir / "codex-home"
+    (home / ".codex").mkdir(parents=True, exist_ok=True)
+    (home / ".codex" / "config.toml").write_text(f"""
+model = "scripted"
+model_provider = "modelyard"
+
+[model_providers.modelyard]
+name = "modelyard"
+base_url = "{r.url}/v1"
+wire_api = "responses"
+""")
+    project = r.workdir / "project"
+    project.mkdir(exist_ok=True)
+    done = subprocess.run(
+        [str(CLIENTS / "codex"), "exec", "--skip-git-repo-check",
+         "--dangerously-bypass-approvals-and-sandbox", "Write proof.txt, please."],
+        env={"PATH": os.environ["PATH"], "HOME": str(home)}, cwd=project,
+        capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:], r.tail(30))
+    assert (project / "proof.txt").read_text() == "modelyard-was-here\n"
+    assert "I wrote proof.txt for you." in done.stdout + done.stderr
+    turns = [line for line in r.tail(400).splitlines()
+             if "responses model=scripted" in line and "status=200" in line]
+    assert len(turns) == 2, r.tail(60)

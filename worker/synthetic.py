@@ -8,17 +8,24 @@ it never serves a user. It emits the word ``tok`` once per token, ``max_tokens``
 token is the ``time.monotonic_ns()`` of its creation instead, so a client can measure the
 relay's added latency (the clock is shared by all processes of the machine). A
 ``cpu_cores`` placement pins the process (a vLLM worker leaves that to vLLM).
+
+With ``engine_args.script`` (a list of turns) it answers the i-th request with the i-th
+turn, round and round: ``{"text": "..."}``, or ``{"tool_call": {"name": ...,
+"arguments": {...}}}`` (finishing ``tool_calls``), so that a client's tool round trip can
+be scripted (protocol tests with real agent CLIs; the real model runs the rest).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from shared.config import ModelSpec, parse_cores
-from shared.protocol import Delta, Detokenize, Embed, Generate, Tokenize
+from shared.protocol import Delta, Detokenize, Embed, Generate, Tokenize, ToolCallDelta
 
 
 class SyntheticError(Exception):
@@ -39,6 +46,8 @@ class SyntheticEngine:
         self._interval = 1.0 / rate if rate > 0 else 0.0
         self._per_step = int(spec.engine_args.get("tokens_per_step", 1))
         self._timestamps = bool(spec.engine_args.get("timestamps", False))
+        self._script: list[dict[str, Any]] = list(spec.engine_args.get("script", []))
+        self._turns = 0
         self._running = 0
         # Fault injection: a start that takes this long (blocking, as loading weights is).
         time.sleep(float(spec.engine_args.get("start_seconds", 0)))
@@ -65,8 +74,29 @@ class SyntheticEngine:
     async def embed(self, req: Embed) -> tuple[list[list[float]], int]:
         raise SyntheticError("the synthetic engine has no embeddings", param="model")
 
+    async def _scripted(self, gen: Generate, prompt_len: int) -> AsyncIterator[list[Delta]]:
+        turn = self._script[self._turns % len(self._script)]
+        self._turns += 1
+        call = turn.get("tool_call")
+        if call is not None:
+            yield [Delta(id=gen.id, tokens=1, finish_reason="tool_calls",
+                         prompt_tokens=prompt_len, tool_calls=[ToolCallDelta(
+                             index=0, id=f"call_{self._turns}", name=call["name"],
+                             arguments=json.dumps(call.get("arguments", {})))])]
+            return
+        words = str(turn.get("text", "")).split(" ")
+        for i, word in enumerate(words):
+            last = i == len(words) - 1
+            yield [Delta(id=gen.id, text=word + ("" if last else " "), tokens=1,
+                         finish_reason="stop" if last else None,
+                         prompt_tokens=prompt_len if last or i == 0 else 0)]
+
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
         prompt_len = self._prompt_len(gen)
+        if self._script:
+            async for batch in self._scripted(gen, prompt_len):
+                yield batch
+            return
         if prompt_len >= self.max_model_len:
             raise SyntheticError("prompt longer than the context", param="messages",
                                  code="context_length_exceeded")
