@@ -30,7 +30,7 @@ import httpx
 from bench.common import modelyard, report
 from router.admission import KeyGuard, Keys
 from router.database import Conn, Database
-from router.ledger import INSERT, Ledger
+from router.ledger import INSERT, SCHEMA, Ledger
 from router.limits import RateLimit, TokenBuckets
 from shared.config import ServerConfig
 
@@ -62,7 +62,7 @@ def per_request_us() -> dict[str, float]:
     async def run() -> dict[str, float]:
         bare = min([await timed(_nothing) for _ in range(3)])
         with_keys = min([await timed(guarded) for _ in range(3)])
-        ledger = Ledger(Database("sqlite:///" + tempfile.mktemp(suffix=".db")))
+        ledger = Ledger(Database("sqlite:///" + tempfile.mktemp(suffix=".db"), SCHEMA))
         started = time.perf_counter()
         for _ in range(n):
             ledger.record("alice", "m", "chat", 200, 12, 0, 30, 0.25)
@@ -76,7 +76,7 @@ def per_request_us() -> dict[str, float]:
 
 def query_ms() -> dict[str, Any]:
     path = Path(tempfile.mkdtemp(prefix="bench-ledger-")) / "ledger.db"
-    db = Database(f"sqlite:///{path}")
+    db = Database(f"sqlite:///{path}", SCHEMA)
     ledger = Ledger(db)
     now = time.time()
     rng = random.Random(7)
@@ -85,7 +85,7 @@ def query_ms() -> dict[str, Any]:
              rng.randrange(500), rng.random()) for _ in range(ROWS)]
 
     async def run() -> dict[str, Any]:
-        await ledger.start()
+        ledger.start()
         started = time.perf_counter()
         for i in range(0, ROWS, 50_000):
             chunk = rows[i:i + 50_000]

@@ -37,6 +37,8 @@ from router.database import Database, default_url
 from router.errors import APIError, ModelNotFound
 from router.events import EventBus
 from router.key_store import REFRESH, KeyStore
+from router.key_store import SCHEMA as KEY_TABLES
+from router.ledger import SCHEMA as LEDGER_TABLES
 from router.ledger import Ledger
 from router.limits import middleware_stack
 from router.metrics import Metrics
@@ -100,7 +102,8 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     events = EventBus()
     supervisor = Supervisor(registry, server, runtime_dir, placer, events)
     metrics = MetricsAPI(Metrics(registry))
-    database = Database(server.database_url or default_url(server.cache_dir))
+    database = Database(server.database_url or default_url(server.cache_dir),
+                        KEY_TABLES + LEDGER_TABLES)
     ledger = Ledger(database)
     relay = Relay(supervisor, metrics.metrics, ledger)
     openai = OpenAIAPI(relay, server.max_body_bytes)
@@ -131,7 +134,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
             # Before the first request: a named key works at once, and a server whose
             # keys cannot be read does not start open.
             await named.refresh()
-            await ledger.start()
+            ledger.start()
         except Exception:
             log.error("modelyard: cannot use the database %s (server.database_url); "
                       "not starting", database.shown)

@@ -14,6 +14,7 @@ import uvicorn
 
 from router.app import build_app
 from router.database import Database, default_url
+from router.key_store import SCHEMA as KEY_TABLES
 from router.key_store import KeyExists, KeySpec, KeyStore
 from router.limits import http_protocol, uvicorn_backstop
 from shared.config import ConfigError, ServerConfig, load_preset
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     server = preset.server
     if args.command == "keys":
         database = Database(args.database_url or server.database_url
-                            or default_url(server.cache_dir))
+                            or default_url(server.cache_dir), KEY_TABLES)
         try:
             return asyncio.run(keys_command(args, database))
         finally:

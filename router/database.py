@@ -4,8 +4,10 @@ them.
 
 One connection, on one thread of its own: the event loop never waits on a query, and
 the loop's default executor (which the supervisor reaps workers with) is never taken.
-SQL is written once with ``?`` placeholders and the column types of ``SCHEMA``; for
-PostgreSQL the placeholders become ``%s`` and the types their PostgreSQL names.
+SQL is written once with ``?`` placeholders and the column types ``DOUBLE`` and
+``BIGINTEGER``; for PostgreSQL the placeholders become ``%s`` and the types their
+PostgreSQL names. Each module that keeps a table declares it (``key_store.SCHEMA``,
+``ledger.SCHEMA``); the database creates what it is given, where missing, on connecting.
 """
 
 from __future__ import annotations
@@ -21,18 +23,6 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
-
-SCHEMA = (
-    """CREATE TABLE IF NOT EXISTS api_keys (
-        name TEXT PRIMARY KEY,
-        digest TEXT NOT NULL UNIQUE,
-        role TEXT NOT NULL,
-        spec TEXT NOT NULL,
-        created DOUBLE NOT NULL,
-        revoked DOUBLE)""",
-)
-"""Tables, created where missing. ``DOUBLE`` is SQLite's REAL, PostgreSQL's DOUBLE
-PRECISION; ``spec`` holds a key's limits as JSON (``router.key_store.KeySpec``)."""
 
 _PG_TYPES = (("DOUBLE", "DOUBLE PRECISION"), ("BIGINTEGER", "BIGINT"))
 _SQLITE_TYPES = (("DOUBLE", "REAL"), ("BIGINTEGER", "INTEGER"))
@@ -77,10 +67,11 @@ class Conn:
 
 class Database:
     """``url``: ``sqlite:///path`` or ``postgresql://...``. Opened on first use, on its
-    thread; the tables of ``SCHEMA`` are created there where missing."""
+    thread; the tables of ``schema`` are created there where missing."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, schema: Sequence[str] = ()) -> None:
         self.url = url
+        self.schema = schema
         self.postgres = url.startswith(("postgresql://", "postgres://"))
         if not self.postgres and not url.startswith("sqlite:///"):
             raise ValueError(f"database_url {url!r}: not sqlite:///PATH or postgresql://...")
@@ -102,7 +93,7 @@ class Database:
             raw = sqlite3.connect(path, timeout=30, check_same_thread=False)
             raw.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer
             conn = Conn(raw, postgres=False)
-        for statement in SCHEMA:
+        for statement in self.schema:
             conn.execute(statement)
         return conn
 

@@ -25,6 +25,16 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 """A key's name: it shows in usage and events, so it stays short and plain."""
 REFRESH = 2.0
 """Seconds between a router's looks at the keys in its database."""
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS api_keys (
+        name TEXT PRIMARY KEY,
+        digest TEXT NOT NULL UNIQUE,
+        role TEXT NOT NULL,
+        spec TEXT NOT NULL,
+        created DOUBLE NOT NULL,
+        revoked DOUBLE)""",
+)
+"""The keys' table (``spec``: a key's limits as JSON, ``KeySpec``)."""
 
 
 class Budget(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):

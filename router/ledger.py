@@ -91,9 +91,11 @@ class Ledger:
         # when read); this router's rows since are added from ``_recent``.
         self._spent: dict[tuple[str, str, str], tuple[float, int, float]] = {}
         self._recent: deque[tuple[float, str, str, int]] = deque()
+        """This router's token rows since a budget was first checked (none are kept until
+        then: a router without budgets does nothing more per request)."""
+        self._budgets = False
 
-    async def start(self) -> None:
-        await self.db.run(_create)
+    def start(self) -> None:
         self._writer = asyncio.create_task(self._write(), name="ledger")
 
     def record(self, key: str, model: str, endpoint: str, status: int, prompt: int,
@@ -102,7 +104,7 @@ class Ledger:
         now = time.time()
         self._queue.append((now, key, model, endpoint, status, prompt, cached, completion,
                             round(seconds, 4)))
-        if prompt or completion:
+        if self._budgets and (prompt or completion):
             self._recent.append((now, key, model, prompt + completion))
             while self._recent[0][0] < now - 2 * SPENT_EVERY:  # older than any cached read
                 self._recent.popleft()
@@ -160,6 +162,7 @@ class Ledger:
                           names: list[str]) -> tuple[Budget, float] | None:
         """The first of ``budgets`` that applies to this model (``names``: its id and
         aliases) and is spent for ``key``, with when its period resets; else None."""
+        self._budgets = True  # rows from here on are counted in ``spent``'s reads since
         now = time.time()
         for budget in budgets:
             if budget.model and not any(fnmatch.fnmatchcase(n, budget.model) for n in names):
@@ -187,11 +190,6 @@ class Ledger:
                     if at >= known[2] and k == key
                     and (not budget.model or fnmatch.fnmatchcase(model, budget.model)))
         return known[1] + since
-
-
-def _create(conn: Conn) -> None:
-    for statement in SCHEMA:
-        conn.execute(statement)
 
 
 def _day(conn: Conn) -> str:

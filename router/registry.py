@@ -132,6 +132,11 @@ class ModelEntry:
     removed: bool = False
     """A reload took it out of the preset: it drains and stops, and never loads again."""
 
+    @property
+    def names(self) -> list[str]:
+        """Every name the model is known by: its id, then its aliases."""
+        return [self.spec.id, *self.spec.aliases]
+
     def __post_init__(self) -> None:
         if self.spec.max_concurrent:
             self.slots = Slots(self.spec.max_concurrent)
@@ -169,7 +174,7 @@ class ModelRegistry:
         self._aliases = {alias: e.id for e in self.entries.values() for alias in e.spec.aliases}
         self._folded: dict[str, str] = {}
         for entry in self.entries.values():
-            for name in (entry.id, *entry.spec.aliases):
+            for name in entry.names:
                 self._folded[name.lower()] = entry.id
         self.default_model = default_model
 

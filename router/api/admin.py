@@ -176,4 +176,4 @@ class AdminAPI:
 
 def _visible(entry: ModelEntry, principal: Principal) -> bool:
     """A key limited to some models sees only those."""
-    return principal.limits.allows([entry.id, *entry.spec.aliases])
+    return principal.limits.allows(entry.names)

@@ -253,7 +253,7 @@ class Relay:
                            code="rate_limit_exceeded", retry_after=wait)
         elif limits.budgets and self.ledger is not None:
             over = await self.ledger.over_budget(principal.name, limits.budgets, entry.id,
-                                                 [entry.id, *entry.spec.aliases])
+                                                 entry.names)
             if over is not None:
                 budget, resets = over
                 on = f" on {budget.model}" if budget.model else ""
@@ -269,7 +269,7 @@ class Relay:
     def _allowed(self, model: str | None, principal: Principal) -> None:
         """A model the key's ``models`` globs leave out does not exist, for that key."""
         entry = self.supervisor.registry.resolve(model)
-        if not principal.limits.allows([entry.id, *entry.spec.aliases]):
+        if not principal.limits.allows(entry.names):
             raise ModelNotFound(f"The model '{model or entry.id}' does not exist",
                                 param="model")
 
