@@ -97,6 +97,14 @@ models:
       script:
         - tool_call: {name: exec_command, arguments: {cmd: "echo modelyard-was-here > proof.txt"}}
         - text: "I wrote proof.txt for you."
+  greeter:
+    model: /synthetic
+    engine: synthetic
+    max_model_len: 200000
+    aliases: [claude-sonnet, claude-opus, claude-haiku]
+    engine_args:
+      script:
+        - text: "Hello from modelyard."
 """
 
 
@@ -137,3 +145,20 @@ wire_api = "responses"
     turns = [line for line in r.tail(400).splitlines()
              if "responses model=scripted" in line and "status=200" in line]
     assert len(turns) == 2, r.tail(60)
+
+
+def test_claude_code_with_every_default_gets_an_answer(scripted_router: RouterProcess) -> None:
+    """Claude Code 2.1 as it starts with nothing set but where the server is: its whole
+    default system prompt with every tool (about 29 k tokens), its own model names (the
+    preset's aliases take them), ``max_tokens: 32000``. The model's words are scripted:
+    the embedded model's 8 192 tokens of context cannot hold that prompt."""
+    r = scripted_router
+    done = claude_code(r, "-p", "Say hello.", "--output-format", "json")
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-2000:], r.tail(30))
+    assert '"is_error":false' in done.stdout.replace(" ", ""), done.stdout[-2000:]
+    assert "Hello from modelyard." in done.stdout
+    asked = [int(m.group(1)) for m in re.finditer(
+        r"messages model=greeter stream=\w+ status=200 prompt=(\d+)", r.tail(400))]
+    # The synthetic engine counts words, not tokens (and not the tools): the default system
+    # prompt alone is thousands of words, a bare run's a few dozen.
+    assert asked and max(asked) > 2000, r.tail(60)
