@@ -30,6 +30,7 @@ from router.api.openapi import OpenAPIDocument
 from router.api.relay import Relay
 from router.api.responses import ResponsesAPI
 from router.api.responses.store import ResponseStore
+from router.api.scoring import ScoringAPI
 from router.api.status import StatusPage
 from router.api.usage import UsageAPI
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
@@ -156,7 +157,8 @@ def build_app(preset: Preset, *, watch_config: bool = False,
             database.close()
 
     app = ModelyardApp(
-        routes=(metrics.counted(openai.routes() + anthropic.routes() + responses.routes())
+        routes=(metrics.counted(openai.routes() + anthropic.routes() + responses.routes()
+                                + ScoringAPI(relay, server.max_body_bytes).routes())
                 + watch.routes() + admin.routes() + named.routes()
                 + UsageAPI(ledger).routes() + metrics.routes()
                 + OpenAPIDocument(keys).routes() + StatusPage().routes()),

@@ -30,6 +30,8 @@ from shared.protocol import (
     Ping,
     Pong,
     Ready,
+    Score,
+    Scores,
     Shutdown,
     Sleep,
     Tokenize,
@@ -341,7 +343,8 @@ class WorkerLink:
         if self._routes.pop(gen_id, None) is not None:
             self.completed += 1
 
-    async def _call(self, message: Tokenize | Detokenize | Embed | Ping | Sleep | Wake) -> object:
+    async def _call(self, message: Tokenize | Detokenize | Embed | Score | Ping | Sleep | Wake
+                    ) -> object:
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._calls[message.id] = future
         try:
@@ -363,6 +366,11 @@ class WorkerLink:
     async def embed(self, req: Embed) -> Embeddings:
         result = await self._call(req)
         assert isinstance(result, Embeddings)
+        return result
+
+    async def score(self, req: Score) -> Scores:
+        result = await self._call(req)
+        assert isinstance(result, Scores)
         return result
 
     async def ping(self) -> Pong:
@@ -411,7 +419,7 @@ class WorkerLink:
         elif isinstance(message, Ready):
             if not self._ready.done():
                 self._ready.set_result(message)
-        elif isinstance(message, (TokenizeResult, DetokenizeResult, Embeddings, Pong)):
+        elif isinstance(message, (TokenizeResult, DetokenizeResult, Embeddings, Scores, Pong)):
             future = self._calls.get(message.id)
             if future is not None and not future.done():
                 future.set_result(message)

@@ -50,7 +50,7 @@ from router.room_maker import RoomMaker
 from router.spares import SparePool
 from router.worker_record import WorkerRecord
 from router.worker_start import base_env, model_env, worker_boot, worker_command
-from shared.config import ServerConfig, restart_needed
+from shared.config import SERVED_BY, TASK_NAMES, ServerConfig, restart_needed
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
@@ -159,8 +159,9 @@ class Supervisor:
     async def acquire(self, name: str | None, task: str = "any") -> tuple[Lease, WorkerLink]:
         """Resolve ``name``, lease the model and make sure its worker is ready.
 
-        ``task`` (``generate`` or ``embed``) must be what the model's preset serves, so a
-        request for the wrong kind of model is refused without loading it.
+        ``task`` (``generate``, ``embed``, ``score``: ``SERVED_BY``) must be what the
+        model's preset serves, so a request for the wrong kind of model is refused
+        without loading it.
         """
         now = self.acquire_now(name, task)
         if isinstance(now, tuple):
@@ -186,10 +187,9 @@ class Supervisor:
         """``acquire`` without waiting: the lease and link of a ready model with a free
         slot, else the resolved entry for ``acquire`` to wait on."""
         entry = self.registry.resolve(name)
-        if task != "any" and entry.spec.task != task:
-            kind = "an embedding model" if entry.spec.task == "embed" else "a generation model"
-            raise BadRequest(f"model '{entry.id}' is {kind}; it cannot serve this endpoint",
-                             param="model", code="wrong_model_task")
+        if task != "any" and entry.spec.task != task and entry.spec.task not in SERVED_BY[task]:
+            raise BadRequest(f"model '{entry.id}' is {TASK_NAMES[entry.spec.task]}; it cannot "
+                             "serve this endpoint", param="model", code="wrong_model_task")
         slots = entry.slots
         if (entry.state == "ready" and entry.link is not None and entry.yield_to is None
                 and (slots is None or slots.try_take())):

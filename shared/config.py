@@ -211,8 +211,12 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_concurrent: Annotated[int, msgspec.Meta(ge=0)] = 256
     """Requests this model serves at once (0: no cap); more wait in its queue
     (``max_queue_depth``), then get a 429."""
-    task: Literal["generate", "embed"] = "generate"
-    """``embed`` runs the model with vLLM's pooling runner for ``/v1/embeddings``."""
+    task: Literal["generate", "embed", "score", "classify"] = "generate"
+    """``embed`` runs the model with vLLM's pooling runner for ``/v1/embeddings`` (and
+    scores pairs by the cosine of their embeddings); ``score`` (a reranker) and
+    ``classify`` (vLLM's name for the same runner) run it as a sequence classifier, a
+    decoder converted by vLLM (``convert: classify``) included, for ``/v1/rerank`` and
+    ``/v1/score``."""
     chat_template: str | None = None
     """Jinja text, the path of a ``.jinja`` file (relative to the preset's folder), or
     ``builtin:chatml-tools`` (SmolLM2's ChatML with Hermes tools, shipped with modelyard)."""
@@ -238,6 +242,17 @@ ROUTER_ONLY_FIELDS = frozenset({"aliases", "ttl", "pinned", "priority", "min_res
                                 "max_tokens_overflow"})
 """``ModelSpec`` fields only the router reads: a reload changes them in a running model
 without restarting its worker."""
+
+
+SERVED_BY: dict[str, tuple[str, ...]] = {
+    "generate": ("generate",),
+    "embed": ("embed",),
+    "score": ("score", "classify", "embed"),
+}
+"""The model tasks (``ModelSpec.task``) that can serve each kind of request."""
+
+TASK_NAMES = {"generate": "a generation model", "embed": "an embedding model",
+              "score": "a scoring model (a reranker)", "classify": "a classification model"}
 
 
 OVERFLOW_DEFAULTS = {"openai": "reject", "anthropic": "clamp", "responses": "reject"}

@@ -162,6 +162,19 @@ class Embed(msgspec.Struct, tag="embed", **_MSG):
     dimensions: int | None = None
 
 
+class Score(msgspec.Struct, tag="score", **_MSG):
+    """Score (query, document) pairs with a pooling model: a cross-encoder's relevance
+    (``task: score`` or ``classify``) or the cosine of the two texts' embeddings
+    (``task: embed``). ``queries`` holds one query, paired with every document, or one
+    query per document."""
+
+    id: str
+    queries: list[str]
+    documents: list[str]
+    max_tokens_per_doc: int = 0
+    """Each document cut to this many tokens before it is paired (0: not cut)."""
+
+
 class Ping(msgspec.Struct, tag="ping", **_MSG):
     id: str
 
@@ -183,7 +196,8 @@ class Wake(msgspec.Struct, tag="wake", **_MSG):
     id: str
 
 
-ToWorker = Generate | Cancel | Tokenize | Detokenize | Embed | Ping | Shutdown | Sleep | Wake
+ToWorker = (Generate | Cancel | Tokenize | Detokenize | Embed | Score | Ping | Shutdown | Sleep
+            | Wake)
 
 
 class TopLogprob(msgspec.Struct, **_WIRE):
@@ -274,6 +288,13 @@ class Embeddings(msgspec.Struct, tag="embeddings", **_MSG):
     prompt_tokens: int
 
 
+class Scores(msgspec.Struct, tag="scores", **_MSG):
+    id: str
+    scores: list[float]
+    """One per pair, in the pairs' order."""
+    prompt_tokens: int
+
+
 class Error(msgspec.Struct, tag="error", **_MSG):
     """A request failed (``id`` set) or the worker cannot go on (``id`` empty).
 
@@ -295,7 +316,8 @@ class Pong(msgspec.Struct, tag="pong", **_MSG):
     in_flight: int = 0
 
 
-ToRouter = Ready | Deltas | TokenizeResult | DetokenizeResult | Embeddings | Error | Pong
+ToRouter = (Ready | Deltas | TokenizeResult | DetokenizeResult | Embeddings | Scores | Error
+            | Pong)
 
 
 class Codec:

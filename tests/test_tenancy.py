@@ -44,6 +44,8 @@ models:
   slow: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 20}}
   short: {model: /synthetic, engine: synthetic, ttl: 1}
   broken: {model: /synthetic, engine: synthetic, engine_args: {start_seconds: never}}
+  vectors: {model: /synthetic, engine: synthetic, task: embed}
+  ranker: {model: /synthetic, engine: synthetic, task: score}
 """
 
 
@@ -405,6 +407,29 @@ def test_a_budget_and_a_tpm_end_in_a_429_naming_them(shared: RouterProcess) -> N
                 ).status_code == 200  # 35 tokens: past 20 a minute
     refused = call(r, quick, "POST", "/v1/chat/completions", chat)
     assert refused.status_code == 429 and "tokens per minute" in refused.text
+
+
+def test_embeddings_and_reranks_spend_a_budget_too(shared: RouterProcess) -> None:
+    """One-shot requests count their prompt tokens in the ledger like any other (on
+    651c79a an embedding spent nothing of a budget, and there was no rerank)."""
+    r = shared
+    embedder = call(r, ADMIN, "POST", "/v1/keys", {
+        "name": "embedder", "budgets": [{"tokens": 25, "period": "day"}]}).json()["key"]
+    embed = {"model": "vectors", "input": ["one two three four five six seven eight nine"]}
+    for _ in range(3):  # 10 tokens each: 30 > 25 after the third
+        assert call(r, embedder, "POST", "/v1/embeddings", embed).status_code == 200
+    refused = call(r, embedder, "POST", "/v1/embeddings", embed)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "budget_exceeded"
+    ranker = call(r, ADMIN, "POST", "/v1/keys", {
+        "name": "ranker-user", "budgets": [{"tokens": 15, "period": "day"}]}).json()["key"]
+    rerank = {"model": "ranker", "query": "a b c", "documents": ["a b", "c d e f g h"]}
+    spent = call(r, ranker, "POST", "/v1/rerank", rerank).json()["usage"]["prompt_tokens"]
+    assert spent == 4 + 3 + 7  # words + 1 of each text (the synthetic engine's count)
+    assert call(r, ranker, "POST", "/v1/rerank", rerank).status_code == 200  # 14 < 15
+    assert call(r, ranker, "POST", "/v1/rerank", rerank).status_code == 429
+    rows = call(r, ADMIN, "GET", "/v1/usage?group_by=key,endpoint").json()["data"]
+    assert {(row["key"], row["endpoint"], row["prompt_tokens"]) for row in rows} >= {
+        ("embedder", "embeddings", 30), ("ranker-user", "rerank", 28)}
 
 
 LEDGER_PRESET = """

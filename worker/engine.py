@@ -24,6 +24,7 @@ from shared.protocol import (
     Detokenize,
     Embed,
     Generate,
+    Score,
     Tokenize,
     TokenLogprob,
     TopLogprob,
@@ -99,6 +100,9 @@ def engine_args_for(spec: ModelSpec, model_path: str,
     if spec.task == "embed":  # a decoder turned into a pooling model (last-token embeddings)
         args["runner"] = "pooling"
         args["convert"] = "embed"
+    elif spec.task in ("score", "classify"):  # a sequence classifier; a decoder converted
+        args["runner"] = "pooling"
+        args["convert"] = "classify"
     if spec.device == "cuda":
         if spec.idle_action == "sleep":
             args["enable_sleep_mode"] = True
@@ -170,6 +174,8 @@ class VllmEngine:
         self._chat_template = spec.chat_template
         self._tool_parser = _tool_parser_class(spec.tool_parser)
         self._reasoning_parser = _reasoning_parser_class(spec.reasoning_parser)
+        self._cross_encoder: Any = None  # vLLM's pair renderer, made on the first score
+        self._pair_tokens: Any = None
         # Rendering and tokenizing run here, off the event loop, so a huge prompt does
         # not stall the model's other streams; one thread, as HF tokenizers are not
         # meant to be shared across threads.
@@ -386,8 +392,9 @@ class VllmEngine:
         from vllm.inputs.engine import tokens_input
 
         if self.task != "generate":
-            raise RequestError(f"model '{self._spec.id}' is an embedding model",
-                               param="model", code="wrong_model_task")
+            raise RequestError(f"model '{self._spec.id}' is a pooling model (task "
+                               f"'{self.task}'); it does not generate", param="model",
+                               code="wrong_model_task")
         ids, media = await self._off_loop(self.prompt, gen)
         make_parser = self._output_parser(gen)
         # Tool markup may be a special token; the parser must see it to cut it out.
@@ -453,10 +460,6 @@ class VllmEngine:
 
     async def embed(self, req: Embed) -> tuple[list[list[float]], int]:
         """One vector per input, and the number of prompt tokens embedded."""
-        from vllm import PoolingParams
-        from vllm.exceptions import VLLMClientError
-        from vllm.inputs.engine import tokens_input
-
         if self.task != "embed":
             raise RequestError(f"model '{self._spec.id}' does not serve embeddings (its "
                                "preset needs 'task: embed')", param="model",
@@ -471,22 +474,115 @@ class VllmEngine:
                                    f"most {self.max_model_len}", param="input",
                                    code="context_length_exceeded")
             prompts.append(ids)
-        params = PoolingParams(task="embed", dimensions=req.dimensions)
+        vectors = await self._pool(req.id, self._embed_inputs(prompts, req.dimensions),
+                                   "dimensions")
+        return [v.tolist() for v in vectors], sum(len(p) for p in prompts)
 
-        async def one(i: int, ids: list[int]) -> list[float]:
+    async def _pool(self, request_id: str, inputs: list[tuple[Any, Any]],
+                    param: str | None = None) -> list[Any]:
+        """The pooling runner's output (a tensor) for each (engine input, ``PoolingParams``),
+        in order; vLLM's refusals are 400s naming ``param`` unless they name their own."""
+        from vllm.exceptions import VLLMClientError
+
+        async def one(i: int, engine_input: Any, params: Any) -> Any:
             result = None
-            async for out in self._llm.encode(tokens_input(ids), params, f"{req.id}-{i}"):
+            async for out in self._llm.encode(engine_input, params, f"{request_id}-{i}"):
                 result = out
             assert result is not None
-            vector: list[float] = result.outputs.data.tolist()
-            return vector
+            return result.outputs.data
 
         try:
-            vectors = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+            return list(await asyncio.gather(*(one(i, *item) for i, item in enumerate(inputs))))
         except (VLLMClientError, ValueError) as err:
-            raise RequestError(str(err), param=getattr(err, "parameter", None)
-                               or "dimensions") from None
-        return list(vectors), sum(len(p) for p in prompts)
+            raise RequestError(str(err), param=getattr(err, "parameter", None) or param) from None
+
+    def _embed_inputs(self, prompts: list[list[int]], dimensions: int | None = None
+                      ) -> list[tuple[Any, Any]]:
+        from vllm import PoolingParams
+        from vllm.inputs.engine import tokens_input
+
+        params = PoolingParams(task="embed", dimensions=dimensions)
+        return [(tokens_input(ids), params) for ids in prompts]
+
+    async def score(self, req: Score) -> tuple[list[float], int]:
+        """One score per (query, document) pair, and the prompt tokens it took: a
+        cross-encoder's relevance (``task: score``/``classify``; the pair rendered as vLLM's
+        ``/score`` renders it: the preset's ``chat_template`` as a score template, else
+        the model's own pairing) or the cosine of the two embeddings (``task: embed``)."""
+        if self.task not in ("score", "classify", "embed"):
+            raise RequestError(f"model '{self._spec.id}' does not score pairs (its preset "
+                               "needs 'task: score')", param="model", code="wrong_model_task")
+        if req.max_tokens_per_doc >= self.max_model_len:
+            raise RequestError(f"'max_tokens_per_doc' must be less than the model's context "
+                               f"({self.max_model_len} tokens)", param="max_tokens_per_doc")
+        queries = req.queries * len(req.documents) if len(req.queries) == 1 else req.queries
+        if self.task == "embed":
+            return await self._cosines(req, queries)
+        pairs = await self._off_loop(self._pairs, queries, req.documents, req.max_tokens_per_doc)
+        outputs = await self._pool(req.id, pairs)
+        scores = []
+        for out in outputs:
+            if out.numel() != 1:
+                raise RequestError(f"model '{self._spec.id}' classifies into {out.numel()} "
+                                   "labels; a score needs a model with one", param="model",
+                                   code="wrong_model_task")
+            scores.append(float(out.reshape(()).item()))
+        return scores, sum(len(prompt["prompt_token_ids"]) for prompt, _ in pairs)
+
+    def _pairs(self, queries: list[str], documents: list[str], max_doc: int
+               ) -> list[tuple[Any, Any]]:
+        """Each pair as an engine input and its ``PoolingParams``, rendered by vLLM's own
+        cross-encoder code (in the render thread): a score template, separator tokens or
+        token types, as the model needs."""
+        from vllm import PoolingParams
+
+        if self._cross_encoder is None:
+            from vllm.entrypoints.pooling.scoring.io_processor import CrossEncoderIOProcessor
+            from vllm.entrypoints.pooling.scoring.protocol import RerankRequest
+            from vllm.renderers.chat_utils import ChatTemplateConfig
+
+            self._cross_encoder = CrossEncoderIOProcessor(  # type: ignore[no-untyped-call]
+                self._llm.vllm_config, self._llm.renderer,
+                ChatTemplateConfig(chat_template=self._chat_template))
+            self._pair_tokens = RerankRequest(query="", documents=[]).build_tok_params(
+                self.model_config)
+        inputs = []
+        for i, (query, document) in enumerate(zip(queries, documents)):
+            try:
+                rendered = self._cross_encoder.render({
+                    "data_1": query, "data_2": document,
+                    "chat_template": self._cross_encoder.chat_template,
+                    "max_tokens_per_query": 0, "max_tokens_per_doc": max_doc,
+                    "tok_params": self._pair_tokens, "prompt_extras": None,
+                    "skip_mm_cache": False, "params": PoolingParams(task="classify"),
+                    "lora_requests": None, "priorities": 0})
+            except ValueError as err:  # vLLM's validation errors are ValueErrors too
+                raise RequestError(f"pair {i}: {err}", param="documents",
+                                   code="context_length_exceeded"
+                                   if "context length" in str(err) else None) from None
+            inputs.append((rendered["prompts"], rendered["params"]))
+        return inputs
+
+    async def _cosines(self, req: Score, queries: list[str]) -> tuple[list[float], int]:
+        """A bi-encoder's scores: each distinct query and document embedded once."""
+        texts = list(dict.fromkeys([*(("query", q) for q in queries),
+                                    *(("document", d) for d in req.documents)]))
+        prompts = []
+        for role, text in texts:
+            ids, _ = await self._off_loop(self.prompt, Tokenize(id="", prompt=text))
+            if role == "document" and req.max_tokens_per_doc:
+                ids = ids[:req.max_tokens_per_doc]
+            if len(ids) > self.max_model_len:
+                raise RequestError(f"a {role} has {len(ids)} tokens; this model embeds at "
+                                   f"most {self.max_model_len}", param=f"{role}s",
+                                   code="context_length_exceeded")
+            prompts.append(ids)
+        vectors = dict(zip(texts, await self._pool(req.id, self._embed_inputs(prompts))))
+        scores = []
+        for query, document in zip(queries, req.documents):
+            a, b = vectors["query", query].float(), vectors["document", document].float()
+            scores.append(float((a @ b) / max(float(a.norm() * b.norm()), 1e-12)))
+        return scores, sum(len(p) for p in prompts)
 
     def _token_str(self, token_id: int, lp: Any) -> str:
         if lp.decoded_token is not None:

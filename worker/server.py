@@ -27,6 +27,8 @@ from shared.protocol import (
     Ping,
     Pong,
     Ready,
+    Score,
+    Scores,
     Shutdown,
     Sleep,
     Tokenize,
@@ -48,6 +50,7 @@ class Engine(Protocol):
     async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]: ...
     async def detokenize(self, req: Detokenize) -> str: ...
     async def embed(self, req: Embed) -> tuple[list[list[float]], int]: ...
+    async def score(self, req: Score) -> tuple[list[float], int]: ...
     async def abort(self, request_id: str) -> None: ...
     def in_flight(self) -> int: ...
     async def sleep(self, level: int) -> None: ...
@@ -122,7 +125,7 @@ class WorkerServer:
         finally:
             self._tasks.pop(gen.id, None)
 
-    async def _answer(self, req: Tokenize | Detokenize | Embed) -> None:
+    async def _answer(self, req: Tokenize | Detokenize | Embed | Score) -> None:
         """Run a one-shot request (no stream) and send its result or its error."""
         reply: Any
         try:
@@ -132,9 +135,12 @@ class WorkerServer:
                                        max_model_len=self._engine.max_model_len)
             elif isinstance(req, Detokenize):
                 reply = DetokenizeResult(id=req.id, text=await self._engine.detokenize(req))
-            else:
+            elif isinstance(req, Embed):
                 vectors, tokens = await self._engine.embed(req)
                 reply = Embeddings(id=req.id, vectors=vectors, prompt_tokens=tokens)
+            else:
+                scores, tokens = await self._engine.score(req)
+                reply = Scores(id=req.id, scores=scores, prompt_tokens=tokens)
         except self._request_error as err:
             e: Any = err
             reply = Error(id=req.id, message=e.message, status=e.status,
@@ -156,7 +162,7 @@ class WorkerServer:
             task = self._tasks.pop(message.id, None)
             if task is not None:
                 task.cancel()
-        elif isinstance(message, (Tokenize, Detokenize, Embed)):
+        elif isinstance(message, (Tokenize, Detokenize, Embed, Score)):
             self._tasks[message.id] = asyncio.create_task(self._answer(message))
         elif isinstance(message, Ping):
             self._send(Pong(id=message.id, in_flight=self._engine.in_flight()))

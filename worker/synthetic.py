@@ -9,6 +9,8 @@ token is the ``time.monotonic_ns()`` of its creation instead, so a client can me
 relay's added latency (the clock is shared by all processes of the machine). A
 ``cpu_cores`` placement pins the process (a vLLM worker leaves that to vLLM).
 
+It embeds texts by hashing their words and scores pairs (``/v1/rerank``, ``/v1/score``)
+by the words they share.
 With ``engine_args.script`` (a list of turns) it answers the i-th request with the i-th
 turn, round and round: ``{"text": "..."}``, or ``{"tool_call": {"name": ...,
 "arguments": {...}}}`` (finishing ``tool_calls``), so that a client's tool round trip can
@@ -21,11 +23,12 @@ import asyncio
 import json
 import os
 import time
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 from shared.config import ModelSpec, parse_cores
-from shared.protocol import Delta, Detokenize, Embed, Generate, Tokenize, ToolCallDelta
+from shared.protocol import Delta, Detokenize, Embed, Generate, Score, Tokenize, ToolCallDelta
 
 
 class SyntheticError(Exception):
@@ -72,7 +75,29 @@ class SyntheticEngine:
         return "tok " * len(req.token_ids)
 
     async def embed(self, req: Embed) -> tuple[list[list[float]], int]:
-        raise SyntheticError("the synthetic engine has no embeddings", param="model")
+        """Unit vectors of ``dimensions`` (8 by default) counting each input's words in
+        buckets by their hash: scripted embeddings for protocol tests, no model."""
+        size = req.dimensions or 8
+        vectors, tokens = [], 0
+        for item in req.inputs:
+            words = item.lower().split() if isinstance(item, str) else [str(t) for t in item]
+            tokens += len(words) + (1 if isinstance(item, str) else 0)
+            vector = [0.0] * size
+            for word in words:
+                vector[zlib.crc32(word.encode()) % size] += 1.0
+            norm = sum(x * x for x in vector) ** 0.5 or 1.0
+            vectors.append([x / norm for x in vector])
+        return vectors, tokens
+
+    async def score(self, req: Score) -> tuple[list[float], int]:
+        """The share of words a query and a document have in common (Jaccard): scripted
+        relevance for protocol tests, no model."""
+        queries = req.queries * len(req.documents) if len(req.queries) == 1 else req.queries
+        scores = []
+        for query, document in zip(queries, req.documents):
+            a, b = set(query.lower().split()), set(document.lower().split())
+            scores.append(len(a & b) / len(a | b) if a | b else 0.0)
+        return scores, sum(len(t.split()) + 1 for t in [*req.queries, *req.documents])
 
     async def _scripted(self, gen: Generate, prompt_len: int) -> AsyncIterator[list[Delta]]:
         turn = self._script[self._turns % len(self._script)]

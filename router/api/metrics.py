@@ -6,6 +6,7 @@ protocol route refuses before they reach the relay.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable
 
 from prometheus_client.exposition import choose_encoder
@@ -23,9 +24,9 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 def endpoint_name(path: str) -> str:
-    """The relay's name for a route's requests: the first segment after ``/v1/``
-    (``/v1/chat/completions`` → ``chat``)."""
-    return path.removeprefix("/v1/").split("/")[0]
+    """The relay's name for a route's requests: the first segment after the version, if
+    any (``/v1/chat/completions`` → ``chat``, ``/v2/rerank`` and ``/rerank`` → ``rerank``)."""
+    return re.sub(r"^/(v\d+/)?", "", path).split("/")[0]
 
 
 class MetricsAPI:

@@ -25,6 +25,7 @@ from router.api.openai.embeddings import EmbeddingRequest
 from router.api.openai.schema import ChatCompletionRequest, CompletionRequest
 from router.api.openai.tokens import DetokenizeRequest, TokenizeRequest
 from router.api.responses.schema import CreateResponseRequest, ResponseInput
+from router.api.scoring import RerankRequest, ScoreRequest
 from router.key_store import KeyCreate
 
 Schema = dict[str, Any]
@@ -122,6 +123,19 @@ RESPONSES: dict[str, Schema] = {
         "data": _array(_obj({"object": _const("embedding"), "index": _INT,
                              "embedding": {"anyOf": [_array(_NUM), _STR]}})),
         "usage": _obj({"prompt_tokens": _INT, "total_tokens": _INT})}),
+    "RerankList": _obj({
+        "id": _STR, "model": _STR,
+        "results": _array(_obj({"index": _INT, "relevance_score": _NUM},
+                               {"document": _obj({"text": _STR})})),
+        "usage": _obj({"prompt_tokens": _INT, "total_tokens": _INT}),
+        "meta": _obj({"api_version": _obj({"version": _STR}),
+                      "billed_units": _obj({"search_units": _INT}),
+                      "tokens": _obj({"input_tokens": _INT, "output_tokens": _INT})})}),
+    "ScoreList": _obj({
+        "id": _STR, "object": _const("list"), "created": _INT, "model": _STR,
+        "data": _array(_obj({"index": _INT, "object": _const("score"), "score": _NUM})),
+        "usage": _obj({"prompt_tokens": _INT, "total_tokens": _INT,
+                       "completion_tokens": _INT})}),
     "TokenizeResult": _obj({"model": _STR, "count": _INT, "max_model_len": _INT,
                             "tokens": _array(_INT)}, {"token_strs": _array(_STR)}),
     "DetokenizeResult": _obj({"model": _STR, "prompt": _STR}),
@@ -273,6 +287,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         f"Text completion. {_GENERATE}", CompletionRequest, "Completion", "CompletionChunk"),
     ("POST", "/v1/embeddings"): Operation(
         "Embeddings from a model with `task: embed`", EmbeddingRequest, "EmbeddingList"),
+    **{("POST", path): Operation(
+        "Documents ranked by relevance to a query (Cohere's and Jina's shape), from a model "
+        "with `task: score`, `classify` or `embed`", RerankRequest, "RerankList")
+       for path in ("/v1/rerank", "/v2/rerank", "/rerank")},
+    **{("POST", path): Operation(
+        "Scores of text pairs, 1:1, 1:N or N:N (vLLM's shape), from a model with `task: "
+        "score`, `classify` or `embed`", ScoreRequest, "ScoreList")
+       for path in ("/v1/score", "/score")},
     ("POST", "/v1/tokenize"): Operation(
         "Token ids of a prompt, or of chat messages rendered by the model's template",
         TokenizeRequest, "TokenizeResult"),

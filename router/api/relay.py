@@ -357,8 +357,11 @@ class Relay:
                                             streaming, status, usage, now)
 
     async def call(self, request: Request, endpoint: str, model: str | None, task: str,
-                   work: Callable[[WorkerLink], Awaitable[Any]]) -> tuple[ModelEntry, Any]:
-        """A one-shot request (tokenize, embeddings ...): acquire, ``work(link)``, release."""
+                   work: Callable[[WorkerLink], Awaitable[Any]],
+                   prompt_tokens: Callable[[Any], int] | None = None
+                   ) -> tuple[ModelEntry, Any]:
+        """A one-shot request (tokenize, embeddings ...): acquire, ``work(link)``, release.
+        ``prompt_tokens`` reads what the result spent, for the log, the ledger and budgets."""
         principal = principal_of(request.scope)
         usage = Usage(principal.name)
         if principal.limits.budgets or principal.limits.tpm:
@@ -367,7 +370,10 @@ class Relay:
         status = 200
         try:
             with lease:
-                return lease.entry, await work(link)
+                result = await work(link)
+                if prompt_tokens is not None:
+                    usage.prompt[endpoint] = prompt_tokens(result)
+                return lease.entry, result
         except APIError as err:
             status = err.status
             raise

@@ -57,7 +57,8 @@ async def embeddings(relay: Relay, request: Request, max_body: int) -> Response:
     async def work(link: WorkerLink) -> Any:
         return await link.embed(message)
 
-    entry, result = await relay.call(request, "embeddings", req.model, "embed", work)
+    entry, result = await relay.call(request, "embeddings", req.model, "embed", work,
+                                     lambda result: result.prompt_tokens)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
             for i, v in enumerate(result.vectors)]
     return JSONResponse({"object": "list", "data": data, "model": entry.id,
