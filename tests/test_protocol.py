@@ -16,6 +16,8 @@ from shared.protocol import (
     Pong,
     Ready,
     SamplingSpec,
+    Score,
+    Scores,
     Shutdown,
     Tokenize,
     TokenizeResult,
@@ -31,7 +33,7 @@ TO_WORKER = [
              messages=[ChatMessage(role="user", content="hi", name="bob")]),
     Generate(id="b", sampling=SamplingSpec(), prompt_token_ids=[1, 2, 3]),
     Cancel(id="a"), Tokenize(id="t", prompt="hello", return_token_strs=True), Ping(id="p"),
-    Shutdown(),
+    Score(id="s", queries=["q"], documents=["a", "b"], max_tokens_per_doc=8), Shutdown(),
 ]
 TO_ROUTER = [
     Ready(model="m", max_model_len=2048, pid=42),
@@ -43,6 +45,7 @@ TO_ROUTER = [
     Error(id="a", message="too long", status=400, type="invalid_request_error",
           param="messages", code="context_length_exceeded"),
     Pong(id="p", in_flight=3),
+    Scores(id="s", scores=[0.25, 0.75], prompt_tokens=12),
 ]
 
 
