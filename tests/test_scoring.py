@@ -286,10 +286,14 @@ def test_a_converted_decoder_reranks_as_transformers_scores(models: RouterProces
     expected, tokens = reranker_reference(QUESTION, PASSAGES)
     body = post(models, "/v1/rerank", {"model": "smollm2-rerank", "query": QUESTION,
                                        "documents": PASSAGES, "top_n": 3}).json()
-    order = sorted(range(len(PASSAGES)), key=lambda i: -expected[i])
-    assert [x["index"] for x in body["results"]] == order[:3], (body, expected)
+    # The 135M model is no judge of relevance (its scores lie within 0.02 of each other):
+    # what counts is that each is the model's, and the order follows them.
+    scores = [x["relevance_score"] for x in body["results"]]
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True), body
+    assert len({x["index"] for x in body["results"]}) == 3
     for x in body["results"]:
         assert x["relevance_score"] == pytest.approx(expected[x["index"]], abs=2e-4)
+    assert min(scores) >= sorted(expected)[1] - 2e-4  # the lowest-scored passage was cut
     assert body["usage"]["prompt_tokens"] == tokens
     check_vllm_shape("rerank", body)
     scored = post(models, "/v1/score", {"model": "smollm2-rerank", "text_1": QUESTION,
@@ -309,7 +313,7 @@ def test_a_sequence_classifier_scores_pairs_as_transformers_does(
     ranked = post(models, "/v1/rerank", {"model": "tiny-classifier", "query": QUESTION,
                                          "documents": PASSAGES}).json()
     assert [x["index"] for x in ranked["results"]] == sorted(
-        range(len(PASSAGES)), key=lambda i: -expected[i])
+        range(len(PASSAGES)), key=lambda i: -expected[i]), (ranked, expected)
 
 
 @pytest.mark.integration

@@ -535,6 +535,7 @@ class VllmEngine:
         cross-encoder code (in the render thread): a score template, separator tokens or
         token types, as the model needs."""
         from vllm import PoolingParams
+        from vllm.exceptions import VLLMClientError
 
         if self._cross_encoder is None:
             from vllm.entrypoints.pooling.scoring.io_processor import CrossEncoderIOProcessor
@@ -556,10 +557,11 @@ class VllmEngine:
                     "tok_params": self._pair_tokens, "prompt_extras": None,
                     "skip_mm_cache": False, "params": PoolingParams(task="classify"),
                     "lora_requests": None, "priorities": 0})
-            except ValueError as err:  # vLLM's validation errors are ValueErrors too
-                raise RequestError(f"pair {i}: {err}", param="documents",
+            except (VLLMClientError, ValueError) as err:  # a pair past the context, ...
+                message = str(err.args[0]) if err.args else str(err)
+                raise RequestError(f"pair {i}: {message}", param="documents",
                                    code="context_length_exceeded"
-                                   if "context length" in str(err) else None) from None
+                                   if "context length" in message else None) from None
             inputs.append((rendered["prompts"], rendered["params"]))
         return inputs
 
