@@ -113,8 +113,8 @@ class ModelEntry:
     """Starts that became ready."""
     placement: dict[str, str] = field(default_factory=dict)
     keep_alive: float | None = None
-    """The last admin request's ``keep_alive`` in seconds (negative: forever; 0: stop when
-    idle); ``None``: the preset's ``ttl`` applies."""
+    """The latest admin request's ``keep_alive`` in seconds (negative: forever; 0: stop
+    when idle); ``None`` (that request had none): the preset's ``ttl`` applies."""
     kept_until: float = 0.0
     """Until when (``time.monotonic``) the model stays loaded however long it idles: the
     latest end of a non-admin request's ``keep_alive``."""

@@ -1,10 +1,10 @@
 """Who idles, and what then (``due``; ``IdleReaper`` acts on it).
 
 A model is idle once it is ready, unleased and its link has nothing in flight. Its limit
-is an admin request's ``keep_alive`` (Ollama's: seconds, ``-1`` for ever, ``0`` after
-this request) over the preset's ``ttl``; a pinned model has none. Other keys' requests
-only keep it loaded until their ``kept_until``. Past it the model stops, or
-on a GPU with ``idle_action: sleep`` its engine sleeps (level 1).
+is the latest admin request's ``keep_alive`` (Ollama's: seconds, ``-1`` for ever, ``0``
+after this request; none: the preset's ``ttl``); a pinned model has none. Other keys'
+requests only keep it loaded until their ``kept_until``. Past it the model stops, or on a
+GPU with ``idle_action: sleep`` its engine sleeps (level 1).
 """
 
 from __future__ import annotations
