@@ -301,6 +301,7 @@ class Supervisor:
             entry.restarts += entry.state == "failed"  # a start after a crash or failed start
             # No await between finding room and claiming it: two loads cannot both fit.
             entry.state, entry.error, entry.exit_code = "loading", None, None
+            entry.keep_alive = None  # a request's keep_alive was its last worker's (Ollama's)
             self._publish_state(entry)
             async with contextlib.AsyncExitStack() as held:
                 for lock in self.placer.start_locks(entry.spec):

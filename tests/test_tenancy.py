@@ -167,10 +167,18 @@ def test_a_user_keep_alive_never_stops_or_pins_a_shared_model(shared: RouterProc
     assert answer.status_code == 200, answer.text
     assert model(r, "slow")["keep_alive"] == 0
     wait_for(lambda: model(r, "slow")["state"] == "unloaded", "the admin's keep_alive 0")
-    answer = call(r, ADMIN, "POST", "/v1/chat/completions", {"model": "slow", **chat})
+    # It was that worker's: loaded again, the model idles by its ttl (on 70aacbb the
+    # reaper stopped it as soon as the load ended).
+    answer = call(r, ADMIN, "POST", "/v1/models/load", {"model": "slow"})
     assert answer.status_code == 200, answer.text
     time.sleep(1.0)  # twenty of the reaper's looks
     assert model(r, "slow")["state"] == "ready" and "keep_alive" not in model(r, "slow")
+    for keep_alive, shown in (("1h", 3600), (None, None)):
+        body = {"model": "slow", **chat, **({"keep_alive": keep_alive} if keep_alive else {})}
+        answer = call(r, ADMIN, "POST", "/v1/chat/completions", body)
+        assert answer.status_code == 200, answer.text
+        assert model(r, "slow").get("keep_alive") == shown
+    assert model(r, "slow")["state"] == "ready"
 
 
 # -- 3. events carry resolved model ids only -----------------------------------------------
