@@ -471,7 +471,13 @@ class Supervisor:
         """The model's one stop task, begun now if none runs."""
         task = self._stops.get(entry.id)
         if task is None or task.done():
-            task = asyncio.create_task(self._stop(entry, force, grace), name=f"stop-{entry.id}")
+            load = self._loads.get(entry.id)  # one begun later waits for this stop
+            if load is None and self.worker_of(entry) is not None:
+                # Now, not in the task's first turn: a request that comes meanwhile (after
+                # a reload's answer, say) must not lease the worker that is to stop.
+                self._mark_stopping(entry)
+            task = asyncio.create_task(self._stop(entry, load, force, grace),
+                                       name=f"stop-{entry.id}")
             self._stops[entry.id] = task
             task.add_done_callback(self._stop_done)
         return task
@@ -483,8 +489,8 @@ class Supervisor:
         if not task.cancelled() and task.exception() is not None:  # retrieved: logged here
             log.error("%s failed", task.get_name(), exc_info=task.exception())
 
-    async def _stop(self, entry: ModelEntry, force: bool, grace: float) -> None:
-        load = self._loads.get(entry.id)
+    async def _stop(self, entry: ModelEntry, load: asyncio.Task[WorkerLink] | None,
+                    force: bool, grace: float) -> None:
         if load is not None:  # loading, or still in its backoff or waiting for room
             load.cancel()
             await asyncio.wait({load})  # its own cleanup reaps what it started
@@ -495,9 +501,13 @@ class Supervisor:
                 entry.state = "unloaded"
                 self._publish_state(entry)
             return
-        entry.state = "stopping"
-        self._publish_state(entry)
+        self._mark_stopping(entry)
         await self._finish_stop(entry, worker, force, grace)
+
+    def _mark_stopping(self, entry: ModelEntry) -> None:
+        if entry.state != "stopping":
+            entry.state = "stopping"
+            self._publish_state(entry)
 
     async def _finish_stop(self, entry: ModelEntry, worker: WorkerRecord, force: bool = False,
                            grace: float = 1.0) -> None:
@@ -552,20 +562,30 @@ class Supervisor:
         model loads again at once."""
         serving = entry.state in ("loading", "ready", "sleeping")
 
-        async def restart() -> None:
-            starting = self._loads.get(entry.id)
-            if starting is not None and entry.state == "loading":
-                await asyncio.wait({starting})  # its waiters get the worker they waited for
+        def outdated() -> bool:
             worker = self.worker_of(entry)
-            if worker is not None and (worker.spec is None
-                                       or restart_needed(worker.spec, entry.spec)):
+            return worker is not None and (worker.spec is None
+                                           or restart_needed(worker.spec, entry.spec))
+
+        # Decided now when no load runs: from the reload's answer on, no new request
+        # leases the worker of the old spec (the stop marks it ``stopping`` at once).
+        stop = self.stopping(entry) if entry.id not in self._loads and outdated() else None
+
+        async def restart(stop: asyncio.Task[None] | None) -> None:
+            if stop is None:
+                starting = self._loads.get(entry.id)
+                if starting is not None and entry.state == "loading":
+                    await asyncio.wait({starting})  # its waiters get the worker they waited for
+                if outdated():
+                    stop = self.stopping(entry)
+            if stop is not None:
                 log.info("model %s: its spec changed; restarting once its requests are done",
                          entry.id)
-                await self.stop(entry)
+                await asyncio.shield(stop)
             if (load or serving) and not entry.removed and not self._closing:
                 self.start_loading(entry)
 
-        self._spawn_task(restart())
+        self._spawn_task(restart(stop))
 
     async def stop_all(self) -> None:
         self._closing = True  # a reload's restart under way loads nothing more

@@ -227,6 +227,37 @@ def test_a_lease_taken_before_a_reload_gives_its_slot_back_to_its_own_semaphore(
     asyncio.run(scenario())
 
 
+def test_from_a_reloads_answer_on_no_request_leases_a_changed_models_old_worker(
+        tmp_path: Path) -> None:
+    """Found by clean-clone CI on fa3909f: the restart was decided in a task, so a request
+    that came right after the reload's answer could still lease the worker of the old
+    spec (test_reload_adds_changes_removes... read 'ready' where 'stopping' was due)."""
+    from tests.test_scheduling import supervisor
+
+    sup, loads = supervisor(tmp_path, {"m": {"max_model_len": 512}}, stop_seconds=0.05)
+    entry = sup.registry.entries["m"]
+
+    async def scenario() -> None:
+        held, _ = await sup.acquire("m")
+        worker = sup.worker_of(entry)
+        assert worker is not None
+        worker.spec = entry.spec
+        entry.respec(msgspec.structs.replace(entry.spec, max_model_len=768))
+        sup.refresh(entry, load=False)
+        # no await since the refresh: what a request right after the answer finds
+        assert entry.state == "stopping"
+        assert not isinstance(sup.acquire_now("m"), tuple)
+        waiter = asyncio.create_task(sup.acquire("m"))  # waits for the stop, then loads
+        await asyncio.sleep(0.01)
+        held.release()
+        lease, _ = await waiter
+        assert loads == ["m", "m"] and entry.state == "ready"
+        lease.release()
+        await sup.stop_all()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
 @pytest.mark.parametrize("text,message", [
     ("models:\n  first: {model: /m, max_model_len: lots}\n", "model 'first': key 'max_model_len'"),
     ('models:\n  first: {model: /m, env: {T: "${env:RELOAD_UNSET}"}}\n',
