@@ -252,6 +252,36 @@ def test_a_cold_stream_left_as_its_slot_frees_leaks_no_lease_or_slot(
     run(go())
 
 
+def test_a_one_shot_call_left_while_queued_gives_its_place_back(tmp_path: Path) -> None:
+    """``Relay.call`` (embeddings, rerank, score, tokenize) did not watch its client while
+    it waited (06a074e): a client gone stayed in the model's queue, and its work still ran
+    once a slot freed."""
+    sup = supervisor(tmp_path, {"m": {"max_concurrent": 1}})
+    relay = Relay(sup)
+    ran: list[object] = []
+
+    async def work(link: object) -> object:
+        ran.append(link)
+        return link
+
+    async def go() -> None:
+        entry = sup.registry.entries["m"]
+        held, _ = await sup.acquire("m")
+        request, gone = leaving_request()
+        call = asyncio.create_task(relay.call(request, "embeddings", "m", "any", work))
+        await until(lambda: entry.queued == 1, 1, "the call waits for a slot")
+        gone.set()
+        with pytest.raises(ClientGone):
+            async with asyncio.timeout(1):
+                await call
+        held.release()
+        await settle()
+        assert ran == []
+        assert_nothing_held(sup, entry)
+
+    run(go())
+
+
 def test_slots_go_in_line_and_a_cancelled_waiter_passes_its_slot_on() -> None:
     """Defect 3: the ``asyncio.Semaphore`` was taken by ``_value -= 1`` (a private
     attribute); ``Slots`` is first come, first served and loses no slot to a cancel."""

@@ -364,13 +364,15 @@ class Relay:
                    work: Callable[[WorkerLink], Awaitable[Any]],
                    prompt_tokens: Callable[[Any], int] | None = None
                    ) -> tuple[ModelEntry, Any]:
-        """A one-shot request (tokenize, embeddings ...): acquire, ``work(link)``, release.
-        ``prompt_tokens`` reads what the result spent, for the log, the ledger and budgets."""
+        """A one-shot request (tokenize, embeddings ...): acquire (a client that leaves
+        while it waits gives its place back), ``work(link)``, release. ``prompt_tokens``
+        reads what the result spent, for the log, the ledger and budgets."""
         principal = principal_of(request.scope)
         usage = Usage(principal.name)
         if principal.limits.budgets or principal.limits.tpm:
             await self._within_limits(principal, model, endpoint, False, usage)
-        lease, link = await self._acquire(None, endpoint, model, task, False, usage, principal)
+        lease, link = await self._acquire(request, endpoint, model, task, False, usage,
+                                          principal)
         status = 200
         try:
             with lease:
