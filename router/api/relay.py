@@ -110,8 +110,7 @@ class Relay:
         else:
             lease, link = await self._acquire(request, endpoint, model, "generate", streaming,
                                               usage, principal)
-        if keep_alive is not None or principal.admin:
-            self._keep_alive(lease, keep_alive, principal)
+        self._keep_alive(lease, keep_alive, principal)
         stream, first = await self._start(lease, link, gens, usage, endpoint, streaming, request)
         shaper = shaper_for(lease.entry.id)
         # A clamp is known by the first batch, before any header is sent.
@@ -139,19 +138,17 @@ class Relay:
         return JSONResponse(shaper.body(usage), headers=extra)
 
     def _keep_alive(self, lease: Lease, seconds: float | None, principal: Principal) -> None:
-        """A request's ``keep_alive``, as Ollama's: the latest admin request's is the
-        model's idle limit (``0`` stops it once idle, ``-1`` keeps it) until the next admin
-        request, whose own (or, without one, the preset's ``ttl``) takes over: one request
-        never makes every later one a cold start. Any other key's only keeps the model
-        loaded up to ``keep_alive_max`` seconds after this request: it never stops or pins
-        a model others use, nor outlives the admin's bound."""
+        """A request's ``keep_alive`` (``None``: it had none), as Ollama's: the latest admin
+        request's is the model's idle limit (``0`` stops it once idle, ``-1`` keeps it)
+        until the next admin request, whose own (or, without one, the preset's ``ttl``)
+        takes over: one request never makes every later one a cold start. Any other key's
+        only keeps the model loaded up to ``keep_alive_max`` seconds after this request:
+        it never stops or pins a model others use, nor outlives the admin's bound."""
         if principal.admin:
             lease.entry.keep_alive = seconds
-            return
-        if seconds is None:
-            return
-        bound = self.supervisor.server.keep_alive_max
-        lease.keep_for = bound if seconds < 0 else min(seconds, bound)
+        elif seconds is not None:
+            bound = self.supervisor.server.keep_alive_max
+            lease.keep_for = bound if seconds < 0 else min(seconds, bound)
 
     async def _start(self, lease: Lease, link: WorkerLink, gens: list[Generate], usage: Usage,
                      endpoint: str, streaming: bool, request: Request | None
@@ -209,8 +206,7 @@ class Relay:
             self._log(endpoint, model_id, True, err.status, usage)
             yield shaper.error_event(err)
             return
-        if keep_alive is not None or principal.admin:
-            self._keep_alive(lease, keep_alive, principal)
+        self._keep_alive(lease, keep_alive, principal)
         try:
             stream, first = await self._start(lease, link, gens, usage, endpoint, True, None)
         except APIError as err:
