@@ -567,25 +567,23 @@ class Supervisor:
             return worker is not None and (worker.spec is None
                                            or restart_needed(worker.spec, entry.spec))
 
-        # Decided now when no load runs: from the reload's answer on, no new request
-        # leases the worker of the old spec (the stop marks it ``stopping`` at once).
-        stop = self.stopping(entry) if entry.id not in self._loads and outdated() else None
+        if entry.id not in self._loads and outdated():
+            # Begun before the reload answers (a stop marks the model ``stopping`` at
+            # once): no later request leases the worker of the old spec.
+            self.stopping(entry)
 
-        async def restart(stop: asyncio.Task[None] | None) -> None:
-            if stop is None:
-                starting = self._loads.get(entry.id)
-                if starting is not None and entry.state == "loading":
-                    await asyncio.wait({starting})  # its waiters get the worker they waited for
-                if outdated():
-                    stop = self.stopping(entry)
-            if stop is not None:
+        async def restart() -> None:
+            starting = self._loads.get(entry.id)
+            if starting is not None and entry.state == "loading":
+                await asyncio.wait({starting})  # its waiters get the worker they waited for
+            if outdated():
                 log.info("model %s: its spec changed; restarting once its requests are done",
                          entry.id)
-                await asyncio.shield(stop)
+                await self.stop(entry)  # the one begun above, if it was
             if (load or serving) and not entry.removed and not self._closing:
                 self.start_loading(entry)
 
-        self._spawn_task(restart(stop))
+        self._spawn_task(restart())
 
     async def stop_all(self) -> None:
         self._closing = True  # a reload's restart under way loads nothing more
