@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 
 from shared.config import ModelSpec
-from worker.engine import engine_args_for
+from worker.engine_args import engine_args_for
 
 _ids = itertools.count()
 READY = "inprocess-ready"

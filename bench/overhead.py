@@ -37,7 +37,7 @@ from bench.common import (
 )
 from bench.inprocess import ANSWER, READY
 from shared.config import ModelSpec
-from worker.engine import auto_dtype, cpu_flags
+from worker.engine_args import auto_dtype, cpu_flags
 from worker.materialize import resolve_model_path
 
 TOKENS = 128

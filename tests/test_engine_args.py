@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shared.config import ModelSpec
-from worker.engine import engine_args_for
+from worker.engine_args import engine_args_for
 
 AVX2 = {"avx2", "fma"}
 BF16 = {"avx2", "avx512f", "avx512_bf16"}
