@@ -6,13 +6,20 @@
 2. 500 streamed requests, 20 % of clients disconnecting mid-stream: the engine's and the
    router's in-flight counts back to 0, no leaked tasks or sockets.
 3. Router SIGTERM and SIGKILL: worker and EngineCore processes left behind.
+4. A 30 MiB prompt sent beside a real vLLM stream, several times: refused by the router
+   (its megabytes never reach the worker), and the neighbour stream's longest gap while
+   it was being sent and refused, against that stream's median gap (target < 1 s).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import random
 import signal
+import statistics
+import sys
 import time
 from typing import Any
 
@@ -128,6 +135,70 @@ async def disconnects(base: str, router_pid: int, total: int = 500,
             "router_tasks_before_after": [before["tasks"], after["tasks"]]}
 
 
+HUGE_ROUNDS = 5
+# Sent from its own process with http.client, whose ``sendall`` copies nothing and holds no
+# lock the measuring client needs (httpx's sync write re-slices what is left after each
+# send: quadratic copying, all on these two cores).
+_SEND_HUGE = """
+import http.client, json, sys, time
+body = json.dumps({"model": sys.argv[3], "messages": [
+    {"role": "user", "content": "lorem ipsum " * ((30 << 20) // 12)}]}).encode()
+sys.stdout.write("ready\\n"); sys.stdout.flush(); sys.stdin.readline()
+conn = http.client.HTTPConnection(sys.argv[1], int(sys.argv[2]), timeout=300)
+sent = time.monotonic()
+conn.request("POST", "/v1/chat/completions", body=body,
+             headers={"content-type": "application/json"})
+r = conn.getresponse()
+print(json.dumps({"status": r.status, "error": json.loads(r.read()).get("error"),
+                  "sent": sent, "answered": time.monotonic()}))
+"""
+
+
+async def huge_prompt(base: str, model: str, rounds: int = HUGE_ROUNDS) -> dict[str, Any]:
+    """Each round: a warm-up stream (a young CPU engine pauses at its first runs of a
+    length), then the same stream with the 30 MiB request sent at its 6th token."""
+    url = base + "/v1/chat/completions"
+    host, port = base.removeprefix("http://").split(":")
+    body = {"model": model, "messages": HI, "max_tokens": 80, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    worst: list[float] = []
+    medians: list[float] = []
+    by_router = 0
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def arrivals(sender: asyncio.subprocess.Process | None) -> list[float]:
+            seen: list[float] = []
+            async with client.stream("POST", url, json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        seen.append(time.monotonic())
+                        if sender is not None and len(seen) == 6:
+                            assert sender.stdin is not None
+                            sender.stdin.write(b"go\n")
+            return seen
+        for _ in range(rounds):
+            sender = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _SEND_HUGE, host, port, model,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            assert sender.stdout is not None
+            await sender.stdout.readline()  # its 30 MiB body is built
+            await arrivals(None)
+            seen = await arrivals(sender)
+            answer = json.loads((await sender.communicate())[0])
+            error = answer["error"] or {}
+            # The router's refusal counts the characters; the worker's would not.
+            by_router += (answer["status"] == 400 and error.get("code") ==
+                          "context_length_exceeded" and "characters)" in error["message"])
+            gaps = [(a, b - a) for a, b in itertools.pairwise(seen)]
+            during = [gap for a, gap in gaps
+                      if a + gap >= answer["sent"] and a <= answer["answered"]]
+            worst.append(max(during, default=0.0))
+            medians.append(statistics.median(gap for _, gap in gaps))
+    return {"rounds": rounds, "refused_by_router": f"{by_router} of {rounds}",
+            "longest_gap_during_refusal_s": [round(w, 3) for w in worst],
+            "median_gap_s": round(statistics.median(medians), 3),
+            "target_longest_gap_s": 1.0}
+
+
 def orphans() -> dict[str, str]:
     out = {}
     routers = {how: modelyard(REAL, name=f"orphans-{how}") for how in ("SIGTERM", "SIGKILL")}
@@ -155,6 +226,7 @@ def main() -> None:
     with modelyard(REAL) as yard:
         yard.wait("/v1/models/smollm2", lambda m: m.get("state") == "ready", timeout=900)
         result["kill9_real_vllm"] = asyncio.run(kill_cycles(yard.url, "smollm2", KILLS_REAL))
+        result["huge_prompt"] = asyncio.run(huge_prompt(yard.url, "smollm2"))
     result["router_signals"] = orphans()
     k, d = result["kill9_synthetic"], result["disconnect_20_percent"]
     r = result["kill9_real_vllm"]
@@ -167,7 +239,12 @@ def main() -> None:
                                                  f"router {d['router_in_flight_after']}")),
             ("20% disconnect: fds / tasks", (f"{d['router_fds_before_after']} / "
                                              f"{d['router_tasks_before_after']}")),
-            *[(f"router {how}", v) for how, v in result["router_signals"].items()]]
+            *[(f"router {how}", v) for how, v in result["router_signals"].items()],
+            ("30 MiB prompt: refused by the router", result["huge_prompt"]["refused_by_router"]),
+            ("30 MiB prompt: neighbour's longest gap (s, target < 1)",
+             " ".join(map(str, result["huge_prompt"]["longest_gap_during_refusal_s"]))),
+            ("30 MiB prompt: neighbour's median gap (s)",
+             str(result["huge_prompt"]["median_gap_s"]))]
     report("faults", result, rows)
 
 
