@@ -266,3 +266,46 @@ def test_a_sleeping_gpu_model_counts_by_what_it_still_holds(tmp_path: Path) -> N
         assert loads == ["big", "small", "third", "third"]
 
     run(go())
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_prompt_past_a_stopped_models_known_bound_evicts_nothing(
+        tmp_path: Path, streaming: bool) -> None:
+    """A prompt longer than the bound a model's worker gave when it last ran is refused
+    before anything waits for that model. It was refused only once the model had room and a
+    slot (6ae4ac0): a 30 MiB prompt for a stopped model evicted the one serving others,
+    loaded its own, and was then refused. ``streaming`` with a keep-alive event is the
+    Anthropic stream that begins before its model is ready."""
+    from starlette.requests import Request
+
+    from router.api.relay import Relay
+    from shared.protocol import ChatMessage, Generate, SamplingSpec
+
+    sup, loads = supervisor(tmp_path, {"a": {}, "b": {}})
+    relay = Relay(sup)
+    b = sup.registry.entries["b"]
+    b.max_model_len, b.max_prompt_chars = 100, 6400  # what b's worker said when it ran
+    huge = Generate(id="g", sampling=SamplingSpec(max_tokens=5),
+                    messages=[ChatMessage(role="user", content="x" * 6401)])
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()
+        return {}
+
+    async def go() -> None:
+        sup.start()
+        (await sup.acquire("a"))[0].release()
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": []},
+                          receive)
+        with pytest.raises(BadRequest) as refused:
+            await relay.generate(request, "chat", "b", [huge], streaming,
+                                 lambda _: None,  # type: ignore[arg-type,return-value]
+                                 keepalive=b": ping\n\n" if streaming else b"")
+        assert refused.value.code == "context_length_exceeded"
+        assert "(6401 characters)" in str(refused.value)
+        assert loads == ["a"] and sup.registry.entries["a"].state == "ready"
+        assert (b.state, b.queued, b.leases) == ("unloaded", 0, 0)
+        assert relay.metrics.snapshot()["models"]["b"]["requests"] == {"chat": {"400": 1}}
+        await sup.stop_all()
+
+    run(go())

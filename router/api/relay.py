@@ -98,6 +98,7 @@ class Relay:
         """
         principal = principal_of(request.scope)
         usage = Usage(principal.name)
+        self._refuse_known_oversized(model, gens, endpoint, streaming, usage)
         if principal.limits.budgets or principal.limits.tpm:
             await self._within_limits(principal, model, endpoint, streaming, usage)
         if streaming and keepalive:
@@ -136,6 +137,21 @@ class Relay:
             else:  # before the answer: ``HotPath`` asks whether it was counted
                 self._log(endpoint, lease.entry.id, False, status, usage)
         return JSONResponse(shaper.body(usage), headers=extra)
+
+    def _refuse_known_oversized(self, model: str | None, gens: list[Generate], endpoint: str,
+                                streaming: bool, usage: Usage) -> None:
+        """A prompt past the bound its model's worker gave when it last ran is refused
+        before anything waits for that model: it never starts (evicting another) or takes a
+        slot only to be refused. A model never run yet has no bound: ``_start`` checks."""
+        try:
+            entry = self.supervisor.registry.resolve(model)
+        except APIError:
+            return  # ``_acquire`` says so, with its log line
+        try:
+            _refuse_oversized(entry, gens)
+        except APIError as err:
+            self._log(endpoint, entry.id, streaming, err.status, usage)
+            raise
 
     def _keep_alive(self, lease: Lease, seconds: float | None, principal: Principal) -> None:
         """A request's ``keep_alive`` (``None``: it had none), as Ollama's: the latest admin
