@@ -42,12 +42,16 @@ models:
   smollm2: {model: "builtin:smollm2", load_on_startup: true, max_model_len: 1024}
 """
 HI = [{"role": "user", "content": "Tell me a story."}]
+MAX_TOKENS = 960
+"""Within the real model's 1024 tokens with the prompt: an OpenAI request past its context
+is refused, not clamped (``max_tokens_overflow``), and the kills need streams that run."""
 
 
 async def _stream_until_end(client: httpx.AsyncClient, url: str, model: str,
                             first: asyncio.Event) -> float:
-    """Stream until the response ends; return the time it ended (monotonic)."""
-    body = {"model": model, "messages": HI, "max_tokens": 1000, "stream": True,
+    """Stream until the response ends; return the time it ended (monotonic). ``first`` is
+    set at its first token, or when it ends without one (a refusal)."""
+    body = {"model": model, "messages": HI, "max_tokens": MAX_TOKENS, "stream": True,
             "ignore_eos": True}
     try:
         async with client.stream("POST", url, json=body) as r:
@@ -58,12 +62,13 @@ async def _stream_until_end(client: httpx.AsyncClient, url: str, model: str,
                     return time.monotonic()
     except httpx.HTTPError:
         pass  # a cut connection is a terminal error too
-    first.set()
+    finally:
+        first.set()
     return time.monotonic()
 
 
 async def _blocking_request(client: httpx.AsyncClient, url: str, model: str) -> tuple[int, float]:
-    body = {"model": model, "messages": HI, "max_tokens": 1000, "ignore_eos": True}
+    body = {"model": model, "messages": HI, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     try:
         r = await client.post(url, json=body)
         return r.status_code, time.monotonic()
