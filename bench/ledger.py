@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from starlette.routing import Route
 
 from bench.common import modelyard, report
+from router.access import AccessRules
 from router.admission import KeyGuard, Keys
 from router.database import Conn, Database
 from router.ledger import INSERT, SCHEMA, Ledger
@@ -46,7 +48,8 @@ def per_request_us() -> dict[str, float]:
     """Microseconds the admission layers and the ledger add to one request."""
     keys = Keys([KEY, *(f"k-other-{i}" for i in range(50))], ["k-admin"])
     server = ServerConfig()
-    guarded = KeyGuard(RateLimit(_nothing, server), keys, TokenBuckets(20))
+    rules = AccessRules([Route("/v1/chat/completions", _nothing, methods=["POST"])])
+    guarded = KeyGuard(RateLimit(_nothing, server), keys, rules, TokenBuckets(20))
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
              "headers": [(b"content-type", b"application/json"),
                          (b"authorization", f"Bearer {KEY}".encode())],

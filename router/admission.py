@@ -2,7 +2,8 @@
 
 Keys come from the preset (``api_keys``, ``admin_api_keys``), a key file
 (``api_key_file``) and the ``MODELYARD_API_KEYS`` environment variable (comma-separated).
-When none is configured the server is open, as ``vllm serve`` is by default. A request
+When none is configured (and the database holds no named key) the server is open, as
+``vllm serve`` is by default; ``Keys`` says how that can change (only towards closed). A request
 shows its key as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key``
 (Anthropic's). A key is known by its SHA-256 digest and never logged; it stands for a
 ``Principal`` (a name and a role), which the request carries to its handler.
@@ -11,7 +12,9 @@ shows its key as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-k
 from __future__ import annotations
 
 import hashlib
+import hmac
 import os
+import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from router.access import AccessRules
 from router.api.sse import encode_json
 from router.errors import APIError, shaped
 from router.key_store import KeySpec, NamedKey
@@ -27,11 +31,9 @@ from shared.config import ConfigError, ServerConfig
 if TYPE_CHECKING:
     from router.limits import TokenBuckets
 
-OPEN_PATHS = frozenset({"/health", "/health/ready", "/"})  # probes carry no key
-OPEN_PREFIX = "/static/"
-"""The status page and its assets hold no data; what the page calls needs a key."""
-ADMIN_PATHS = frozenset({"/v1/models/load", "/v1/models/unload", "/v1/config/reload"})
-KEYS_PATH = "/v1/keys"
+OPEN_PATHS = frozenset({"/health", "/health/ready", "/"})
+"""Probes and the status page: never rate-limited or capped (``router.limits``); who may call what is
+``router.access.TABLE``."""
 KEYS_VARIABLE = "MODELYARD_API_KEYS"
 """Keys from the environment (comma-separated); never passed on to workers."""
 
@@ -40,8 +42,7 @@ KEYS_VARIABLE = "MODELYARD_API_KEYS"
 class Principal:
     """Who asks: the name of the key a request showed, its role and its limits. The name
     owns what the request stores (stored responses, background runs): no other key sees
-    those. Roles: ``admin`` (everything), ``user`` (the API, not ``admin_only`` paths),
-    ``viewer`` (reads only: a dashboard's key)."""
+    those. Roles: ``admin``, ``user``, ``viewer`` (``router.access`` says what each may call)."""
 
     name: str
     role: str
@@ -55,16 +56,6 @@ class Principal:
     def sees_all(self) -> bool:
         """Sees every key's events and failures' log tails (an admin or a viewer)."""
         return self.role in ("admin", "viewer")
-
-    def may(self, method: str, path: str) -> bool:
-        """Whether this principal may send ``method`` to ``path``."""
-        if self.role == "admin":
-            return True
-        if path.startswith(KEYS_PATH):
-            return False
-        if self.role == "viewer":
-            return method in ("GET", "HEAD")
-        return not admin_only(path)
 
 
 OPEN = Principal("", "admin")
@@ -87,38 +78,78 @@ def key_digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
 
 
+def key_label(secret: bytes, digest: bytes) -> str:
+    """A preset key's name in logs, usage, events and metrics: ``key-`` and 12 hex of an
+    HMAC of its digest under the router's secret (``KeyStore.label_secret``, one per
+    database): stable across restarts, and no offline guess of a weak preset key can be
+    checked against a label without that secret."""
+    return "key-" + hmac.new(secret, digest, hashlib.sha256).hexdigest()[:12]
+
+
 class Keys:
-    """Every key, by digest: the preset's (``preset``: unnamed, called ``key-`` and the
-    start of their digest) and the named keys of the database (``set_named``).
+    """Every key, by digest: the preset's (``preset``: unnamed, labelled by ``key_label``)
+    and the named keys of the database (``set_named``).
 
-    Of the preset's, ``admin`` keys open everything; ``user`` keys open the API, and also
-    the admin endpoints when no admin key is configured (then every key may do
-    everything, as one user). A named key has the role it was made with."""
+    Of the preset's, ``admin`` keys open everything; ``user`` keys open the API, and are
+    admins only while no admin key of any kind has been seen since start (a preset with
+    plain ``api_keys`` is one user, as before). A named key has the role it was made with.
 
-    def __init__(self, user: Iterable[str] = (), admin: Iterable[str] = ()) -> None:
-        admins = [k for k in admin if k]
-        self.preset: dict[bytes, Principal] = {}
-        for key in user:
-            if key:
-                self._add(key, "user" if admins else "admin")
-        for key in admins:
-            self._add(key, "admin")
+    Fail closed, whatever changes while the router runs: ``required`` turns on when the
+    first key appears (at start from the preset and the store, or by a named key made
+    later) and never turns off until a restart; once an admin key has been seen, preset
+    ``user`` keys stay users. A revocation, a reload or a database outage only ever takes
+    access away."""
+
+    def __init__(self, user: Iterable[str] = (), admin: Iterable[str] = (),
+                 secret: bytes | None = None) -> None:
+        self.secret = secret or secrets.token_bytes(32)
+        """Labels' HMAC key: a random one until the database's is known (``use_secret``)."""
+        self._user = [key_digest(k.encode()) for k in user if k]
+        self._admin = [key_digest(k.encode()) for k in admin if k]
         self.named: dict[bytes, Principal] = {}
-        self.principals = dict(self.preset)
+        self.required = False
+        """Whether a request needs a key: latched on (see the class doc)."""
+        self._users_are_users = False
+        """Latched on once an admin key was seen: preset ``user`` keys are never promoted."""
+        self._build()
 
-    def _add(self, key: str, role: str) -> None:
-        digest = key_digest(key.encode())
-        self.preset[digest] = Principal(f"key-{digest.hex()[:12]}", role)
-
-    def set_preset(self, preset: dict[bytes, Principal]) -> None:
-        """The preset's keys after a reload (rotated in place: ``KeyGuard`` holds this)."""
+    def _build(self) -> None:
+        if self._admin or any(p.admin for p in self.named.values()):
+            self._users_are_users = True
+        preset: dict[bytes, Principal] = {}
+        user_role = "user" if self._users_are_users else "admin"
+        for digest in self._user:
+            preset[digest] = Principal(key_label(self.secret, digest), user_role)
+        for digest in self._admin:
+            preset[digest] = Principal(key_label(self.secret, digest), "admin")
         self.preset = preset
         self.principals = {**preset, **self.named}
+        self.required = self.required or bool(self.principals)
+
+    @property
+    def preset_digests(self) -> tuple[frozenset[bytes], frozenset[bytes]]:
+        """The preset's user and admin keys, by digest (a reload compares these)."""
+        return frozenset(self._user), frozenset(self._admin)
+
+    def use_secret(self, secret: bytes) -> None:
+        """Label the preset's keys with the database's secret (at start)."""
+        self.secret = secret
+        self._build()
+
+    def set_preset(self, other: Keys) -> None:
+        """The preset's keys after a reload, from ``other`` (rotated in place: ``KeyGuard``
+        holds this object). Keys dropped stop working at once; keys stay required."""
+        self._user, self._admin = list(other._user), list(other._admin)
+        self._build()
 
     def set_named(self, named: Iterable[tuple[bytes, NamedKey]]) -> None:
         """The database's keys not revoked, as the last look found them."""
         self.named = {digest: Principal(key.name, key.role, key.spec) for digest, key in named}
-        self.principals = {**self.preset, **self.named}
+        self._build()
+
+    def other_admins(self, name: str) -> int:
+        """Admin keys that would remain without the named key ``name``."""
+        return sum(1 for p in self.principals.values() if p.admin and p.name != name)
 
     @classmethod
     def load(cls, server: ServerConfig, source: str,
@@ -134,10 +165,6 @@ class Keys:
                                   f"{server.api_key_file}: {err.strerror}") from None
             user += [ln.split("#", 1)[0].strip() for ln in lines]
         return cls(user, server.admin_api_keys)
-
-    @property
-    def required(self) -> bool:
-        return bool(self.principals)
 
     def identify(self, given: bytes | None) -> Principal | None:
         """The principal ``given`` (a presented key) belongs to; ``None``: no such key."""
@@ -160,25 +187,38 @@ def client_address(scope: Scope) -> str:
 
 
 class KeyGuard:
-    """ASGI middleware: a request without a key that opens its path gets a 401 (or 403)
-    in its protocol's error shape and never reaches a handler; one that has it carries
-    its ``Principal`` on (``principal_of``). Wrong keys count against their address
-    (``failures``): once its bucket is empty, any key from there gets a 429 unchecked,
-    so keys cannot be guessed at speed."""
+    """ASGI middleware that enforces ``router.access.TABLE``: a request whose key (or lack
+    of one) the route's row does not admit gets a 401 (no valid key) or a 403 (a role the
+    row leaves out; a route without a row) in its protocol's error shape and never reaches
+    a handler; one admitted carries its ``Principal`` on (``principal_of``). Wrong keys
+    count against their address (``failures``): once its bucket is empty, any key from
+    there gets a 429 unchecked, so keys cannot be guessed at speed."""
 
-    def __init__(self, app: ASGIApp, keys: Keys, failures: TokenBuckets | None = None) -> None:
+    def __init__(self, app: ASGIApp, keys: Keys, rules: AccessRules,
+                 failures: TokenBuckets | None = None) -> None:
         self.app = app
         self.keys = keys
+        self.rules = rules
         self.failures = failures
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["path"] if scope["type"] == "http" else ""
-        if not self.keys.required or not path or path.startswith(OPEN_PREFIX):
+        if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        method = scope.get("method", "WEBSOCKET")  # no route has that method: no row
+        rule = self.rules.rule(method, path)
+        if not rule.roles:
+            await send_error(send, APIError(
+                f"{method} {path} has no access rule: refused to every key",
+                status=403, type="invalid_request_error", code="no_access_rule"), path)
+            return
+        if not self.keys.required:
+            await self.app(scope, receive, send)  # one user, who is admin (``OPEN``)
             return
         address = client_address(scope)
         limited = self.failures is not None and self.failures.empty(address)
-        if path in OPEN_PATHS:  # open to all; a valid key sees more there
+        if rule.allows("anonymous"):  # open to all; a valid key sees more there
             given = presented_key(scope)
             principal = None if given is None or limited else self.keys.identify(given)
             if principal is None and given is not None and self.failures is not None:
@@ -203,21 +243,14 @@ class KeyGuard:
                 "'x-api-key: <key>'", status=401, type="invalid_request_error",
                 code="invalid_api_key"), path, [(b"www-authenticate", b"Bearer")])
             return
-        if not principal.may(scope["method"], path):
+        if not rule.allows(principal.role):
             await send_error(send, APIError(
-                "this endpoint needs an admin key" if principal.role == "user" else
-                f"a {principal.role} key may not {scope['method']} {path}", status=403,
+                "this endpoint needs an admin key" if rule.roles == {"admin"} else
+                f"a {principal.role} key may not {method} {path}", status=403,
                 type="invalid_request_error", code="insufficient_permissions"), path)
             return
         scope[PRINCIPAL_SCOPE_KEY] = principal
         await self.app(scope, receive, send)
-
-
-def admin_only(path: str) -> bool:
-    """Paths a user key does not open: loading, unloading, reloading, keys, workers' logs
-    (which quote other users' prompts in vLLM's warnings)."""
-    return (path in ADMIN_PATHS or path.startswith(KEYS_PATH)
-            or (path.startswith("/v1/models/") and path.endswith("/logs")))
 
 
 async def send_error(send: Send, err: APIError, path: str,

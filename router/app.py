@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp
 
+from router.access import AccessRules
 from router.admission import Keys
 from router.api.admin import AdminAPI
 from router.api.anthropic import AnthropicAPI
@@ -134,7 +135,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
         try:
             # Before the first request: a named key works at once, and a server whose
             # keys cannot be read does not start open.
-            await named.refresh()
+            await named.start()
             ledger.start()
         except Exception:
             log.error("modelyard: cannot use the database %s (server.database_url); "
@@ -156,14 +157,18 @@ def build_app(preset: Preset, *, watch_config: bool = False,
             await ledger.close()  # SIGTERM loses no row
             database.close()
 
+    routes = (metrics.counted(openai.routes() + anthropic.routes() + responses.routes()
+                              + ScoringAPI(relay, server.max_body_bytes).routes())
+              + watch.routes() + admin.routes() + named.routes()
+              + UsageAPI(ledger).routes() + metrics.routes()
+              + OpenAPIDocument(keys).routes() + StatusPage().routes())
+    rules = AccessRules(routes)
+    if rules.missing():  # refused to everyone (403 no_access_rule); tests/test_access fails
+        log.error("routes without a row in router.access.TABLE: %s", rules.missing())
     app = ModelyardApp(
-        routes=(metrics.counted(openai.routes() + anthropic.routes() + responses.routes()
-                                + ScoringAPI(relay, server.max_body_bytes).routes())
-                + watch.routes() + admin.routes() + named.routes()
-                + UsageAPI(ledger).routes() + metrics.routes()
-                + OpenAPIDocument(keys).routes() + StatusPage().routes()),
+        routes=routes,
         lifespan=lifespan,
-        front=[*middleware_stack(server, keys),
+        front=[*middleware_stack(server, keys, rules),
                Middleware(HotPath, handlers=openai.handlers(), metrics=metrics.metrics)],
         exception_handlers={APIError: api_error_handler, HTTPException: http_error_handler,
                             Exception: server_error_handler},
@@ -174,4 +179,6 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     app.state.events = events
     app.state.reloader = reloader
     app.state.runtime_dir = runtime_dir
+    app.state.rules = rules
+    app.state.keys = keys
     return app

@@ -12,10 +12,11 @@ import sys
 import msgspec
 import uvicorn
 
+from router.admission import Keys
 from router.app import build_app
 from router.database import Database, default_url
 from router.key_store import SCHEMA as KEY_TABLES
-from router.key_store import KeyExists, KeySpec, KeyStore
+from router.key_store import KeyExists, KeySpec, KeyStore, LastAdmin
 from router.limits import http_protocol, uvicorn_backstop
 from shared.config import ConfigError, ServerConfig, load_preset
 
@@ -60,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def keys_command(args: argparse.Namespace, database: Database) -> int:
-    """``modelyard keys create|list|revoke``."""
+async def keys_command(args: argparse.Namespace, database: Database,
+                       other_admins: int = 0) -> int:
+    """``modelyard keys create|list|revoke`` (``other_admins``: the preset's admin keys,
+    which a revocation leaves)."""
     store = KeyStore(database)
     if args.action == "create":
         if args.name.startswith("key-"):
@@ -81,9 +84,16 @@ async def keys_command(args: argparse.Namespace, database: Database) -> int:
             state = "revoked" if key.revoked else "active"
             limits = msgspec.json.encode(key.spec).decode()
             print(f"{key.name}\t{key.role}\t{state}\t{limits}")
-    elif not await store.revoke(args.name):
-        print(f"modelyard: no active key named {args.name!r}", file=sys.stderr)
-        return 1
+    else:
+        try:
+            revoked = await store.revoke(args.name, other_admins)
+        except LastAdmin:
+            print(f"modelyard: {args.name!r} is the last admin key: make another admin key "
+                  "first", file=sys.stderr)
+            return 1
+        if not revoked:
+            print(f"modelyard: no active key named {args.name!r}", file=sys.stderr)
+            return 1
     return 0
 
 
@@ -100,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         database = Database(args.database_url or server.database_url
                             or default_url(server.cache_dir), KEY_TABLES)
         try:
-            return asyncio.run(keys_command(args, database))
+            admins = len(Keys.load(server, preset.source).preset_digests[1])
+            return asyncio.run(keys_command(args, database, admins))
         finally:
             database.close()
     overrides = {key: value for key, value in (

@@ -33,8 +33,12 @@ SCHEMA = (
         spec TEXT NOT NULL,
         created DOUBLE NOT NULL,
         revoked DOUBLE)""",
+    """CREATE TABLE IF NOT EXISTS router_secrets (
+        name TEXT PRIMARY KEY,
+        value TEXT NOT NULL)""",
 )
-"""The keys' table (``spec``: a key's limits as JSON, ``KeySpec``)."""
+"""The keys' table (``spec``: a key's limits as JSON, ``KeySpec``), and the secrets the
+routers sharing the database agree on (``label_secret``)."""
 
 
 class Budget(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
@@ -96,6 +100,10 @@ class KeyExists(Exception):
     """A key of that name exists (revoked or not)."""
 
 
+class LastAdmin(Exception):
+    """Revoking this key would leave no admin key: nobody could manage keys over REST."""
+
+
 def new_secret() -> str:
     return "my-" + secrets.token_urlsafe(32)
 
@@ -130,15 +138,37 @@ class KeyStore:
         await self.db.run(lambda conn: self._create(conn, name, role, spec, digest))
         return NamedKey(name=name, role=role, spec=spec, created=time.time()), secret  # type: ignore[arg-type]
 
-    async def revoke(self, name: str) -> bool:
-        """Revoke ``name``; False if there is no such key (or it was revoked already)."""
+    async def revoke(self, name: str, other_admins: int = 0) -> bool:
+        """Revoke ``name``; False if there is no such key (or it was revoked already).
+        ``LastAdmin`` if it is an admin key and neither another named admin key nor any of
+        ``other_admins`` (the preset's admin keys) would remain; one statement decides,
+        so two routers revoking the last two admins at once cannot both succeed on
+        SQLite (on PostgreSQL's read committed, nearly)."""
         def work(conn: Conn) -> bool:
-            live = conn.execute("SELECT 1 FROM api_keys WHERE name = ? AND revoked IS NULL",
+            live = conn.execute("SELECT role FROM api_keys WHERE name = ? AND revoked IS NULL",
                                 (name,))
-            if live:
-                conn.execute("UPDATE api_keys SET revoked = ? WHERE name = ?",
-                             (time.time(), name))
-            return bool(live)
+            if not live:
+                return False
+            done = conn.execute(
+                "UPDATE api_keys SET revoked = ? WHERE name = ? AND revoked IS NULL AND "
+                "(role <> 'admin' OR ? > 0 OR EXISTS (SELECT 1 FROM api_keys AS other "
+                "WHERE other.role = 'admin' AND other.revoked IS NULL AND other.name <> ?)) "
+                "RETURNING name", (time.time(), name, other_admins, name))
+            if not done:
+                raise LastAdmin(name)
+            return True
+
+        return await self.db.run(work)
+
+    async def label_secret(self) -> bytes:
+        """The secret preset keys' labels are made with (``admission.key_label``): made
+        once per database, so labels stay the same across restarts and routers."""
+        def work(conn: Conn) -> bytes:
+            conn.execute("INSERT INTO router_secrets (name, value) VALUES (?, ?) "
+                         "ON CONFLICT (name) DO NOTHING", ("key_labels", secrets.token_hex(32)))
+            rows = conn.execute("SELECT value FROM router_secrets WHERE name = ?",
+                                ("key_labels",))
+            return bytes.fromhex(rows[0][0])
 
         return await self.db.run(work)
 

@@ -36,6 +36,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
+from router.access import AccessRules
 from router.admission import (
     OPEN,
     OPEN_PATHS,
@@ -53,7 +54,7 @@ MAX_CLIENTS = 65_536
 limiter stays under 20 MB."""
 
 
-def middleware_stack(server: ServerConfig, keys: Keys) -> list[Middleware]:
+def middleware_stack(server: ServerConfig, keys: Keys, rules: AccessRules) -> list[Middleware]:
     """The admission middleware for ``server``, outermost first (see the module doc)."""
     stack = [Middleware(ConnectionCap, max_connections=server.max_connections)]
     if server.trusted_proxies:  # uvicorn's own is turned off: it trusts 127.0.0.1 by default
@@ -62,7 +63,7 @@ def middleware_stack(server: ServerConfig, keys: Keys) -> list[Middleware]:
     # Always there: named keys can turn keys on in a running router.
     failures = (TokenBuckets(server.auth_failures_per_minute)
                 if server.auth_failures_per_minute else None)
-    stack.append(Middleware(KeyGuard, keys=keys, failures=failures))
+    stack.append(Middleware(KeyGuard, keys=keys, rules=rules, failures=failures))
     stack.append(Middleware(RateLimit, server=server))
     return stack
 

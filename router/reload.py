@@ -20,9 +20,12 @@ Models, compared by their whole ``ModelSpec``:
 - unchanged: untouched (same worker, same pid).
 
 Server keys: ``RUNTIME_KEYS`` are read where they are used, so they apply at once; API
-keys (``api_keys``, ``admin_api_keys``, ``api_key_file``'s content) are swapped in place
-(keys turned on or off included). Any other key that differs is reported in
-``restart_required`` and otherwise ignored until the next start.
+keys (``api_keys``, ``admin_api_keys``, ``api_key_file``'s content) are swapped in place:
+a dropped key opens nothing at once, a new one opens at once (keys turned on included).
+Turning keys off never applies while the router runs (``Keys.required`` is latched): the
+dropped keys stop working, keys stay required, and ``api_keys`` is also listed in
+``restart_required``. Any other key that differs is reported in ``restart_required`` and
+otherwise ignored until the next start.
 """
 
 from __future__ import annotations
@@ -150,9 +153,14 @@ class Reloader:
         except ConfigError as err:
             raise ConfigError(f"{new.source}: {err}") from None
         self._check_preload(new, after)
-        if keys.preset != self.keys.preset:
-            self.keys.set_preset(keys.preset)
+        if keys.preset_digests != self.keys.preset_digests:
+            self.keys.set_preset(keys)
             diff.applied.append("api_keys")
+            if self.keys.required and not keys.preset_digests[0] | keys.preset_digests[1]:
+                # Keys stay required: turning them off takes a restart (fail closed).
+                diff.restart_required.append("api_keys")
+                log.warning("config reload: the preset has no API keys now; the ones it "
+                            "dropped open nothing, and keys stay required until a restart")
         for key in diff.applied:
             if key != "api_keys":
                 setattr(live, key, getattr(after, key))

@@ -24,6 +24,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.access import ROLES, AccessRules, Rule
 from router.admission import Keys
 from router.limits import (
     MAX_CLIENTS,
@@ -104,8 +105,10 @@ async def whoami(request: Request) -> Response:
 
 def stacked(keys: Keys | None = None, **server: object) -> Starlette:
     config = msgspec.convert(server, ServerConfig)
-    return Starlette(routes=[Route("/whoami", whoami), Route("/health", whoami)],
-                     middleware=middleware_stack(config, keys or Keys()))
+    routes = [Route("/whoami", whoami), Route("/health", whoami)]
+    rules = AccessRules(routes, {("GET", "/whoami"): Rule(frozenset({"user", "admin"}), ""),
+                                 ("GET", "/health"): Rule(frozenset(ROLES), "")})
+    return Starlette(routes=routes, middleware=middleware_stack(config, keys or Keys(), rules))
 
 
 def ask(app: Starlette, peer: str, xff: list[str] | None = None,

@@ -1,7 +1,8 @@
 """``/v1/keys``: named API keys over REST (admin keys only; ``admission.KEYS_PATH``).
 
 ``GET /v1/keys`` lists them (never a secret or digest), ``POST /v1/keys`` makes one and
-answers its secret, once, as ``key``; ``DELETE /v1/keys/{name}`` revokes one. The router
+answers its secret, once, as ``key``; ``DELETE /v1/keys/{name}`` revokes one (never the
+last admin key: a 409). The router
 takes a change at once; other routers on the same database within ``REFRESH`` seconds.
 """
 
@@ -15,7 +16,7 @@ from starlette.routing import Route
 from router.admission import Keys
 from router.api.wire import JSONResponse, read_body
 from router.errors import APIError, BadRequest
-from router.key_store import KeyCreate, KeyExists, KeyStore
+from router.key_store import KeyCreate, KeyExists, KeyStore, LastAdmin
 
 
 class KeysAPI:
@@ -33,6 +34,11 @@ class KeysAPI:
         if request.method == "POST":
             return await self.create(request)
         return await self.list_keys(request)
+
+    async def start(self) -> None:
+        """At start: the preset keys' labels from the database's secret, and its keys."""
+        self.keys.use_secret(await self.store.label_secret())
+        await self.refresh()
 
     async def refresh(self) -> None:
         """The database's keys into the guard's (``Keys.set_named``)."""
@@ -59,7 +65,13 @@ class KeysAPI:
 
     async def revoke(self, request: Request) -> Response:
         name = request.path_params["name"]
-        if not await self.store.revoke(name):
+        try:
+            revoked = await self.store.revoke(name, self.keys.other_admins(name))
+        except LastAdmin:
+            raise APIError(f"'{name}' is the last admin key: make another admin key before "
+                           "revoking it", status=409, type="invalid_request_error",
+                           param="name", code="last_admin_key") from None
+        if not revoked:
             raise APIError(f"no key named '{name}' (or it is revoked already)", status=404,
                            type="invalid_request_error", param="name", code="key_not_found")
         await self.refresh()
