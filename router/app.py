@@ -181,4 +181,5 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     app.state.runtime_dir = runtime_dir
     app.state.rules = rules
     app.state.keys = keys
+    app.state.keys_api = named
     return app

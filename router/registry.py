@@ -12,7 +12,7 @@ import asyncio
 import collections
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
@@ -209,9 +209,11 @@ class ModelRegistry:
                                 param="model")
         return found
 
-    def resolve(self, name: str | None) -> ModelEntry:
+    def resolve(self, name: str | None,
+                shown: Callable[[list[str]], bool] | None = None) -> ModelEntry:
         """Find the model a request names (exactly, by case, substring or prefix, else the
-        default); raise ``ModelNotFound`` (404) if none fits."""
+        default); raise ``ModelNotFound`` (404) if none fits, listing the models whose
+        names ``shown`` accepts (all without it: a key limited to some sees only those)."""
         if name:
             found = self._match(name)
             if found is not None:
@@ -223,8 +225,9 @@ class ModelRegistry:
         if not name:
             raise ModelNotFound("no model named and no default_model configured",
                                 param="model")
+        listed = sorted(e.id for e in self.entries.values() if shown is None or shown(e.names))
         raise ModelNotFound(f"The model '{name}' does not exist. Available: "
-                            f"{', '.join(sorted(self.entries))}", param="model")
+                            f"{', '.join(listed)}", param="model")
 
     def _match(self, name: str) -> str | None:
         if name in self.entries:

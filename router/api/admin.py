@@ -143,10 +143,12 @@ class AdminAPI:
     async def health(self, request: Request) -> Response:
         """Liveness. Without a key (where keys are required) only ``status``: model ids
         and process ids are for those who hold one."""
-        if principal_of(request.scope) is ANONYMOUS:
+        principal = principal_of(request.scope)
+        if principal is ANONYMOUS:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok",
-                             "models": {e.id: e.state for e in self.registry},
+                             "models": {e.id: e.state for e in self.registry
+                                        if _visible(e, principal)},
                              "spares": self.supervisor.spares.describe(),
                              "tasks": len(asyncio.all_tasks())})
 
@@ -158,13 +160,15 @@ class AdminAPI:
         again itself. A pure read: a probe starts nothing."""
         models: dict[str, str] = {}
         waiting: list[str] = []
+        principal = principal_of(request.scope)
         for entry in self.supervisor.startup_models():
-            models[entry.id] = entry.state
-            if entry.state in ("ready", "sleeping") or (
-                    entry.state in ("unloaded", "stopping") and entry.loads > 0):
+            if not _visible(entry, principal):  # counted, never named
+                waiting += [] if _started(entry) else ["a model"]
                 continue
-            waiting.append(f"{entry.id} ({entry.state})")
-        shown = {} if principal_of(request.scope) is ANONYMOUS else {"models": models}
+            models[entry.id] = entry.state
+            if not _started(entry):
+                waiting.append(f"{entry.id} ({entry.state})")
+        shown = {} if principal is ANONYMOUS else {"models": models}
         if not waiting:
             return JSONResponse({"ready": True, **shown})
         err = ModelUnavailable("not ready: start-up model(s) " + ", ".join(waiting)
@@ -172,6 +176,12 @@ class AdminAPI:
                                code="not_ready")
         return JSONResponse({**err.body(), "ready": False, **shown},
                             status_code=503, headers={"Retry-After": "1"})
+
+
+def _started(entry: ModelEntry) -> bool:
+    """A start-up model that has loaded (one stopped on purpose since counts)."""
+    return entry.state in ("ready", "sleeping") or (
+        entry.state in ("unloaded", "stopping") and entry.loads > 0)
 
 
 def _visible(entry: ModelEntry, principal: Principal) -> bool:

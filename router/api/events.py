@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,10 +41,19 @@ LOG_READERS = 2
 executor's threads, which the supervisor needs to reap workers."""
 
 
-def seen_by(event: Event, principal: Principal) -> Event | None:
-    """``event`` as ``principal`` may see it: an admin or a viewer, whole; a user, its own
+def seen_by(event: Event, principal: Principal,
+            names_of: Callable[[str], list[str]] = lambda model: [model]) -> Event | None:
+    """``event`` as ``principal`` may see it: nothing of a model outside its globs
+    (``names_of``: a model id's names); an admin or a viewer, whole; a user, its own
     requests only, and a failure's reason without the log tail under it (a worker's log
     can quote other users' prompts)."""
+    model = event.get("model")
+    if principal.limits.models and model and model != "-" and not principal.limits.allows(
+            names_of(model)):
+        return None  # a model outside the key's globs does not exist for it
+    other = event.get("for")  # an eviction names the model it made room for
+    if principal.limits.models and other and not principal.limits.allows(names_of(other)):
+        event = {**event, "for": "-", "reason": "room for another model"}
     if principal.sees_all:
         return event
     if event["type"] == "request":
@@ -170,15 +179,21 @@ class EventsAPI:
         # Taken together, with no await between: the replay and the live events neither
         # overlap nor leave a gap.
         recent = [seen for e in self.bus.recent
-                  if (seen := seen_by(e, principal)) is not None] if replay else []
+                  if (seen := seen_by(e, principal, self._names)) is not None] if replay else []
         if "text/event-stream" not in request.headers.get("accept", ""):
             return JSONResponse({"object": "list", "data": recent})
         sub = self.bus.subscribe(replay=False)
         return EventStream(self._event_stream(sub, recent, principal),
                            self.supervisor.server.send_timeout)
 
-    def _activity(self) -> dict[str, dict[str, int]]:
-        return {e.id: {"in_flight": e.leases, "queued": e.queued} for e in self.supervisor.registry}
+    def _names(self, model: str) -> list[str]:
+        """A model's id and aliases (an id no longer configured: itself)."""
+        entry = self.supervisor.registry.entries.get(model)
+        return entry.names if entry is not None else [model]
+
+    def _activity(self, principal: Principal) -> dict[str, dict[str, int]]:
+        return {e.id: {"in_flight": e.leases, "queued": e.queued}
+                for e in self.supervisor.registry if principal.limits.allows(e.names)}
 
     async def _event_stream(self, sub: Subscription, recent: list[Event],
                             principal: Principal) -> AsyncGenerator[bytes, None]:
@@ -186,7 +201,7 @@ class EventsAPI:
         every model's state and counts now), then events as they are published, and
         ``activity`` when a model's in-flight or queued count changed."""
         loop = asyncio.get_running_loop()
-        sent = self._activity()
+        sent = self._activity(principal)
         quiet_since = loop.time()
         try:
             if recent:
@@ -194,13 +209,14 @@ class EventsAPI:
             yield sse_event({"type": "hello", "id": None, "time": round(time.time(), 3),
                              "model": None, "activity": sent,
                              "states": {e.id: {"state": e.state, "pid": e.pid}
-                                        for e in self.supervisor.registry}})
+                                        for e in self.supervisor.registry
+                                        if principal.limits.allows(e.names)}})
             while True:
                 event = await sub.get(timeout=self.activity_every)
-                if event is not None and (event := seen_by(event, principal)) is not None:
+                if event is not None and (event := seen_by(event, principal, self._names)) is not None:
                     yield sse_event(event)
                     quiet_since = loop.time()
-                now = self._activity()
+                now = self._activity(principal)
                 if now != sent:
                     sent = now
                     yield sse_event({"type": "activity", "id": None,
@@ -218,7 +234,8 @@ class EventsAPI:
         follow = _query_bool(request, "follow")
         name = request.path_params["model_id"]
         entry = self.supervisor.registry.entries.get(name)
-        if entry is None:  # exact ids, as GET /v1/models/{id}
+        if entry is None or not principal_of(request.scope).limits.allows(entry.names):
+            # exact ids, as GET /v1/models/{id}; one outside the key's globs does not exist
             raise ModelNotFound(f"The model '{name}' does not exist", param="model")
         path = self.supervisor.log_path(entry)
         found, offset, inode = await asyncio.get_running_loop().run_in_executor(

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
+from prometheus_client import CollectorRegistry, Metric
 from prometheus_client.exposition import choose_encoder
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from router.admission import Principal, principal_of
 from router.api.wire import JSONResponse
 from router.errors import APIError
 from router.link import WorkerLink
-from router.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request
+from router.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request, snapshot
 from router.registry import ModelEntry
 
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -27,6 +29,22 @@ def endpoint_name(path: str) -> str:
     """The relay's name for a route's requests: the first segment after the version, if
     any (``/v1/chat/completions`` → ``chat``, ``/v2/rerank`` and ``/rerank`` → ``rerank``)."""
     return re.sub(r"^/(v\d+/)?", "", path).split("/")[0]
+
+
+class SeenBy:
+    """A registry's families with only the samples whose labels ``keep`` accepts (what
+    ``prometheus_client``'s encoders and ``snapshot`` read: ``collect``)."""
+
+    def __init__(self, registry: CollectorRegistry, keep: Callable[[dict[str, str]], bool]
+                 ) -> None:
+        self.registry = registry
+        self.keep = keep
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = Metric(family.name, family.documentation, family.type, family.unit)
+            kept.samples = [s for s in family.samples if self.keep(s.labels)]
+            yield kept
 
 
 class MetricsAPI:
@@ -43,11 +61,34 @@ class MetricsAPI:
         await self.ask_engines()
         # prometheus_client picks the format: OpenMetrics if the scraper asks, else text
         encode, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encode(self.metrics.registry), media_type=content_type)
+        return Response(encode(self.seen_by(principal_of(request.scope))),
+                        media_type=content_type)
 
     async def snapshot(self, request: Request) -> Response:
         await self.ask_engines()
-        return JSONResponse(self.metrics.snapshot())
+        return JSONResponse(snapshot(self.seen_by(principal_of(request.scope)).collect()))
+
+    def seen_by(self, principal: Principal) -> SeenBy | CollectorRegistry:
+        """The figures ``principal`` may read (``router.access``): per-key series of its
+        own key only unless it sees all (an admin or a viewer), and nothing of a model
+        outside its globs."""
+        if principal.sees_all and not principal.limits.models:
+            return self.metrics.registry
+        entries = self.metrics.models.entries
+
+        def names(model: str) -> list[str]:
+            entry = entries.get(model)
+            return entry.names if entry is not None else [model]
+
+        def keep(labels: dict[str, str]) -> bool:
+            key = labels.get("key")
+            if key is not None and not principal.sees_all and key != principal.name:
+                return False
+            model = labels.get("model")
+            return (model is None or not principal.limits.models
+                    or principal.limits.allows(names(model)))
+
+        return SeenBy(self.metrics.registry, keep)
 
     async def ask_engines(self) -> None:
         """The engines' own figures, from every ready worker at once (a ping, which is not

@@ -98,6 +98,8 @@ class Relay:
         """
         principal = principal_of(request.scope)
         usage = Usage(principal.name)
+        if principal.limits.models:  # first: nothing else may tell that a model exists
+            self._visible(model, principal, endpoint, streaming, usage)
         self._refuse_known_oversized(model, gens, endpoint, streaming, usage)
         if principal.limits.budgets or principal.limits.tpm:
             await self._within_limits(principal, model, endpoint, streaming, usage)
@@ -284,10 +286,27 @@ class Relay:
 
     def _allowed(self, model: str | None, principal: Principal) -> None:
         """A model the key's ``models`` globs leave out does not exist, for that key."""
-        entry = self.supervisor.registry.resolve(model)
-        if not principal.limits.allows(entry.names):
+        self.resolve_for(model, principal)
+
+    def resolve_for(self, model: str | None, principal: Principal) -> ModelEntry:
+        """The model ``model`` names, as ``principal`` may know it: one its ``models``
+        globs leave out does not exist for it, and a 404 lists only those it may use."""
+        limits = principal.limits
+        entry = self.supervisor.registry.resolve(model, limits.allows if limits.models
+                                                 else None)
+        if not limits.allows(entry.names):
             raise ModelNotFound(f"The model '{model or entry.id}' does not exist",
                                 param="model")
+        return entry
+
+    def _visible(self, model: str | None, principal: Principal, endpoint: str,
+                 streaming: bool, usage: Usage) -> None:
+        """``resolve_for``'s 404, logged (under ``-``: the key may not know the model)."""
+        try:
+            self.resolve_for(model, principal)
+        except APIError as err:
+            self._log(endpoint, "-", streaming, err.status, usage)
+            raise
 
     def _model_id(self, model: str | None) -> str:
         """The id a refused request's ``model`` names, for its log line, count and event;
@@ -381,6 +400,8 @@ class Relay:
         reads what the result spent, for the log, the ledger and budgets."""
         principal = principal_of(request.scope)
         usage = Usage(principal.name)
+        if principal.limits.models:  # first: nothing else may tell that a model exists
+            self._visible(model, principal, endpoint, False, usage)
         if principal.limits.budgets or principal.limits.tpm:
             await self._within_limits(principal, model, endpoint, False, usage)
         lease, link = await self._acquire(request, endpoint, model, task, False, usage,

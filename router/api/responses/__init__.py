@@ -142,7 +142,7 @@ class ResponsesAPI:
         counts against ``max_connections`` (``ConnectionCap.hold``) until it ends."""
         rid = shaper.rid
         owner = principal_of(creating.scope)
-        shaper.bind(self.relay.supervisor.registry.resolve(model).id)  # unknown: 404 now
+        shaper.bind(self.relay.resolve_for(model, owner).id)  # unknown to the key: 404 now
         cap: ConnectionCap | None = creating.scope.get(CAP_SCOPE_KEY)
         if cap is not None:
             cap.hold()  # 503 at the cap: nothing stored, nothing started
