@@ -160,7 +160,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     routes = (metrics.counted(openai.routes() + anthropic.routes() + responses.routes()
                               + ScoringAPI(relay, server.max_body_bytes).routes())
               + watch.routes() + admin.routes() + named.routes()
-              + UsageAPI(ledger).routes() + metrics.routes()
+              + UsageAPI(ledger, registry).routes() + metrics.routes()
               + OpenAPIDocument(keys).routes() + StatusPage().routes())
     rules = AccessRules(routes)
     if rules.missing():  # refused to everyone (403 no_access_rule); tests/test_access fails

@@ -152,11 +152,13 @@ class Ledger:
                       len(self._queue), err)
 
     async def query(self, group_by: Sequence[str], start: float, end: float,
-                    key: str | None = None) -> list[dict[str, Any]]:
+                    key: str | None = None, models: Sequence[str] | None = None
+                    ) -> list[dict[str, Any]]:
         """Sums per group (of ``GROUPS``) of the rows in [start, end), of ``key`` only
-        when given. Rows still queued are written first."""
+        when given, of the model ids ``models`` only when given. Rows still queued are
+        written first."""
         await self.flush()
-        return await self.db.run(lambda conn: _sums(conn, group_by, start, end, key))
+        return await self.db.run(lambda conn: _sums(conn, group_by, start, end, key, models))
 
     async def over_budget(self, key: str, budgets: Sequence[Budget], model: str,
                           names: list[str]) -> tuple[Budget, float] | None:
@@ -199,11 +201,14 @@ def _day(conn: Conn) -> str:
 
 
 def _sums(conn: Conn, group_by: Sequence[str], start: float, end: float,
-          key: str | None) -> list[dict[str, Any]]:
+          key: str | None, models: Sequence[str] | None = None) -> list[dict[str, Any]]:
     columns = [(_day(conn) if g == "day" else g) for g in group_by]
     select = [f"{c} AS {g}" for c, g in zip(columns, group_by, strict=True)]
     where = "time >= ? AND time < ?" + (" AND key = ?" if key is not None else "")
     params: list[Any] = [start, end] + ([key] if key is not None else [])
+    if models is not None:
+        where += f" AND model IN ({', '.join('?' for _ in models) or 'NULL'})"
+        params += list(models)
     sums = ["COUNT(*)", "SUM(prompt_tokens)", "SUM(cached_tokens)", "SUM(completion_tokens)",
             "SUM(seconds)"]
     sql = f"SELECT {', '.join(select + sums)} FROM usage WHERE {where}"

@@ -332,8 +332,11 @@ def test_a_limited_key_learns_nothing_of_other_models_or_keys(tmp_path: Path) ->
                            named=("user", "limited", "viewer")) as server:
             limited, user = server.keys["limited"], server.keys["user"]
             # Another key's traffic, so that there is something to leak.
-            await server.ask("POST", "/v1/chat/completions", PRESET_USER,
-                             b'{"model": "secret-model", "messages": "x"}')
+            for model in (b"m", b"secret-model"):  # served: counted per key and model
+                done = await server.ask("POST", "/v1/chat/completions", PRESET_USER,
+                                        b'{"model": "%s", "max_tokens": 2, "messages": '
+                                        b'[{"role": "user", "content": "hi"}]}' % model)
+                assert done.status_code == 200, done.text
             await server.ask("POST", "/v1/chat/completions", user, b'{"model": "nope"}')
             unknown = await server.ask("POST", "/v1/chat/completions", limited,
                                        b'{"model": "nope", "messages": '

@@ -19,6 +19,7 @@ from router.admission import principal_of
 from router.api.wire import JSONResponse
 from router.errors import APIError, BadRequest
 from router.ledger import GROUPS, Ledger, period_bounds
+from router.registry import ModelRegistry
 
 
 def _when(request: Request, name: str, default: float) -> float:
@@ -38,8 +39,9 @@ def _when(request: Request, name: str, default: float) -> float:
 
 
 class UsageAPI:
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, registry: ModelRegistry) -> None:
         self.ledger = ledger
+        self.registry = registry
 
     def routes(self) -> list[Route]:
         return [Route("/v1/usage", self.usage, methods=["GET"])]
@@ -62,6 +64,9 @@ class UsageAPI:
                                type="invalid_request_error", param="key",
                                code="insufficient_permissions")
             key = principal.name
-        rows = await self.ledger.query(group_by, start, end, key)
+        models = None
+        if principal.limits.models:  # rows of a model outside its globs do not exist for it
+            models = [e.id for e in self.registry if principal.limits.allows(e.names)]
+        rows = await self.ledger.query(group_by, start, end, key, models)
         return JSONResponse({"object": "list", "start": start, "end": end,
                              "group_by": group_by, "data": rows})
