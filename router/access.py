@@ -173,3 +173,7 @@ def markdown(rows: Iterable[tuple[tuple[str, str], Rule]] = TABLE.items()) -> st
         marks = " | ".join("yes" if r in rule.roles else "" for r in ROLES)
         lines.append(f"| `{method} {path}` | {marks} | {rule.sees} |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())

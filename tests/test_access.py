@@ -32,7 +32,7 @@ import httpx
 import pytest
 from starlette.routing import Mount, Route
 
-from router.access import ROLES, TABLE, AccessRules
+from router.access import ROLES, TABLE, AccessRules, markdown
 from router.app import build_app
 from router.database import Database
 from router.key_store import SCHEMA as KEY_TABLES
@@ -390,3 +390,10 @@ def test_preset_key_labels_are_keyed_and_stable(tmp_path: Path) -> None:
     first, again = asyncio.run(label()), asyncio.run(label())
     assert first == again and first.startswith("key-")
     assert first != "key-" + hashlib.sha256(PRESET_USER.encode()).hexdigest()[:12]
+
+
+def test_readme_prints_the_table_as_it_is() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = readme.split("<!-- access-table:start -->\n", 1)[1].split(
+        "\n<!-- access-table:end -->", 1)[0]
+    assert shown == markdown(), "README's role table: paste `python -m router.access`"

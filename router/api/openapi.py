@@ -463,7 +463,8 @@ def build_document(routes: list[BaseRoute], auth: bool) -> dict[str, Any]:
 
 class OpenAPIDocument:
     """Serves ``build_document`` for the app's routes, built at the first request while
-    keys are required (or not): keys turn on and off with a reload or a first named key."""
+    keys are required (or not): keys turn on with a reload or a first named key (never
+    off until a restart)."""
 
     def __init__(self, keys: Keys) -> None:
         self.keys = keys
