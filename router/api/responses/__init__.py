@@ -84,7 +84,7 @@ class ResponsesAPI:
                  store: ResponseStore | None = None) -> None:
         self.relay = relay
         self.max_body_bytes = max_body_bytes
-        self.store = store or ResponseStore()
+        self.store = store if store is not None else ResponseStore()  # an empty one is falsy
         self.background = BackgroundRuns()
         relay.metrics.registry.register(StoreCollector(self.store))
 
@@ -195,7 +195,7 @@ class ResponsesAPI:
     async def delete(self, request: Request) -> Response:
         rid, _ = self._stored(request)
         await self.background.cancel(rid)
-        self.store.delete(rid)
+        self.store.delete(rid, principal_of(request.scope).name)
         return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
     async def cancel(self, request: Request) -> Response:
