@@ -17,6 +17,7 @@ How long a client may take is kept below them, in the router's uvicorn protocol
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections import OrderedDict
@@ -453,6 +454,13 @@ class TokensPerMinute:
             bucket.tokens -= tokens
 
 
+def _counted(path: str) -> bool:
+    """Whether a request on ``path`` counts against its key's ``max_concurrent``: all do
+    but those on a stored response (``/v1/responses/{id}`` and below), which hold no
+    model and are how a key follows and stops the background runs that fill its limit."""
+    return not path.startswith("/v1/responses/") or path == "/v1/responses/input_tokens"
+
+
 class RateLimit:
     """ASGI middleware: per-client request limits. A client is the request's key (its
     principal's name) when keys are required, else its address (after
@@ -463,7 +471,9 @@ class RateLimit:
       ``Retry-After``, and every answer carries OpenAI's ``x-ratelimit-limit-requests`` and
       ``x-ratelimit-remaining-requests``.
     - Requests at once: the key's ``max_concurrent``; one more is a 429 at once (a stream
-      counts until its last byte).
+      counts until its last byte, a background response until it ends: its create keeps
+      its place, ``KeyPlace``). Reading, cancelling or deleting a stored response is not
+      counted, so a key at its limit can still follow and stop its background runs.
     """
 
     def __init__(self, app: ASGIApp, server: ServerConfig) -> None:
@@ -486,7 +496,7 @@ class RateLimit:
             return
         principal = principal_of(scope)
         per_minute = principal.limits.rpm or self.server.rate_limit_per_minute
-        at_once = principal.limits.max_concurrent
+        at_once = principal.limits.max_concurrent if _counted(scope["path"]) else 0
         if not per_minute and not at_once:
             await self.app(scope, receive, send)
             return
@@ -522,13 +532,42 @@ class RateLimit:
             await self.app(scope, receive, send_counted)
             return
         self._in_flight[client] = self._in_flight.get(client, 0) + 1
+        place = scope[KEY_PLACE_SCOPE_KEY] = KeyPlace(self, client)
         try:
             await self.app(scope, receive, send_counted)
         finally:
-            if (still := self._in_flight[client] - 1):
-                self._in_flight[client] = still
-            else:
-                del self._in_flight[client]
+            if not place.kept:
+                self.give_back(client)
+
+    def give_back(self, client: str) -> None:
+        """One of ``client``'s requests (or work one left running) has ended."""
+        if (still := self._in_flight[client] - 1):
+            self._in_flight[client] = still
+        else:
+            del self._in_flight[client]
+
+
+KEY_PLACE_SCOPE_KEY = "modelyard.key_place"
+"""Where a request's scope carries its place among its key's ``max_concurrent``
+(``KeyPlace``), when its key has that limit."""
+
+
+class KeyPlace:
+    """A request's place among its key's ``max_concurrent`` requests: given back when its
+    handler returns, unless the handler ``keep``s it for work it leaves running (a
+    background response), which then gives it back itself when it ends."""
+
+    __slots__ = ("client", "kept", "limit")
+
+    def __init__(self, limit: RateLimit, client: str) -> None:
+        self.limit = limit
+        self.client = client
+        self.kept = False
+
+    def keep(self) -> Callable[[], None]:
+        """Hand the place on; call what this returns, once, when that work ends."""
+        self.kept = True
+        return functools.partial(self.limit.give_back, self.client)
 
 
 CAP_SCOPE_KEY = "modelyard.connection_cap"

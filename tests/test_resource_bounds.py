@@ -19,6 +19,7 @@ import pytest
 
 from router.api.responses.schema import normalize
 from router.api.responses.store import ResponseStore, encode_items
+from tests.conformance import validate_responses
 from tests.conftest import RouterProcess, running_router
 
 pytestmark = pytest.mark.integration
@@ -50,6 +51,39 @@ def call(r: RouterProcess, key: str, method: str, path: str,
          body: object = None) -> httpx.Response:
     return r.client.request(method, r.url + path, json=body,
                             headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+# -- 8. a background response counts against its key's max_concurrent ----------------------
+
+def test_background_runs_count_against_max_concurrent(shared: RouterProcess) -> None:
+    r = shared
+    made = call(r, ADMIN, "POST", "/v1/keys", {"name": "solo", "max_concurrent": 1})
+    assert made.status_code == 201, made.text
+    solo = made.json()["key"]
+    body = {"model": "slow", "input": "long", "background": True, "max_output_tokens": 400}
+    answers = [call(r, solo, "POST", "/v1/responses", body) for _ in range(5)]
+    # The first runs (20 s at 20 tokens/s); the others are refused as a foreground request
+    # past the limit is, in the Responses error shape, and nothing of them is stored.
+    assert [a.status_code for a in answers] == [200, 429, 429, 429, 429], \
+        [(a.status_code, a.text) for a in answers]
+    rid = answers[0].json()["id"]
+    for refused in answers[1:]:
+        validate_responses("ErrorResponse", refused.json())
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert refused.headers["retry-after"] == "1"
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert call(r, solo, "POST", "/v1/chat/completions", chat).status_code == 429
+    # The key can follow and stop the run that fills its limit.
+    polled = call(r, solo, "GET", f"/v1/responses/{rid}")
+    assert polled.status_code == 200 and polled.json()["status"] in ("queued", "in_progress")
+    cancelled = call(r, solo, "POST", f"/v1/responses/{rid}/cancel")
+    assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    # Its place came back with the run's end.
+    assert call(r, solo, "POST", "/v1/chat/completions", chat).status_code == 200
+    again = call(r, solo, "POST", "/v1/responses", body)
+    assert again.status_code == 200, again.text
+    assert call(r, solo, "DELETE", f"/v1/responses/{again.json()['id']}").status_code == 200
+    assert call(r, solo, "POST", "/v1/chat/completions", chat).status_code == 200
 
 
 # -- 9. the store's bounds are the preset's, and each key's own ----------------------------
