@@ -12,9 +12,13 @@ never read stayed in the router, its connection open, for as long as the client 
 
 from __future__ import annotations
 
+import json
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx
+import psutil
 import pytest
 
 from router.api.responses.schema import normalize
@@ -144,3 +148,51 @@ def test_all_keys_together_lose_from_the_one_holding_most() -> None:
     assert store.get("resp_a", "alice") is not None and store.get("resp_c", "carol") is not None
     assert store.delete("resp_a", "alice") and not store.delete("resp_a", "alice")
     assert store.get("resp_c", "alice") is None  # another key's id: not there for Alice
+
+
+# -- 10. an answer its client never reads is dropped after send_timeout --------------------
+
+def router_holds(r: RouterProcess, port: int) -> bool:
+    """Whether the router still has a connection from the test's ``port``."""
+    assert r.proc is not None
+    return any(c.raddr and c.raddr.port == port
+               for c in psutil.Process(r.proc.pid).net_connections(kind="tcp"))
+
+
+def test_an_unread_answer_is_dropped_after_send_timeout(shared: RouterProcess) -> None:
+    r = shared
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                       "n": 64, "max_tokens": 40_000, "ignore_eos": True}).encode()
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+               f"Authorization: Bearer {ALICE}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+        sock.connect(("127.0.0.1", r.port))
+        port = sock.getsockname()[1]
+        sock.sendall(request)
+        # The answer (about 10 MB) is written; the client reads none of it. The router
+        # must give up on it after send_timeout (2 s); on 96966e8 it held it, and the
+        # connection, for as long as the client stayed.
+        deadline = time.monotonic() + 60
+        while router_holds(r, port):
+            assert time.monotonic() < deadline, "the router still holds the unread answer"
+            time.sleep(0.2)
+        # What reached the client is a cut answer: the connection ends (reset or closed)
+        # before the length its head announced.
+        sock.settimeout(30)
+        got = bytearray()
+        try:
+            while chunk := sock.recv(1 << 16):
+                got += chunk
+        except ConnectionResetError:
+            pass
+    head, _, rest = bytes(got).partition(b"\r\n\r\n")
+    if head:
+        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        assert len(rest) < length
+    # The router still serves.
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert call(r, ALICE, "POST", "/v1/chat/completions", chat).status_code == 200
