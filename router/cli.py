@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_keep_alive=server.keep_alive_timeout,  # type: ignore[arg-type]
                             limit_concurrency=uvicorn_backstop(server.max_connections),
                             proxy_headers=False,  # X-Forwarded-For: see router/limits.py
-                            http=http_protocol(server.read_timeout))
+                            http=http_protocol(server.read_timeout, server))
     # Everything built so far lives as long as the server: keep the collector from
     # walking it in every full collection (vLLM's API server does the same).
     gc.collect()

@@ -11,12 +11,14 @@ nothing further in, and a stranger without a key never takes a token from a buck
 
 How long a client may take is kept below them, in the router's uvicorn protocol
 (``http_protocol``): headers and body within ``read_timeout`` (a late body is a 408 from
-``RouterCycle.receive``), and the keep-alive timeout between requests.
+``RouterCycle.receive``), the keep-alive timeout between requests, and a response it does
+not read dropped after ``send_timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections import OrderedDict
@@ -253,7 +255,8 @@ def _late(seconds: float) -> APIError:
                     type="invalid_request_error", code="request_timeout")
 
 
-def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
+def http_protocol(read_timeout: float,
+                  server: ServerConfig | None = None) -> type[HttpToolsProtocol]:
     """uvicorn's HTTP protocol with the router's changes:
 
     - each response's head leaves with its body (``RouterCycle``);
@@ -263,10 +266,23 @@ def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
       sends nothing after connecting, or its headers a byte at a time, is held for ever);
       and its body must be complete within that many seconds of its headers, or the
       handler reading it gets a 408 (``RouterCycle``);
+    - when ``server`` is given, what a client does not read is dropped after its
+      ``send_timeout`` (read live: a reload changes it): once the transport's buffer has
+      held bytes for that long without shrinking (the client took none of them), the
+      connection is aborted and its buffer freed, whether the router closed it or not.
+      Without it a whole non-streamed answer stays in the router's memory for as long as
+      its client keeps the connection open and unread (an answer is written at once, and
+      uvicorn only pauses the next write). A client reading slowly but steadily is never
+      cut. A stream is left to ``EventStream``'s own ``send_timeout`` (the same figure),
+      which ends its generation and stops writing to it;
     - these deadlines and the keep-alive timeout between requests are kept by one sweep of
       the open connections every quarter of the shortest (a second at most), not by timers
       armed and cancelled for every request: a request only stores the time. A deadline
       is never early and at most that quarter late.
+
+    A fork, since no maintained option covers these: uvicorn times out only idle
+    connections, and Starlette sees only the ASGI ``send``, which returns before the bytes
+    leave.
     """
 
     class RouterProtocol(HttpToolsProtocol):
@@ -279,6 +295,10 @@ def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
         _headers_since = 0.0
         _body_since = 0.0
         _idle_since = 0.0
+        # Since when the transport's buffer has held bytes and not shrunk (0: empty or
+        # shrinking), and its size then.
+        _unread_since = 0.0
+        _unread_size = 0
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -287,7 +307,9 @@ def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
             if read_timeout:
                 self._headers_since = self.loop.time()
             if cls._sweep is None:  # the first connection (or the first since all closed)
-                cls._tick = min((1.0, *(t / 4 for t in (read_timeout, self.timeout_keep_alive)
+                send_timeout = server.send_timeout if server is not None else 0.0
+                cls._tick = min((1.0, *(t / 4 for t in (read_timeout, self.timeout_keep_alive,
+                                                        send_timeout)
                                         if t > 0)))
                 cls._sweep = self.loop.call_later(cls._tick, cls._sweep_all, self.loop)
 
@@ -299,6 +321,9 @@ def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
             cls._sweep = loop.call_later(cls._tick, cls._sweep_all, loop) if cls._open else None
 
         def _check(self, now: float) -> None:
+            if server is not None and self._unread(now, server.send_timeout):
+                self.transport.abort()  # its buffer goes now, and connection_lost follows
+                return
             if self.transport.is_closing():
                 return
             idle = self._idle_since
@@ -314,6 +339,25 @@ def http_protocol(read_timeout: float) -> type[HttpToolsProtocol]:
                 elif isinstance(cycle, RouterCycle):
                     cycle.body_late = read_timeout
                     cycle.message_event.set()  # a handler reading the body raises the 408
+
+        def _unread(self, now: float, send_timeout: float) -> bool:
+            """Whether bytes written to this connection have waited ``send_timeout`` with
+            none of them taken by its client: the transport's buffer has not shrunk since
+            (only the client's reading shrinks it). A stream is left to its
+            ``EventStream``, which times out its own writes, ends its generation and stops
+            writing (what it leaves is bounded: the buffer's high-water mark and a chunk)."""
+            size = self.transport.get_write_buffer_size()
+            if not size:
+                self._unread_since = 0.0
+                return False
+            if not self._unread_since or size < self._unread_size:  # new bytes, or progress
+                self._unread_since, self._unread_size = now, size
+                return False
+            self._unread_size = size
+            cycle = self.cycle
+            streaming = (cycle is not None and cycle.response_started
+                         and not cycle.response_complete)
+            return not streaming and now - self._unread_since >= send_timeout
 
         def data_received(self, data: bytes) -> None:
             self._idle_since = 0.0
@@ -454,6 +498,13 @@ class TokensPerMinute:
             bucket.tokens -= tokens
 
 
+def _counted(path: str) -> bool:
+    """Whether a request on ``path`` counts against its key's ``max_concurrent``: all do
+    but those on a stored response (``/v1/responses/{id}`` and below), which hold no
+    model and are how a key follows and stops the background runs that fill its limit."""
+    return not path.startswith("/v1/responses/") or path == "/v1/responses/input_tokens"
+
+
 class RateLimit:
     """ASGI middleware: per-client request limits. A client is the request's key (its
     principal's name) when keys are required, else its address (after
@@ -464,7 +515,9 @@ class RateLimit:
       ``Retry-After``, and every answer carries OpenAI's ``x-ratelimit-limit-requests`` and
       ``x-ratelimit-remaining-requests``.
     - Requests at once: the key's ``max_concurrent``; one more is a 429 at once (a stream
-      counts until its last byte).
+      counts until its last byte, a background response until it ends: its create keeps
+      its place, ``KeyPlace``). Reading, cancelling or deleting a stored response is not
+      counted, so a key at its limit can still follow and stop its background runs.
     """
 
     def __init__(self, app: ASGIApp, server: ServerConfig) -> None:
@@ -487,7 +540,7 @@ class RateLimit:
             return
         principal = principal_of(scope)
         per_minute = principal.limits.rpm or self.server.rate_limit_per_minute
-        at_once = principal.limits.max_concurrent
+        at_once = principal.limits.max_concurrent if _counted(scope["path"]) else 0
         if not per_minute and not at_once:
             await self.app(scope, receive, send)
             return
@@ -523,13 +576,42 @@ class RateLimit:
             await self.app(scope, receive, send_counted)
             return
         self._in_flight[client] = self._in_flight.get(client, 0) + 1
+        place = scope[KEY_PLACE_SCOPE_KEY] = KeyPlace(self, client)
         try:
             await self.app(scope, receive, send_counted)
         finally:
-            if (still := self._in_flight[client] - 1):
-                self._in_flight[client] = still
-            else:
-                del self._in_flight[client]
+            if not place.kept:
+                self.give_back(client)
+
+    def give_back(self, client: str) -> None:
+        """One of ``client``'s requests (or work one left running) has ended."""
+        if (still := self._in_flight[client] - 1):
+            self._in_flight[client] = still
+        else:
+            del self._in_flight[client]
+
+
+KEY_PLACE_SCOPE_KEY = "modelyard.key_place"
+"""Where a request's scope carries its place among its key's ``max_concurrent``
+(``KeyPlace``), when its key has that limit."""
+
+
+class KeyPlace:
+    """A request's place among its key's ``max_concurrent`` requests: given back when its
+    handler returns, unless the handler ``keep``s it for work it leaves running (a
+    background response), which then gives it back itself when it ends."""
+
+    __slots__ = ("client", "kept", "limit")
+
+    def __init__(self, limit: RateLimit, client: str) -> None:
+        self.limit = limit
+        self.client = client
+        self.kept = False
+
+    def keep(self) -> Callable[[], None]:
+        """Hand the place on; call what this returns, once, when that work ends."""
+        self.kept = True
+        return functools.partial(self.limit.give_back, self.client)
 
 
 CAP_SCOPE_KEY = "modelyard.connection_cap"

@@ -42,7 +42,7 @@ from router.api.responses.shaper import ResponseShaper
 from router.api.responses.store import ResponseStore, StoreCollector, Stored, encode_items
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import APIError, BadRequest, ClientGone
-from router.limits import CAP_SCOPE_KEY, ConnectionCap
+from router.limits import CAP_SCOPE_KEY, KEY_PLACE_SCOPE_KEY, ConnectionCap, KeyPlace
 from router.link import WorkerLink
 from shared.protocol import Generate, Tokenize
 
@@ -84,7 +84,7 @@ class ResponsesAPI:
                  store: ResponseStore | None = None) -> None:
         self.relay = relay
         self.max_body_bytes = max_body_bytes
-        self.store = store or ResponseStore()
+        self.store = store if store is not None else ResponseStore()  # an empty one is falsy
         self.background = BackgroundRuns()
         relay.metrics.registry.register(StoreCollector(self.store))
 
@@ -139,7 +139,10 @@ class ResponsesAPI:
     def _start_background(self, creating: Request, model: str | None, gen: Generate,
                           shaper: ResponseShaper, items: bytes) -> Response:
         """Answer ``queued`` at once and run the response without its client. The run
-        counts against ``max_connections`` (``ConnectionCap.hold``) until it ends."""
+        counts against ``max_connections`` (``ConnectionCap.hold``) and against its key's
+        ``max_concurrent`` (the create's place, ``KeyPlace.keep``) until it ends: a create
+        past either limit was refused before this ran (503 or 429), as a foreground
+        request is, rather than queued behind the key's other runs."""
         rid = shaper.rid
         owner = principal_of(creating.scope)
         shaper.bind(self.relay.resolve_for(model, owner).id)  # unknown to the key: 404 now
@@ -148,6 +151,8 @@ class ResponsesAPI:
             cap.hold()  # 503 at the cap: nothing stored, nothing started
         queued = shaper.response("queued")
         self.store.put(rid, queued, items, owner.name)
+        place: KeyPlace | None = creating.scope.get(KEY_PLACE_SCOPE_KEY)
+        give_back = place.keep() if place is not None else None
 
         async def run(request: Request) -> None:
             try:
@@ -155,6 +160,8 @@ class ResponsesAPI:
             finally:
                 if cap is not None:
                     cap.let_go()
+                if give_back is not None:
+                    give_back()
 
         async def relay(request: Request) -> None:
             self.store.put(rid, shaper.response("in_progress"), items, owner.name)
@@ -195,7 +202,7 @@ class ResponsesAPI:
     async def delete(self, request: Request) -> Response:
         rid, _ = self._stored(request)
         await self.background.cancel(rid)
-        self.store.delete(rid)
+        self.store.delete(rid, principal_of(request.scope).name)
         return JSONResponse({"id": rid, "object": "response", "deleted": True})
 
     async def cancel(self, request: Request) -> Response:
