@@ -16,7 +16,7 @@ import json
 import signal
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from router.access import AccessRules
 from router.api.openapi import build_document
 from router.app import build_app
 from router.errors import ANTHROPIC_PREFIX
@@ -149,9 +150,12 @@ def _repaired(body: dict[str, Any], param: str | None) -> dict[str, Any] | None:
 
 
 def call_and_check(case: schemathesis.Case[Any], base_url: str, *,
-                   limit: dict[str, int] | None = None, repairs: int = 6) -> None:
-    """Send ``case`` with every check; then again, repaired, while a field is refused.
-    ``limit`` caps integer fields (a real model on a CPU must answer quickly)."""
+                   limit: dict[str, int] | None = None, repairs: int = 6,
+                   headers: dict[str, str] | None = None,
+                   check: Callable[[schemathesis.Response], None] | None = None) -> None:
+    """Send ``case`` with every check (and ``check``, with ``headers``); then again,
+    repaired, while a field is refused. ``limit`` caps integer fields (a real model on a
+    CPU must answer quickly)."""
     for _ in range(repairs + 1):
         if limit and isinstance(case.body, dict):
             capped = {k: min(v, limit[k]) if k in limit and type(v) is int else v
@@ -160,8 +164,11 @@ def call_and_check(case: schemathesis.Case[Any], base_url: str, *,
                                                              "max_completion_tokens")):
                 capped["max_tokens"] = limit["max_tokens"]  # unset or null: the context
             case.body = capped
-        response = case.call_and_validate(base_url, excluded_checks=EXCLUDED, timeout=120)
+        response = case.call_and_validate(base_url, excluded_checks=EXCLUDED, timeout=120,
+                                          headers=headers)
         check_openai_shapes(case.operation.path, response)
+        if check is not None:
+            check(response)
         body = case.body
         if not isinstance(body, dict):
             return
@@ -181,20 +188,20 @@ def call_and_check(case: schemathesis.Case[Any], base_url: str, *,
 
 # -- synthetic engine: the whole API ---------------------------------------------------
 
-def served_document() -> dict[str, Any]:
+def served_document(auth: bool = False) -> dict[str, Any]:
     """What ``/openapi.json`` serves for ``SYNTH_PRESET``, built in this process: the
     tests are parametrized at collection, before any router runs (the live document is
-    checked against this one)."""
+    checked against this one); ``auth``: as a server with keys serves it."""
     with tempfile.TemporaryDirectory() as runtime_dir:
         text = SYNTH_PRESET.replace("{port}", "0")
         raw = parse_yaml(text, "fuzz.yaml")
         raw["server"]["runtime_dir"] = runtime_dir
         app = build_app(build_preset(raw, "fuzz.yaml"))
-        return build_document(app.routes, auth=False)
+        return build_document(app.routes, auth=auth)
 
 
-def load_schema(phases: list[str]) -> schemathesis.BaseSchema:
-    schema = schemathesis.openapi.from_dict(served_document())
+def load_schema(phases: list[str], auth: bool = False) -> schemathesis.BaseSchema:
+    schema = schemathesis.openapi.from_dict(served_document(auth))
     schema.config.phases.update(phases=phases)
     return schema
 
@@ -235,6 +242,55 @@ def test_every_route_is_described(synthetic_router: RouterProcess) -> None:
 @FAST
 def test_fuzz_synthetic(case: schemathesis.Case[Any], synthetic_router: RouterProcess) -> None:
     call_and_check(case, synthetic_router.url)
+
+
+# -- the same API once per role, on a server with keys ----------------------------------
+
+FUZZ_ADMIN = "k-fuzz-admin-3d9e"
+KEYED_PRESET = SYNTH_PRESET.replace("  load_timeout: 30\n", f"""  load_timeout: 30
+  admin_api_keys: [{FUZZ_ADMIN}]
+  auth_failures_per_minute: 0
+""")
+# Keys made or revoked mid-run would change the callers under the later cases.
+KEYED = (load_schema(["examples"], auth=True)
+         .exclude(path=["/v1/keys", "/v1/keys/{name}", "/rerank", "/v2/rerank", "/score"]))
+
+
+@pytest.fixture(scope="module")
+def keyed_router(tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[tuple[RouterProcess, dict[str, str]]]:
+    with running_router(KEYED_PRESET, tmp_path_factory.mktemp("fuzz-keyed"), "keyed") as r:
+        keys = {"admin": FUZZ_ADMIN}
+        for role in ("viewer", "user"):
+            made = r.client.post(f"{r.url}/v1/keys", json={"name": f"fuzz-{role}", "role": role},
+                                 headers={"authorization": f"Bearer {FUZZ_ADMIN}"})
+            assert made.status_code == 201, made.text
+            keys[role] = made.json()["key"]
+        yield r, keys
+
+
+RULES = AccessRules(build_app(build_preset(parse_yaml(
+    SYNTH_PRESET.replace("{port}", "0"), "fuzz.yaml"), "fuzz.yaml")).routes)
+
+
+@KEYED.parametrize()
+@settings(max_examples=6, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@pytest.mark.parametrize("role", ["viewer", "user", "admin"])
+def test_fuzz_as_each_role(case: schemathesis.Case[Any], role: str,
+                           keyed_router: tuple[RouterProcess, dict[str, str]]) -> None:
+    """Schemathesis' examples once per role: no 5xx, every shape valid, and a 403 exactly
+    where ``router.access.TABLE`` leaves the role out (never a 401: the key is valid)."""
+    r, keys = keyed_router
+
+    def as_the_table_says(response: schemathesis.Response) -> None:
+        path = httpx.URL(response.request.url).path
+        allowed = RULES.rule(response.request.method or "GET", path).allows(role)
+        assert response.status_code != 401, (role, path, response.text)
+        assert (response.status_code == 403) == (not allowed), (role, path, response.text)
+
+    call_and_check(case, r.url, headers={"authorization": f"Bearer {keys[role]}"},
+                   check=as_the_table_says)
 
 
 def test_load_then_force_unload_at_once(tmp_path: Path) -> None:
