@@ -18,7 +18,8 @@ is a 500:
 - Every ``run`` either succeeds, or is run once more on a fresh connection after a
   connection error, or raises ``DatabaseUnavailable``: an ``APIError`` that handlers let
   through as a 503 (``service_unavailable``, code ``database_unavailable``). A new
-  connection waits at most ``CONNECT_TIMEOUT`` seconds, and ``run`` waits at most
+  connection waits at most ``CONNECT_TIMEOUT`` seconds (``AWAY_WAIT`` while the last
+  statement found the database away), and ``run`` waits at most
   ``RUN_TIMEOUT`` for its answer (a statement on a server that stopped answering goes
   on on its thread; the caller is told at once).
 - A ``work`` that is retried runs twice: it must be safe to run again (the keys' and the
@@ -60,6 +61,10 @@ POOL_SIZE = 4
 and budget reads, ``/v1/usage`` and ``/v1/keys`` never wait for each other."""
 CONNECT_TIMEOUT = 5.0
 """Seconds a statement waits for a connection (a new one: libpq's ``connect_timeout``)."""
+AWAY_WAIT = 0.5
+"""Seconds a statement waits for a connection while the last one found the database
+away: the pool goes on trying in the background, and a request (a budget's read at
+admission, ``/v1/usage``) is not held ``CONNECT_TIMEOUT`` for each one."""
 RECONNECT_FOR = 5.0
 """Seconds the pool goes on replacing a lost connection in the background before a
 statement's own wait starts a fresh attempt (its back-off doubles from 1 s: never let it
@@ -133,6 +138,7 @@ class Database:
         self._opening = threading.Lock()
         self._pool: Any = None  # psycopg_pool.ConnectionPool, opened on first use
         self._sqlite: Conn | None = None  # SQLite's one connection (its one thread's)
+        self._away = False  # the last statement found the database away
 
     @property
     def shown(self) -> str:
@@ -163,6 +169,15 @@ class Database:
                                       f"{timeout:g} s") from None
 
     def _run(self, work: Callable[[Conn], T]) -> T:
+        try:
+            done = self._run_retried(work)
+        except DatabaseUnavailable:
+            self._away = True
+            raise
+        self._away = False
+        return done
+
+    def _run_retried(self, work: Callable[[Conn], T]) -> T:
         run = self._run_postgres if self.postgres else self._run_sqlite
         try:
             return run(work)
@@ -182,12 +197,13 @@ class Database:
     def _run_postgres(self, work: Callable[[Conn], T]) -> T:
         pool_errors = importlib.import_module("psycopg_pool")
         pool = self._open_pool()
+        wait = AWAY_WAIT if self._away else CONNECT_TIMEOUT
         try:
-            with pool.connection(timeout=CONNECT_TIMEOUT) as raw:
+            with pool.connection(timeout=wait) as raw:
                 return work(Conn(raw, postgres=True))
         except pool_errors.PoolTimeout as err:  # the pool tried meanwhile: no second wait
             raise DatabaseUnavailable(f"the database {self.shown} is unavailable: no "
-                                      f"connection within {CONNECT_TIMEOUT:g} s") from err
+                                      f"connection within {wait:g} s") from err
 
     def _open_pool(self) -> Any:
         with self._opening:

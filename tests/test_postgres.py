@@ -244,7 +244,10 @@ def test_a_router_survives_its_database_restarting_under_traffic(
             print(f"revocation after the restart refused in {took:.2f} s")
 
             postgres.pg_ctl("-m", "fast", "stop")
+            asked = time.monotonic()
             away = call(r, ADMIN, "GET", "/v1/usage")
+            print(f"/v1/usage while away: {away.status_code} in "
+                  f"{time.monotonic() - asked:.2f} s")
             assert away.status_code == 503, away.text
             error = away.json()["error"]
             assert error["code"] == "database_unavailable", error
