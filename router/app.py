@@ -38,8 +38,9 @@ from router.api.wire import api_error_handler, http_error_handler, server_error_
 from router.database import Database, default_url
 from router.errors import APIError, ModelNotFound
 from router.events import EventBus
-from router.key_store import REFRESH, KeyStore
 from router.key_store import SCHEMA as KEY_TABLES
+from router.key_store import KeyStore
+from router.key_store import follow as follow_keys
 from router.ledger import SCHEMA as LEDGER_TABLES
 from router.ledger import Ledger
 from router.limits import middleware_stack
@@ -118,15 +119,6 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     admin = AdminAPI(supervisor, server.max_body_bytes, reloader)
     named = KeysAPI(KeyStore(database), keys, server.max_body_bytes)
 
-    async def follow_named_keys() -> None:
-        """Other routers (and ``modelyard keys``) change the keys too: look again."""
-        while True:
-            await asyncio.sleep(REFRESH)
-            try:
-                await named.refresh()
-            except Exception as err:  # noqa: BLE001  # either driver's errors: the keys stay
-                log.warning("named keys: cannot read %s: %s", database.shown, err)
-
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         log.info("modelyard: %d model(s) from %s; runtime dir %s; %s", len(registry.entries),
@@ -141,7 +133,10 @@ def build_app(preset: Preset, *, watch_config: bool = False,
             log.error("modelyard: cannot use the database %s (server.database_url); "
                       "not starting", database.shown)
             raise
-        following = asyncio.create_task(follow_named_keys(), name="named-keys")
+        # While the database is away the last read serves STALE_MAX s, then named keys
+        # open nothing until it answers (router.key_store.follow).
+        following = asyncio.create_task(follow_keys(named.refresh, lambda: keys.set_named(())),
+                                        name="named-keys")
         supervisor.start()
         reloader.start(watch_config)
         try:

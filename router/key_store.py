@@ -6,25 +6,39 @@ Only its SHA-256 is stored; the secret (``my-`` and 43 random characters) is sho
 by ``modelyard keys create`` or ``POST /v1/keys``. A revoked key stays listed (its name
 stays taken: usage rows keep naming it) and opens nothing. Routers sharing one database
 see a change within ``REFRESH`` seconds.
+
+While the database is away a router keeps the named keys it last read for ``STALE_MAX``
+seconds (a key revoked meanwhile still opens what it opened: the revocation cannot be
+read); past that, named keys open nothing (``follow``) until a read succeeds again, and
+the first read after the database returns takes every change made meanwhile. Keys are
+not created or revoked while it is away (``/v1/keys`` answers 503).
 """
 
 from __future__ import annotations
 
+import asyncio
 import fnmatch
+import logging
 import re
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal
 
 import msgspec
 
 from router.database import Conn, Database
 
+log = logging.getLogger("modelyard.router")
+
 Role = Literal["admin", "user", "viewer"]
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
 """A key's name: it shows in usage and events, so it stays short and plain."""
 REFRESH = 2.0
 """Seconds between a router's looks at the keys in its database."""
+STALE_MAX = 60.0
+"""Seconds a router serves named keys from its last good read while the database is
+away; then they open nothing until it answers."""
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS api_keys (
         name TEXT PRIMARY KEY,
@@ -190,3 +204,37 @@ class KeyStore:
         """Every key not revoked, with its digest (the router's refresh)."""
         rows = await self.db.run(self._rows)
         return [(bytes.fromhex(row[1]), self._listed(row)) for row in rows if row[5] is None]
+
+
+async def follow(refresh: Callable[[], Awaitable[None]], drop: Callable[[], None], *,
+                 every: float = REFRESH, stale_max: float = STALE_MAX,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+    """Forever: ``refresh`` the named keys every ``every`` seconds (other routers and
+    ``modelyard keys`` change them too). Once no refresh has succeeded for ``stale_max``
+    seconds, ``drop`` them (named keys open nothing), once per outage, at most
+    ``stale_max + every`` seconds after the last good read; the next refresh that
+    succeeds brings them back as the database has them then."""
+    fresh = clock()
+    failing = dropped = False
+    while True:
+        await asyncio.sleep(every)
+        try:
+            # a database that does not answer is away too: never past the bound
+            async with asyncio.timeout(max(fresh + stale_max - clock(), every)):
+                await refresh()
+        except Exception as err:  # noqa: BLE001  # unavailable, or a bug: the same rule
+            err = err if str(err) else type(err).__name__  # type: ignore[assignment]
+            if not failing:  # once per outage, not every ``every`` seconds
+                log.warning("named keys: cannot read them (%s); the last read serves for "
+                            "%g s", err, stale_max)
+            failing = True
+            if not dropped and clock() - fresh > stale_max:
+                drop()
+                dropped = True
+                log.error("named keys: not read for %g s (%s); they open nothing until "
+                          "the database answers", stale_max, err)
+        else:
+            fresh = clock()
+            if failing:
+                log.warning("named keys: read again")
+            failing = dropped = False

@@ -5,8 +5,11 @@ A request's row (time, key name, model id, endpoint, status, prompt/cached/compl
 tokens, seconds) is appended to a bounded queue on the event loop, nothing more: a task
 writes what the queue holds every ``FLUSH_EVERY`` seconds (sooner once ``FLUSH_ROWS``
 wait), in one transaction on the database's own thread, and once more at shutdown. So a
-SIGTERM loses nothing and a kill -9 at most the last second's rows. A queue past
-``QUEUE_MAX`` (the database away for minutes) drops its oldest rows, counted and logged.
+SIGTERM loses nothing and a kill -9 at most the last second's rows. While the database is
+away (``DatabaseUnavailable``) the rows stay queued and the next flush after it returns
+writes them, each once: a batch leaves the queue while it is written and comes back to
+its front only if its write failed. A queue past ``QUEUE_MAX`` (the database away for
+minutes) drops its oldest rows, counted (``dropped``) and logged.
 
 Budgets: a named key's ``budgets`` cap its prompt+completion tokens per calendar day,
 ISO week or month (UTC), over every model or those a glob names. ``spent`` reads the
@@ -23,6 +26,7 @@ import asyncio
 import calendar
 import contextlib
 import fnmatch
+import functools
 import logging
 import time
 from collections import deque
@@ -118,6 +122,7 @@ class Ledger:
             self._wake.set()
 
     async def _write(self) -> None:
+        away = False
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(FLUSH_EVERY):
@@ -125,19 +130,45 @@ class Ledger:
             self._wake.clear()
             try:
                 await self.flush()
-            except Exception as err:  # noqa: BLE001  # either driver's: the rows wait
-                log.warning("usage ledger: cannot write to %s: %s", self.db.shown, err)
+            except Exception as err:  # noqa: BLE001  # either driver's, or unavailable: the rows wait
+                if not away:  # once per outage, not once a second
+                    log.warning("usage ledger: cannot write to %s (rows wait in memory): %s",
+                                self.db.shown, err)
+                away = True
+            else:
+                if away:
+                    log.warning("usage ledger: %s answers again; queued rows written",
+                                self.db.shown)
+                away = False
 
     async def flush(self) -> None:
-        """Write every queued row (one transaction); on failure they stay queued."""
+        """Write every queued row (one transaction). The rows leave the queue while they
+        are written: a row recorded meanwhile waits for the next flush, and a failed
+        write puts its rows back in front (``_settle``), so a row is written once
+        however long its caller waits. Raises what the write raised (the rows are
+        queued again) or, past the database's wait, ``DatabaseUnavailable`` (the rows
+        are still being written, and settle when that ends)."""
         async with self._flushing:
-            rows = list(self._queue)
-            if not rows:
+            if not self._queue:
                 return
-            await self.db.run(lambda conn: conn.many(INSERT, rows))
-            for _ in rows:  # rows queued meanwhile stay
-                self._queue.popleft()
+            rows = list(self._queue)
+            self._queue.clear()
+            done = self.db.submit(lambda conn: conn.many(INSERT, rows))
+            done.add_done_callback(functools.partial(self._settle, rows))
+            await self.db.bounded(done)
+
+    def _settle(self, rows: list[Row], done: asyncio.Future[None]) -> None:
+        """A batch's write has ended (on the event loop, before its flush resumes)."""
+        if not done.cancelled() and done.exception() is None:
             self.written += len(rows)
+            return
+        self._queue.extendleft(reversed(rows))  # oldest first, as they were
+        while len(self._queue) > QUEUE_MAX:
+            self._queue.popleft()
+            self.dropped += 1
+            if self.dropped in (1, 1000) or self.dropped % 100_000 == 0:
+                log.error("usage ledger: %d row(s) dropped: the database does not keep up",
+                          self.dropped)
 
     async def close(self) -> None:
         """Stop the writer and write what is left (the router's shutdown)."""

@@ -3,7 +3,9 @@
 ``group_by`` (comma-separated, of ``key``, ``model``, ``endpoint``, ``day``; default
 ``key,model``), ``start`` and ``end`` (Unix seconds, or a UTC date or time in ISO 8601;
 default: this calendar month so far) and ``key`` (a key's name). An admin or a viewer
-sees every key's usage; any other key only its own (naming another is a 403).
+sees every key's usage; any other key only its own (naming another is a 403). While the
+database is away it is a 503 (``database.DatabaseUnavailable``, code
+``database_unavailable``), never a 500.
 """
 
 from __future__ import annotations
