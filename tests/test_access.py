@@ -34,7 +34,7 @@ from starlette.routing import Mount, Route
 
 from router.access import ROLES, TABLE, AccessRules, markdown
 from router.app import build_app
-from router.database import Database
+from router.database import Database, DatabaseUnavailable
 from router.key_store import SCHEMA as KEY_TABLES
 from router.key_store import KeySpec, KeyStore
 from shared.config import load_preset
@@ -67,8 +67,7 @@ class Server:
 
     async def ask(self, method: str, path: str, key: str | None,
                   body: bytes | None = None) -> httpx.Response:
-        transport = httpx.ASGITransport(app=self.app, client=("10.9.9.9", 5000),
-                                        raise_app_exceptions=False)
+        transport = httpx.ASGITransport(app=self.app, client=("10.9.9.9", 5000))
         headers = {"authorization": f"Bearer {key}"} if key else {}
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
             return await c.request(method, path, headers=headers, content=body)
@@ -313,13 +312,18 @@ def test_a_database_that_stops_answering_widens_nothing(tmp_path: Path) -> None:
     async def go() -> list[str]:
         async with serving(tmp_path, preset_user=True, preset_admin=True,
                            named=("user", "limited", "viewer", "revoked")) as server:
-            def away(work: Any) -> Any:
-                raise OSError("the database is away")
+            async def away(work: Any) -> Any:
+                raise DatabaseUnavailable("the database is away")
             database = server.app.state.keys_api.store.db
             database.run = away  # every statement fails from here on
             with contextlib.suppress(Exception):
                 await server.app.state.keys_api.refresh()
-            return await check_matrix(server, ROLE_OF, True, "database away")
+            wrong = await check_matrix(server, ROLE_OF, True, "database away")
+            server.app.state.keys.set_named(())  # past key_store.STALE_MAX: dropped
+            named = {who: server.keys[who] for who in ("limited", "viewer")}
+            server.keys.update(limited=None, viewer=None, user=PRESET_USER,
+                               revoked=named["viewer"], wrong=named["limited"])
+            return wrong + await check_matrix(server, ROLE_OF, True, "database away long")
     assert asyncio.run(go()) == []
 
 
