@@ -28,6 +28,7 @@ import psutil
 
 from router.processes import group_members, kill_tree, log_tail, signal_all
 from router.registry import ModelEntry, ModelRegistry
+from worker.lifeline import dies_with
 
 log = logging.getLogger("modelyard.router")
 FAILURES_MAX = 3  # spares that die unused in a row before no more are started
@@ -122,7 +123,8 @@ class SparePool:
                     *self.command, "--ready-fd", str(told_fd),
                     stdin=asyncio.subprocess.PIPE, stdout=log_file,
                     stderr=asyncio.subprocess.STDOUT, env=self.env(),
-                    start_new_session=True, pass_fds=(told_fd,))
+                    start_new_session=True, pass_fds=(told_fd,),
+                    preexec_fn=dies_with(os.getpid()))  # dies with us, held or not
         except (OSError, ValueError) as err:
             os.close(ready_fd)
             self._failures += 1
