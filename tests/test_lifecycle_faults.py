@@ -460,3 +460,82 @@ def test_nothing_the_router_started_outlives_its_sigkill(tmp_path: Path) -> None
             streams.close()
             r.stop()
     assert not outlived, f"seed {seed}: {outlived}"
+
+
+# In the worker processes of the test below, vLLM's engine is a stand-in that starts its
+# processes as vLLM does (EngineCore forked on CPU, spawned on a GPU; a spawned one
+# brings multiprocessing's resource tracker), then loads for an hour; nothing is imported.
+ENGINE_STAND_IN = """
+import importlib.abc, importlib.util, sys
+
+
+def start(cls, spec, path):
+    import multiprocessing, time
+    for method in ("fork", "spawn"):
+        multiprocessing.get_context(method).Process(
+            target=time.sleep, args=(3600,), daemon=True).start()
+    time.sleep(3600)
+
+
+class StandIn(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "worker.engine":
+            return None
+        sys.meta_path.remove(self)
+        found = importlib.util.find_spec(name)
+        run = found.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.preload = lambda: None
+            module.VllmEngine.start = classmethod(start)
+
+        found.loader.exec_module = exec_module
+        return found
+
+
+sys.meta_path.insert(0, StandIn())
+"""
+
+ENGINE_PRESET = """
+server: {host: 127.0.0.1, port: {port}, spare_workers: 0}
+models:
+  engine: {model: /no-such-model, load_on_startup: true}
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("moment", ["loading", "stopped while loading"])
+def test_an_engines_processes_do_not_outlive_the_routers_sigkill(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str) -> None:
+    """The processes a vLLM worker's engine starts (EngineCore, its executor) watch no
+    parent: they end with the worker's process group, which nothing ended once the worker
+    itself was SIGKILLed, or never signalled when the worker was stopped."""
+    (tmp_path / "sitecustomize.py").write_text(ENGINE_STAND_IN)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    r = RouterProcess(ENGINE_PRESET, tmp_path, "engine")
+    tree: list[psutil.Process] = []
+    try:
+        r.start()
+        r.wait_healthy()
+        assert r.proc is not None
+        deadline = time.monotonic() + 60
+        while True:  # the worker, and under it the spawned process (started after the forked)
+            workers = psutil.Process(r.proc.pid).children()
+            if workers and any("spawn_main" in " ".join(p.cmdline())
+                               for p in workers[0].children(recursive=True)):
+                break
+            assert time.monotonic() < deadline, r.tail()
+            time.sleep(0.05)
+        if moment == "stopped while loading":
+            workers[0].suspend()
+        tree = psutil.Process(r.proc.pid).children(recursive=True)
+        r.proc.kill()
+        r.proc.wait(10)
+        left = _left(tree, 5)
+        assert not left, [(p.pid, p.status(), p.cmdline()) for p in left]
+    finally:
+        for p in tree:  # what a failed test left: never past the test
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        r.stop()
