@@ -10,7 +10,9 @@ count again (what killed them, a full disk or memory, may have passed).
 A spare's imports are held (``SIGSTOP``) while ``may_import`` says no: while a loaded model
 streams and no load waits for a worker. Even at nice 19 (and under ``SCHED_IDLE``, tried)
 an import beside a serving model took a 1-stream rate from 32 to 13.6 tokens/s for the
-first ~4 s after every load: not CPU time but the core's shared resources.
+first ~4 s after every load: not CPU time but the core's shared resources. A held spare
+still dies with the router: it is started with SIGKILL as its parent-death signal, which
+a stopped process cannot hold off (``worker.lifeline``).
 """
 
 from __future__ import annotations

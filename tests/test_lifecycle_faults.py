@@ -504,7 +504,6 @@ models:
 """
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("moment", ["loading", "stopped while loading"])
 def test_an_engines_processes_do_not_outlive_the_routers_sigkill(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str) -> None:

@@ -4,7 +4,8 @@ What the worker serves comes as one JSON ``WorkerBoot`` on stdin (its model's sp
 router's address and key, its environment), never on the command line, where every user
 could read it. With ``--spare`` the process first imports vLLM and torch, then waits for
 its boot: the router keeps such a spare ready and turns it into the next model's worker.
-vLLM starts EngineCore children, so everything runs under the ``__main__`` guard.
+vLLM starts EngineCore children, so everything runs under the ``__main__`` guard. The
+worker and the processes its engine starts die with the router (``worker.lifeline``).
 """
 
 from __future__ import annotations
