@@ -102,8 +102,9 @@ def die_with_parent() -> None:
 def guard_group() -> int | None:
     """Fork the process that SIGKILLs this worker's process group once the worker has
     exited; its pid. Only for a worker the router made a group leader (one started by
-    hand must not kill its shell's group). Call it before the worker starts threads of
-    its own or any process: the guard runs nothing but system calls."""
+    hand must not kill its shell's group). Call it before the engine starts any process
+    (a spare has vLLM imported by then, with a few native threads: the forked guard takes
+    none of their locks, as it makes nothing but system calls)."""
     worker = os.getpid()
     if os.getpgid(0) != worker:
         return None
