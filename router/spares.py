@@ -10,7 +10,9 @@ count again (what killed them, a full disk or memory, may have passed).
 A spare's imports are held (``SIGSTOP``) while ``may_import`` says no: while a loaded model
 streams and no load waits for a worker. Even at nice 19 (and under ``SCHED_IDLE``, tried)
 an import beside a serving model took a 1-stream rate from 32 to 13.6 tokens/s for the
-first ~4 s after every load: not CPU time but the core's shared resources.
+first ~4 s after every load: not CPU time but the core's shared resources. A held spare
+still dies with the router: it is started with SIGKILL as its parent-death signal, which
+a stopped process cannot hold off (``worker.lifeline``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import psutil
 
 from router.processes import group_members, kill_tree, log_tail, signal_all
 from router.registry import ModelEntry, ModelRegistry
+from worker.lifeline import dies_with
 
 log = logging.getLogger("modelyard.router")
 FAILURES_MAX = 3  # spares that die unused in a row before no more are started
@@ -122,7 +125,8 @@ class SparePool:
                     *self.command, "--ready-fd", str(told_fd),
                     stdin=asyncio.subprocess.PIPE, stdout=log_file,
                     stderr=asyncio.subprocess.STDOUT, env=self.env(),
-                    start_new_session=True, pass_fds=(told_fd,))
+                    start_new_session=True, pass_fds=(told_fd,),
+                    preexec_fn=dies_with(os.getpid()))  # dies with us, held or not
         except (OSError, ValueError) as err:
             os.close(ready_fd)
             self._failures += 1

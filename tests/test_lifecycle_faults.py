@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import time
@@ -29,7 +30,7 @@ from router.registry import ModelRegistry
 from router.supervisor import Supervisor
 from shared.config import build_preset
 from shared.protocol import Codec, Generate, Ready, SamplingSpec, ToRouter
-from tests.conftest import connected_peer, from_router, running_router
+from tests.conftest import RouterProcess, connected_peer, from_router, running_router
 
 
 def supervisor(tmp_path: Path, server: dict[str, Any] | None = None,
@@ -363,3 +364,177 @@ def test_a_stream_its_client_does_not_read_is_bounded(tmp_path: Path) -> None:
         ctx.term()
 
     asyncio.run(scenario())
+
+
+SPARE_PRESET = """
+server: {host: 127.0.0.1, port: {port}, spare_workers: 1}
+models:
+  synth: {model: /synthetic, engine: synthetic, load_on_startup: true,
+          engine_args: {tokens_per_second: 20}}
+  big: {model: "builtin:smollm2"}  # never loaded: a vLLM model makes the router keep a spare
+"""
+
+
+def _left(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of ``processes`` still running after ``timeout`` s (a zombie has ended: it
+    only waits for a parent that reaps it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = []
+        for p in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def _spare_pid(r: Any) -> int:
+    deadline = time.monotonic() + 30
+    while True:
+        spares = r.client.get(f"{r.url}/health").json()["spares"]
+        if spares:
+            return int(spares[0]["pid"])
+        assert time.monotonic() < deadline, r.tail()
+        time.sleep(0.02)
+
+
+@pytest.mark.integration
+def test_nothing_the_router_started_outlives_its_sigkill(tmp_path: Path) -> None:
+    """Finding 13 of issue 26: a spare importing vLLM outlived a SIGKILL of its router by
+    more than 20 s, and a spare held with ``SIGSTOP`` never ran its own watch. Each round
+    starts a router with a synthetic worker and a spare (which imports vLLM), kills the
+    router with SIGKILL at a moment chosen at random within its kind, and finds nothing
+    of what it had started still running 5 s later."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    moments = ["spare starting", "spare importing", "streaming, spare held",
+               "spare stopped by hand", "spare importing"]
+    outlived = []
+    for number, moment in enumerate(moments):
+        r = RouterProcess(SPARE_PRESET, tmp_path, f"round{number}")
+        tree: list[psutil.Process] = []
+        streams = contextlib.ExitStack()
+        try:
+            r.start()
+            assert r.proc is not None
+            router = psutil.Process(r.proc.pid)
+            if moment == "spare starting":  # while its Python starts, before any line of ours
+                deadline = time.monotonic() + 30
+                while not any("--spare" in p.cmdline() for p in router.children()):
+                    assert time.monotonic() < deadline, r.tail()
+                    time.sleep(0.005)
+                time.sleep(rng.uniform(0, 0.05))
+            else:
+                r.wait_healthy()
+                spare = _spare_pid(r)
+                if moment == "spare importing":
+                    time.sleep(rng.uniform(0.2, 3))
+                elif moment == "spare stopped by hand":
+                    os.kill(spare, signal.SIGSTOP)
+                else:
+                    r.wait_model("synth", timeout=30)
+                    reply = streams.enter_context(r.client.stream(
+                        "POST", f"{r.url}/v1/chat/completions", timeout=30,
+                        json={"model": "synth", "max_tokens": 2000, "stream": True,
+                              "messages": [{"role": "user", "content": "hi"}]}))
+                    assert reply.status_code == 200
+                    lines = reply.iter_lines()  # held: a dropped iterator closes the stream
+                    next(lines)
+                    deadline = time.monotonic() + 10  # the router holds the spare's import
+                    while psutil.Process(spare).status() != psutil.STATUS_STOPPED:
+                        assert time.monotonic() < deadline, r.tail()
+                        time.sleep(0.02)
+                    time.sleep(rng.uniform(0, 1))
+            tree = router.children(recursive=True)
+            assert tree, moment
+            r.proc.kill()
+            r.proc.wait(10)
+            outlived += [f"round {number} ({moment}): {p.pid} {p.status()} "
+                         f"{' '.join(p.cmdline()[2:])}" for p in _left(tree, 5)]
+        finally:
+            for p in tree:  # what a failed round left: never past the test
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            streams.close()
+            r.stop()
+    assert not outlived, f"seed {seed}: {outlived}"
+
+
+# In the worker processes of the test below, vLLM's engine is a stand-in that starts its
+# processes as vLLM does (EngineCore forked on CPU, spawned on a GPU; a spawned one
+# brings multiprocessing's resource tracker), then loads for an hour; nothing is imported.
+ENGINE_STAND_IN = """
+import importlib.abc, importlib.util, sys
+
+
+def start(cls, spec, path):
+    import multiprocessing, time
+    for method in ("fork", "spawn"):
+        multiprocessing.get_context(method).Process(
+            target=time.sleep, args=(3600,), daemon=True).start()
+    time.sleep(3600)
+
+
+class StandIn(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "worker.engine":
+            return None
+        sys.meta_path.remove(self)
+        found = importlib.util.find_spec(name)
+        run = found.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.preload = lambda: None
+            module.VllmEngine.start = classmethod(start)
+
+        found.loader.exec_module = exec_module
+        return found
+
+
+sys.meta_path.insert(0, StandIn())
+"""
+
+ENGINE_PRESET = """
+server: {host: 127.0.0.1, port: {port}, spare_workers: 0}
+models:
+  engine: {model: /no-such-model, load_on_startup: true}
+"""
+
+
+@pytest.mark.parametrize("moment", ["loading", "stopped while loading"])
+def test_an_engines_processes_do_not_outlive_the_routers_sigkill(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str) -> None:
+    """The processes a vLLM worker's engine starts (EngineCore, its executor) watch no
+    parent: they end with the worker's process group, which nothing ended once the worker
+    itself was SIGKILLed, or never signalled when the worker was stopped."""
+    (tmp_path / "sitecustomize.py").write_text(ENGINE_STAND_IN)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    r = RouterProcess(ENGINE_PRESET, tmp_path, "engine")
+    tree: list[psutil.Process] = []
+    try:
+        r.start()
+        r.wait_healthy()
+        assert r.proc is not None
+        deadline = time.monotonic() + 60
+        while True:  # the worker, and under it the spawned process (started after the forked)
+            workers = psutil.Process(r.proc.pid).children()
+            if workers and any("spawn_main" in " ".join(p.cmdline())
+                               for p in workers[0].children(recursive=True)):
+                break
+            assert time.monotonic() < deadline, r.tail()
+            time.sleep(0.05)
+        if moment == "stopped while loading":
+            workers[0].suspend()
+        tree = psutil.Process(r.proc.pid).children(recursive=True)
+        r.proc.kill()
+        r.proc.wait(10)
+        left = _left(tree, 5)
+        assert not left, [(p.pid, p.status(), p.cmdline()) for p in left]
+    finally:
+        for p in tree:  # what a failed test left: never past the test
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        r.stop()

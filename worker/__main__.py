@@ -4,7 +4,8 @@ What the worker serves comes as one JSON ``WorkerBoot`` on stdin (its model's sp
 router's address and key, its environment), never on the command line, where every user
 could read it. With ``--spare`` the process first imports vLLM and torch, then waits for
 its boot: the router keeps such a spare ready and turns it into the next model's worker.
-vLLM starts EngineCore children, so everything runs under the ``__main__`` guard.
+vLLM starts EngineCore children, so everything runs under the ``__main__`` guard. The
+worker and the processes its engine starts die with the router (``worker.lifeline``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import resource
@@ -26,20 +26,11 @@ import msgspec
 import uvloop
 
 from shared.config import WorkerBoot
+from worker.lifeline import die_with_parent, guard_group, set_parent_death_signal
 from worker.server import WorkerServer
 
 log = logging.getLogger("modelyard.worker")
 SHUTDOWN_GRACE = 15.0  # seconds engine.shutdown() may take before the group is killed
-
-
-def _die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send ``sig`` when the router dies (a belt to the watcher's braces)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, sig)
-    except OSError:  # not glibc Linux: the parent watcher in WorkerServer still works
-        pass
 
 
 CHILDREN_DIE_WITH_IT = "MODELYARD_CHILDREN_DIE_WITH_WORKER"
@@ -52,7 +43,7 @@ def _children_die_with_us() -> None:
     forking = [0]  # the pid of the process that forks (this worker, or EngineCore)
 
     def in_child() -> None:
-        _die_with_parent(signal.SIGKILL)
+        set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != forking[0]:  # it died before the line above took effect
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -193,7 +184,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _die_with_parent()
+    die_with_parent()
     if os.environ.get(CHILDREN_DIE_WITH_IT) == "1":
         _children_die_with_us()
     if args.spare:
@@ -207,6 +198,8 @@ def main() -> None:
     phases = Phases(imported_at)
     if boot.log_path:
         _take_output(boot.log_path)
+    if boot.spec.engine != "synthetic":  # its engine starts processes: they end with it
+        guard_group()
     os.environ.update(boot.env)  # before any engine reads it (placement, the model's env)
     # uvloop, as vLLM's own API server runs: the stdlib loop's Python ``_run_once`` cost the
     # synthetic worker about half its time per request.

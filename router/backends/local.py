@@ -1,9 +1,11 @@
 """``local``: each worker is a subprocess of the router on this host (a spare, if one
-fits), in a process group of its own, killed with its engine's processes."""
+fits), in a process group of its own, killed with its engine's processes, and with them
+when the router dies, however it dies (``worker.lifeline``)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import signal
 import time
@@ -16,6 +18,7 @@ from router.backends.base import Backend, BootFor, WorkerHandle
 from router.processes import descendants, group_members, kill_tree, signal_all
 from router.registry import ModelEntry
 from router.spares import SparePool
+from worker.lifeline import dies_with
 
 
 class LocalHandle(WorkerHandle):
@@ -80,7 +83,8 @@ class LocalBackend(Backend):
                 proc = await asyncio.create_subprocess_exec(
                     *self.command(), stdin=asyncio.subprocess.PIPE,
                     stdout=log_file, stderr=asyncio.subprocess.STDOUT,
-                    env={**self.base_env(), **env}, start_new_session=True)
+                    env={**self.base_env(), **env}, start_new_session=True,
+                    preexec_fn=dies_with(os.getpid()))  # worker.lifeline
             handle = LocalHandle(proc, log_path)
         stdin = handle.proc.stdin
         assert stdin is not None
