@@ -5,7 +5,10 @@ Queries run on threads of the database's own (one for SQLite, ``POOL_SIZE`` for
 PostgreSQL): the event loop never waits on a query, and the loop's default executor
 (which the supervisor reaps workers with) is never taken. SQL is written once with ``?``
 placeholders and the column types ``DOUBLE`` and ``BIGINTEGER``; for PostgreSQL the
-placeholders become ``%s`` and the types their PostgreSQL names. Each module that keeps
+placeholders become ``%s`` and the types their PostgreSQL names (``Conn.sql``: a dozen
+statements, none built from user input but ``IN`` lists of ``?``, do not need SQLAlchemy
+Core's dialects, a dependency far larger than what it would replace; psycopg offers no
+``?`` paramstyle of its own). Each module that keeps
 a table declares it (``key_store.SCHEMA``, ``ledger.SCHEMA``); the database creates what
 it is given, where missing, on every new connection.
 
