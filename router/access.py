@@ -148,6 +148,17 @@ class AccessRules:
                 return route
         return None
 
+    def rule_for(self, scope: Scope) -> Rule:
+        """The rule for an HTTP request's scope, on the path Starlette routes it by (after
+        a ``root_path``, as ``starlette._utils.get_route_path`` strips it)."""
+        path: str = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root) and path != root and path[len(root)] == "/":
+            path = path[len(root):]
+        elif root and path == root:
+            path = ""
+        return self.rule(scope.get("method", "WEBSOCKET"), path)  # no route has that method
+
     def rule(self, method: str, path: str) -> Rule:
         """The rule for ``method`` on the concrete ``path``."""
         found = self.exact.get((method, path))

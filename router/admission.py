@@ -206,8 +206,8 @@ class KeyGuard:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
-        method = scope.get("method", "WEBSOCKET")  # no route has that method: no row
-        rule = self.rules.rule(method, path)
+        method = scope.get("method", "WEBSOCKET")
+        rule = self.rules.rule_for(scope)
         if not rule.roles:
             await send_error(send, APIError(
                 f"{method} {path} has no access rule: refused to every key",

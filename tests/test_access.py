@@ -175,6 +175,10 @@ def test_every_route_has_a_row_and_the_table_keeps_its_promises(tmp_path: Path) 
             extra = AccessRules([*server.app.routes, Route("/v1/new", lambda r: None)])
             assert sorted(extra.missing()) == ["GET /v1/new", "HEAD /v1/new"]
             assert not extra.rule("GET", "/v1/new").roles
+            # Starlette routes by the path after a root path: so does the table.
+            mounted = {"type": "http", "method": "POST", "path": "/api/v1/models/load",
+                       "root_path": "/api"}
+            assert rules.rule_for(mounted).roles == {"admin"}
     asyncio.run(go())
     # What the table must say whatever else changes in it.
     for (method, path), rule in TABLE.items():
