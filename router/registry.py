@@ -212,14 +212,16 @@ class ModelRegistry:
     def resolve(self, name: str | None,
                 shown: Callable[[list[str]], bool] | None = None) -> ModelEntry:
         """Find the model a request names (exactly, by case, substring or prefix, else the
-        default); raise ``ModelNotFound`` (404) if none fits, listing the models whose
-        names ``shown`` accepts (all without it: a key limited to some sees only those)."""
+        default); raise ``ModelNotFound`` (404) if none fits, listing the models. With
+        ``shown`` (a key limited to some models), only the models whose names it accepts
+        exist: for matching, the default and the list alike, so no answer differs by a
+        model the key may not know."""
         if name:
-            found = self._match(name)
+            found = self._match(name, shown)
             if found is not None:
                 return self.entries[found]
         if self.default_model:
-            default = self._match(self.default_model)
+            default = self._match(self.default_model, shown)
             if default is not None:
                 return self.entries[default]
         if not name:
@@ -229,15 +231,18 @@ class ModelRegistry:
         raise ModelNotFound(f"The model '{name}' does not exist. Available: "
                             f"{', '.join(listed)}", param="model")
 
-    def _match(self, name: str) -> str | None:
-        if name in self.entries:
+    def _match(self, name: str, shown: Callable[[list[str]], bool] | None = None) -> str | None:
+        def known(owner: str) -> bool:
+            return shown is None or shown(self.entries[owner].names)
+
+        if name in self.entries and known(name):
             return name
-        if name in self._aliases:
+        if name in self._aliases and known(self._aliases[name]):
             return self._aliases[name]
         folded = name.lower()
-        if folded in self._folded:
+        if folded in self._folded and known(self._folded[folded]):
             return self._folded[folded]
-        hits = {owner for key, owner in self._folded.items() if folded in key}
+        hits = {owner for key, owner in self._folded.items() if folded in key and known(owner)}
         if len(hits) == 1:
             return hits.pop()
         if len(hits) > 1 and not self.default_model:
@@ -245,7 +250,8 @@ class ModelRegistry:
                                 f"{', '.join(sorted(hits))}", param="model",
                                 code="model_ambiguous")
         if not hits:  # a versioned name (claude-sonnet-4-5-2025…) reaches its family's alias
-            prefixes = [key for key in self._folded if folded.startswith(key)]
+            prefixes = [key for key, owner in self._folded.items()
+                        if folded.startswith(key) and known(owner)]
             if prefixes:
                 return self._folded[max(prefixes, key=len)]
         return None

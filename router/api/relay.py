@@ -99,7 +99,7 @@ class Relay:
         principal = principal_of(request.scope)
         usage = Usage(principal.name)
         if principal.limits.models:  # first: nothing else may tell that a model exists
-            self._visible(model, principal, endpoint, streaming, usage)
+            model = self._visible(model, principal, endpoint, streaming, usage)
         self._refuse_known_oversized(model, gens, endpoint, streaming, usage)
         if principal.limits.budgets or principal.limits.tpm:
             await self._within_limits(principal, model, endpoint, streaming, usage)
@@ -294,16 +294,16 @@ class Relay:
         limits = principal.limits
         entry = self.supervisor.registry.resolve(model, limits.allows if limits.models
                                                  else None)
-        if not limits.allows(entry.names):
-            raise ModelNotFound(f"The model '{model or entry.id}' does not exist",
-                                param="model")
+        assert limits.allows(entry.names)  # resolve matched among these only
         return entry
 
     def _visible(self, model: str | None, principal: Principal, endpoint: str,
-                 streaming: bool, usage: Usage) -> None:
-        """``resolve_for``'s 404, logged (under ``-``: the key may not know the model)."""
+                 streaming: bool, usage: Usage) -> str:
+        """The id of the model ``model`` names among those ``principal`` may use (every
+        later look-up by that exact id finds the same model); else ``resolve_for``'s 404,
+        logged (under ``-``: the key may not know the model)."""
         try:
-            self.resolve_for(model, principal)
+            return self.resolve_for(model, principal).id
         except APIError as err:
             self._log(endpoint, "-", streaming, err.status, usage)
             raise
@@ -401,7 +401,7 @@ class Relay:
         principal = principal_of(request.scope)
         usage = Usage(principal.name)
         if principal.limits.models:  # first: nothing else may tell that a model exists
-            self._visible(model, principal, endpoint, False, usage)
+            model = self._visible(model, principal, endpoint, False, usage)
         if principal.limits.budgets or principal.limits.tpm:
             await self._within_limits(principal, model, endpoint, False, usage)
         lease, link = await self._acquire(request, endpoint, model, task, False, usage,
