@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -256,6 +257,7 @@ server:
 models:
   m: {model: /synthetic, engine: synthetic, aliases: [smol]}
   slow: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 20}}
+  tight: {model: /synthetic, engine: synthetic, max_model_len: 64}
 """
 HI_CHAT = [{"role": "user", "content": "hi"}]  # 5 prompt tokens (synthetic)
 
@@ -339,3 +341,29 @@ def test_concurrent_requests_never_spend_past_the_budget(router: RouterProcess) 
                            ).status_code, range(10)))
     assert codes.count(200) >= 1 and set(codes) == {200, 429}, codes
     assert spent(router, erin) <= 100
+
+
+@pytest.mark.integration
+def test_a_hold_is_given_back_however_the_request_ends(router: RouterProcess) -> None:
+    """A stream its client leaves and a request the worker refuses give their hold back:
+    the same request fits again (a hold kept would leave no room for it)."""
+    fay = key_with(router, "fay", {"tokens": 200, "period": "day"})
+    body = {"model": "slow", "messages": HI_CHAT, "max_tokens": 100, "stream": True}
+    long = {"model": "tight", "max_tokens": 60, "messages": [
+        {"role": "user", "content": "one two three four five six seven eight nine ten"}]}
+    for _ in range(3):  # 14 + 60 > 64: refused by the worker, holding 124 of what is left
+        refused = call(router, fay, "POST", "/v1/chat/completions", long)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+    for _ in range(3):  # each holds 118 of 200: the next fits once the last gave it back
+        deadline = time.monotonic() + 15
+        while True:
+            with router.client.stream("POST", router.url + "/v1/chat/completions", json=body,
+                                      headers={"Authorization": f"Bearer {fay}"}) as stream:
+                if stream.status_code == 200:
+                    next(stream.iter_lines())  # gone after its first event
+                    break
+                assert stream.status_code == 429 and time.monotonic() < deadline, \
+                    "the hold of a stream its client left is still kept"
+            time.sleep(0.2)
+    assert spent(router, fay) <= 200
