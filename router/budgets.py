@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import functools
 import logging
 import time
 from collections import deque
@@ -120,6 +121,8 @@ class _Read:
 class _Key:
     rows: deque[tuple[float, str, int]] = field(default_factory=deque)
     """This router's rows (time, model id, tokens) since the last good read's cut."""
+    totals: dict[str, int] = field(default_factory=dict)
+    """Their tokens per model id (a reservation sums these, not the rows)."""
     read: _Read | None = None
     tried: float = float("-inf")
     """When a read was last tried."""
@@ -146,6 +149,7 @@ class Budgets:
         state = self._keys.get(key)  # none kept for a key that never reserved
         if state is not None and tokens:
             state.rows.append((at, model, tokens))
+            state.totals[model] = state.totals.get(model, 0) + tokens
 
     async def reserve(self, key: str, budgets: Sequence[Budget], entry: ModelEntry,
                       gens: Sequence[Generate], clamp: bool = False) -> Reservation:
@@ -157,7 +161,7 @@ class Budgets:
             return NOTHING_HELD
         state = self._keys.setdefault(key, _Key())
         now = self.clock()
-        starts = {period_bounds(b.period, now)[0] for b in budgets}
+        starts = {_bounds(b.period, now)[0] for b in budgets}
         await self._refresh(key, state, starts)
         # From here to the hold nothing awaits: concurrent requests see each other's.
         now = self.clock()
@@ -166,7 +170,7 @@ class Budgets:
         context = entry.max_model_len or entry.spec.max_model_len
         need = fit(gens, context, room, clamp)
         if need is None:
-            end = period_bounds(tightest.period, now)[1]
+            end = _bounds(tightest.period, now)[1]
             raise BudgetExceeded(_refusal(tightest, room, gens, context, end),
                                  retry_after=max(1, int(end - now)))
         reservation = Reservation(state.held, entry.id, need)
@@ -188,10 +192,10 @@ class Budgets:
         state = self._keys.get(key)
         if state is None:
             return 0
-        return self._spent(state, budget, period_bounds(budget.period, self.clock())[0])
+        return self._spent(state, budget, _bounds(budget.period, self.clock())[0])
 
     def left(self, state: _Key, budget: Budget, now: float) -> int:
-        start = period_bounds(budget.period, now)[0]
+        start = _bounds(budget.period, now)[0]
         held = sum(r.tokens for r in state.held if self.covers(budget, r.model))
         return budget.tokens - self._spent(state, budget, start) - held
 
@@ -203,9 +207,11 @@ class Budgets:
                          if self.covers(budget, model))
         # Rows before the read's cut are in its sums; a period the read has no sum for
         # began after it (this router's rows since are all here).
-        total += sum(tokens for at, model, tokens in state.rows
-                     if at >= start and self.covers(budget, model))
-        return total
+        if state.rows and state.rows[0][0] < start:  # kept since before the period began
+            return total + sum(tokens for at, model, tokens in state.rows
+                               if at >= start and self.covers(budget, model))
+        return total + sum(tokens for model, tokens in state.totals.items()
+                           if self.covers(budget, model))
 
     async def _refresh(self, key: str, state: _Key, starts: set[float]) -> None:
         """Read ``key``'s sums for the periods beginning at ``starts`` when the last read
@@ -228,7 +234,18 @@ class Budgets:
                 return
             state.read, state.failed = _Read(cut, sums), False
             while state.rows and state.rows[0][0] < cut:
-                state.rows.popleft()
+                _, model, tokens = state.rows.popleft()
+                state.totals[model] -= tokens
+
+
+def _bounds(period: str, now: float) -> tuple[float, float]:
+    """``period_bounds``, computed once per UTC day (a period is whole days)."""
+    return _day_bounds(period, int(now // 86_400))
+
+
+@functools.lru_cache(maxsize=16)
+def _day_bounds(period: str, day: int) -> tuple[float, float]:
+    return period_bounds(period, day * 86_400.0)
 
 
 def prompt_estimate(gen: Generate) -> int:

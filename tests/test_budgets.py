@@ -229,6 +229,8 @@ def test_a_new_period_starts_from_nothing_but_what_is_still_held(setup: Setup) -
         await setup.ledger.flush()
         setup.clock.now += 1
         running = await setup.reserve("k", budget, 2)  # 70 + 20: it runs past midnight
+        setup.spend("k", "m", 5)  # yesterday's, kept in memory (not read yet)
+        assert setup.budgets.spent("k", budget) == 75
         with pytest.raises(BudgetExceeded):
             await setup.reserve("k", budget, 2)
         setup.clock.now += 19  # 00:00:10: a new day, the database away
