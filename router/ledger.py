@@ -1,5 +1,4 @@
-"""``Ledger``: one row per finished request in the router's database (``usage``), and the
-token budgets of named keys enforced from it.
+"""``Ledger``: one row per finished request in the router's database (``usage``).
 
 A request's row (time, key name, model id, endpoint, status, prompt/cached/completion
 tokens, seconds) is appended to a bounded queue on the event loop, nothing more: a task
@@ -11,13 +10,8 @@ writes them, each once: a batch leaves the queue while it is written and comes b
 its front only if its write failed. A queue past ``QUEUE_MAX`` (the database away for
 minutes) drops its oldest rows, counted (``dropped``) and logged.
 
-Budgets: a named key's ``budgets`` cap its prompt+completion tokens per calendar day,
-ISO week or month (UTC), over every model or those a glob names. ``spent`` reads the
-current period's sum from the database (every router's rows: routers sharing a
-database share budgets) at most every ``SPENT_EVERY`` seconds per key, plus what this
-router recorded since; past a budget a request gets a 429 naming it and its reset. With
-the database away a budget is checked against the last spend read (plus this router's
-rows since), and serving goes on.
+Budgets (``router.budgets``) read the sums and see each row as it is recorded
+(``on_record``).
 """
 
 from __future__ import annotations
@@ -25,26 +19,21 @@ from __future__ import annotations
 import asyncio
 import calendar
 import contextlib
-import fnmatch
 import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from router.database import Conn, Database
-from router.key_store import Budget
 
 log = logging.getLogger("modelyard.router")
 
 FLUSH_EVERY = 1.0
 FLUSH_ROWS = 2_000
 QUEUE_MAX = 200_000
-SPENT_EVERY = 2.0
-"""Seconds a key's spend read from the database is trusted (plus this router's own rows
-since): another router's requests count against a shared budget within this."""
 
 Row = tuple[float, str, str, str, int, int, int, int, float]
 COLUMNS = ("time", "key", "model", "endpoint", "status", "prompt_tokens", "cached_tokens",
@@ -91,13 +80,11 @@ class Ledger:
         self.written = 0
         self._writer: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()
-        # Budgets: (key, period, model glob) -> (period start, tokens in the database then,
-        # when read); this router's rows since are added from ``_recent``.
-        self._spent: dict[tuple[str, str, str], tuple[float, int, float]] = {}
-        self._recent: deque[tuple[float, str, str, int]] = deque()
-        """This router's token rows since a budget was first checked (none are kept until
-        then: a router without budgets does nothing more per request)."""
-        self._budgets = False
+        self._writing: list[list[Row]] = []
+        """Batches being written (out of the queue, not yet known to be committed)."""
+        self.on_record: Callable[[float, str, str, int], None] | None = None
+        """Called with each row's (time, key, model, prompt+completion tokens) as it is
+        queued (``router.budgets``)."""
 
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write(), name="ledger")
@@ -108,10 +95,8 @@ class Ledger:
         now = time.time()
         self._queue.append((now, key, model, endpoint, status, prompt, cached, completion,
                             round(seconds, 4)))
-        if self._budgets and (prompt or completion):
-            self._recent.append((now, key, model, prompt + completion))
-            while self._recent[0][0] < now - 2 * SPENT_EVERY:  # older than any cached read
-                self._recent.popleft()
+        if self.on_record is not None:
+            self.on_record(now, key, model, prompt + completion)
         if len(self._queue) > QUEUE_MAX:
             self._queue.popleft()
             self.dropped += 1
@@ -153,12 +138,14 @@ class Ledger:
                 return
             rows = list(self._queue)
             self._queue.clear()
+            self._writing.append(rows)
             done = self.db.submit(lambda conn: conn.many(INSERT, rows))
             done.add_done_callback(functools.partial(self._settle, rows))
             await self.db.bounded(done)
 
     def _settle(self, rows: list[Row], done: asyncio.Future[None]) -> None:
         """A batch's write has ended (on the event loop, before its flush resumes)."""
+        self._writing.remove(rows)
         if not done.cancelled() and done.exception() is None:
             self.written += len(rows)
             return
@@ -191,38 +178,12 @@ class Ledger:
         await self.flush()
         return await self.db.run(lambda conn: _sums(conn, group_by, start, end, key, models))
 
-    async def over_budget(self, key: str, budgets: Sequence[Budget], model: str,
-                          names: list[str]) -> tuple[Budget, float] | None:
-        """The first of ``budgets`` that applies to this model (``names``: its id and
-        aliases) and is spent for ``key``, with when its period resets; else None."""
-        self._budgets = True  # rows from here on are counted in ``spent``'s reads since
-        now = time.time()
-        for budget in budgets:
-            if budget.model and not any(fnmatch.fnmatchcase(n, budget.model) for n in names):
-                continue
-            start, end = period_bounds(budget.period, now)
-            if await self.spent(key, budget, start, now) >= budget.tokens:
-                return budget, end
-        return None
-
-    async def spent(self, key: str, budget: Budget, start: float, now: float) -> int:
-        """``key``'s tokens since ``start`` on the models ``budget`` covers."""
-        slot = (key, budget.period, budget.model or "")
-        known = self._spent.get(slot)
-        if known is None or known[0] != start or now - known[2] >= SPENT_EVERY:
-            try:
-                await self.flush()  # this router's rows are in the sum, none twice
-                read = await self.db.run(lambda conn: _tokens(conn, key, budget.model, start))
-            except Exception as err:  # noqa: BLE001  # either driver's: serve on what is known
-                log.warning("usage ledger: cannot read %s's spending: %s", key, err)
-                if known is None or known[0] != start:
-                    return sum(t for at, k, _, t in self._recent if k == key and at >= start)
-            else:
-                known = self._spent[slot] = (start, read, now)
-        since = sum(tokens for at, k, model, tokens in self._recent
-                    if at >= known[2] and k == key
-                    and (not budget.model or fnmatch.fnmatchcase(model, budget.model)))
-        return known[1] + since
+    def unwritten_since(self) -> float | None:
+        """The time of the oldest row not yet committed (queued, or being written); None
+        when every row is. Every row before it is in the database."""
+        oldest = [batch[0][0] for batch in self._writing] + (
+            [self._queue[0][0]] if self._queue else [])
+        return min(oldest) if oldest else None
 
 
 def _day(conn: Conn) -> str:
@@ -255,14 +216,3 @@ def _sums(conn: Conn, group_by: Sequence[str], start: float, end: float,
                     "completion_tokens": int(completion),
                     "seconds": round(float(seconds), 3)})
     return out
-
-
-def _tokens(conn: Conn, key: str, model_glob: str | None, start: float) -> int:
-    """Prompt and completion tokens of ``key`` since ``start`` (on models the glob names)."""
-    if model_glob:
-        rows = conn.execute("SELECT model, SUM(prompt_tokens + completion_tokens) FROM usage "
-                            "WHERE key = ? AND time >= ? GROUP BY model", (key, start))
-        return sum(int(n or 0) for model, n in rows if fnmatch.fnmatchcase(model, model_glob))
-    rows = conn.execute("SELECT SUM(prompt_tokens + completion_tokens) FROM usage "
-                        "WHERE key = ? AND time >= ?", (key, start))
-    return int(rows[0][0] or 0) if rows else 0

@@ -178,3 +178,24 @@ def test_named_keys_serve_from_the_last_read_for_stale_max_then_open_nothing() -
     # Read at 10; away from 20: dropped once the last read is over 60 s old (at 80),
     # once; read again at 100; away from 110, not yet 60 s at 130.
     assert log == ["read at 10", "dropped at 80", "read at 100"]
+
+
+def test_a_batch_being_written_stays_unwritten_until_it_is_committed(tmp_path: Path) -> None:
+    """Budgets count the database's rows before ``unwritten_since`` and this router's
+    from it: a batch out of the queue but not yet committed must stay on this side (it
+    was on neither when the two helpers' changes first met)."""
+    async def go() -> None:
+        ledger = Ledger(Database(f"sqlite:///{tmp_path / 'd.db'}", LEDGER_TABLES))
+        ledger.record("k", "m", "chat", 200, 3, 0, 4, 0.1)
+        first = ledger.unwritten_since()
+        assert first is not None
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ledger.db.submit = lambda work: gate  # type: ignore[method-assign,assignment,return-value]
+        flushing = asyncio.create_task(ledger.flush())
+        await asyncio.sleep(0.01)
+        assert not ledger._queue and ledger.unwritten_since() == first
+        gate.set_result(None)
+        await flushing
+        assert ledger.unwritten_since() is None
+        ledger.db.close()
+    asyncio.run(go())

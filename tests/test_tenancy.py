@@ -405,13 +405,16 @@ def test_a_budget_and_a_tpm_end_in_a_429_naming_them(shared: RouterProcess) -> N
     budgeted = call(r, ADMIN, "POST", "/v1/keys", {
         "name": "thrifty", "budgets": [{"tokens": 40, "period": "day"}]}).json()["key"]
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
-    for _ in range(3):  # 5 prompt + 10 completion tokens each: 45 > 40 after the third
-        assert call(r, budgeted, "POST", "/v1/chat/completions", chat).status_code == 200
+    # 5 prompt + 10 completion tokens each; a request holds its prompt's estimate (18) and
+    # its max_tokens (``router.budgets``): the second does not fit the 25 left.
+    assert call(r, budgeted, "POST", "/v1/chat/completions", chat).status_code == 200
     refused = call(r, budgeted, "POST", "/v1/chat/completions", chat)
     assert refused.status_code == 429, refused.text
     error = refused.json()["error"]
     assert error["code"] == "budget_exceeded" and "40 tokens per day" in error["message"]
     assert "resets at" in error["message"] and int(refused.headers["retry-after"]) > 1
+    assert call(r, budgeted, "POST", "/v1/chat/completions", {**chat, "max_tokens": 7}
+                ).status_code == 200  # 18 + 7 fit the 25 left; 12 spent: 13 left
     anthropic = call(r, budgeted, "POST", "/v1/messages", {
         "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
     assert anthropic.status_code == 429

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -26,7 +25,8 @@ from starlette.routing import Route
 from router.admission import Principal, principal_of
 from router.api.sse import EventStream
 from router.api.wire import JSONResponse, disconnected, error_response, unless_disconnected
-from router.errors import APIError, BadRequest, ClientGone, ClientTooSlow, ModelNotFound
+from router.budgets import Budgets, Reservation
+from router.errors import APIError, BadRequest, ClientGone, ClientTooSlow
 from router.ledger import Ledger
 from router.limits import TokensPerMinute
 from router.link import RequestStream, Usage, WorkerLink
@@ -81,6 +81,10 @@ class Relay:
         self.metrics = metrics or Metrics(supervisor.registry)
         self.ledger = ledger
         self.tpm = TokensPerMinute()
+        self.budgets = Budgets(ledger, supervisor.registry) if ledger is not None else None
+        self._reserved: dict[Usage, Reservation] = {}
+        """Budget holds of requests in flight, settled by their log line (``_log``, just
+        after their ledger row) or, on a path that ended without one, by ``_settle``."""
 
     keepalive_every = 5.0
     """Seconds between keep-alive events on a stream that waits for a cold model."""
@@ -102,7 +106,19 @@ class Relay:
             model = self._visible(model, principal, endpoint, streaming, usage)
         self._refuse_known_oversized(model, gens, endpoint, streaming, usage)
         if principal.limits.budgets or principal.limits.tpm:
-            await self._within_limits(principal, model, endpoint, streaming, usage)
+            await self._within_limits(principal, model, gens, endpoint, streaming, usage)
+        try:
+            return await self._generate(request, endpoint, model, gens, streaming, shaper_for,
+                                        keepalive, keep_alive, principal, usage)
+        except BaseException:
+            self._settle(usage)  # an end without its log line (cancelled; a bug)
+            raise
+
+    async def _generate(self, request: Request, endpoint: str, model: str | None,
+                        gens: list[Generate], streaming: bool,
+                        shaper_for: Callable[[str], Shaper], keepalive: bytes,
+                        keep_alive: float | None, principal: Principal, usage: Usage
+                        ) -> Response:
         if streaming and keepalive:
             now = self._now(endpoint, model, "generate", True, usage, principal)
             if not isinstance(now, tuple):
@@ -255,34 +271,41 @@ class Relay:
             self._log(endpoint, self._model_id(model), streaming, err.status, usage)
             raise
 
-    async def _within_limits(self, principal: Principal, model: str | None, endpoint: str,
-                             streaming: bool, usage: Usage) -> None:
-        """A 429 (logged) for a key past its tokens per minute or one of its budgets."""
+    async def _within_limits(self, principal: Principal, model: str | None,
+                             gens: list[Generate], endpoint: str, streaming: bool,
+                             usage: Usage) -> None:
+        """A 429 (logged) for a key past its tokens per minute, or for a request that does
+        not fit what one of its budgets has left; else what ``gens`` may spend is held
+        (``Budgets.reserve``, which may lower their ``max_tokens``: then ``usage.clamped``
+        says so) until the request's log line settles it."""
         try:
             entry = self.supervisor.registry.resolve(model)
         except APIError:
             return  # an unknown model: ``_now`` answers and logs it
         limits = principal.limits
-        err: APIError | None = None
         wait = self.tpm.wait(principal.name, limits.tpm) if limits.tpm else 0
-        if wait:
-            err = APIError(f"this key's {limits.tpm} tokens per minute are spent; retry in "
-                           f"{wait} s", status=429, type="rate_limit_error",
-                           code="rate_limit_exceeded", retry_after=wait)
-        elif limits.budgets and self.ledger is not None:
-            over = await self.ledger.over_budget(principal.name, limits.budgets, entry.id,
-                                                 entry.names)
-            if over is not None:
-                budget, resets = over
-                on = f" on {budget.model}" if budget.model else ""
-                err = APIError(
-                    f"this key's budget of {budget.tokens} tokens per {budget.period}{on} is "
-                    f"spent; it resets at {_iso(resets)}", status=429,
-                    type="rate_limit_error", code="budget_exceeded",
-                    retry_after=max(1, int(resets - time.time())))
-        if err is not None:
+        try:
+            if wait:
+                raise APIError(f"this key's {limits.tpm} tokens per minute are spent; retry "
+                               f"in {wait} s", status=429, type="rate_limit_error",
+                               code="rate_limit_exceeded", retry_after=wait)
+            if limits.budgets and self.budgets is not None:
+                asked = [gen.sampling.max_tokens for gen in gens]
+                clamp = clamps_max_tokens(entry.spec, PROTOCOLS.get(endpoint, "openai"))
+                self._reserved[usage] = await self.budgets.reserve(
+                    principal.name, limits.budgets, entry, gens, clamp)
+                lowered = [gen.sampling.max_tokens or 0 for gen, was in zip(gens, asked)
+                           if was is not None and gen.sampling.max_tokens != was]
+                usage.clamped = min(lowered, default=0)
+        except APIError as err:
             self._log(endpoint, entry.id, streaming, err.status, usage)
-            raise err
+            raise
+
+    def _settle(self, usage: Usage) -> None:
+        """Drop ``usage``'s budget hold, if it has one still (its row is recorded)."""
+        held = self._reserved.pop(usage, None)
+        if held is not None:
+            held.settle()
 
     def _allowed(self, model: str | None, principal: Principal) -> None:
         """A model the key's ``models`` globs leave out does not exist, for that key."""
@@ -374,6 +397,7 @@ class Relay:
         if self.ledger is not None:
             self.ledger.record(usage.key, model, endpoint, status, usage.prompt_tokens,
                                usage.cached_tokens, usage.completion, now - usage.started)
+        self._settle(usage)  # after the row: a concurrent reservation sees one or the other
         if usage.key and (usage.prompt or usage.completion):
             self.tpm.spend(usage.key, usage.prompt_tokens + usage.completion)
         if log.isEnabledFor(logging.INFO):  # its arguments cost more than the check
@@ -385,7 +409,8 @@ class Relay:
                      ",".join(usage.finish) or "-")
             if usage.clamped:
                 log.info("%s model=%s max_tokens clamped to %d: the prompt left no more of "
-                         "the context", endpoint, model, usage.clamped)
+                         "the context, or the key's budget no more", endpoint, model,
+                         usage.clamped)
         # Made only if someone reads it (``EventBus.publish_with``); ``usage`` is not
         # touched again once its request is logged.
         self.supervisor.events.publish_with("request", model, _request_event, endpoint,
@@ -403,9 +428,14 @@ class Relay:
         if principal.limits.models:  # first: nothing else may tell that a model exists
             model = self._visible(model, principal, endpoint, False, usage)
         if principal.limits.budgets or principal.limits.tpm:
-            await self._within_limits(principal, model, endpoint, False, usage)
-        lease, link = await self._acquire(request, endpoint, model, task, False, usage,
-                                          principal)
+            # Its input is counted by the worker only: held is that the budget has room.
+            await self._within_limits(principal, model, [], endpoint, False, usage)
+        try:
+            lease, link = await self._acquire(request, endpoint, model, task, False, usage,
+                                              principal)
+        except BaseException:
+            self._settle(usage)  # an end without its log line (cancelled)
+            raise
         status = 200
         try:
             with lease:
@@ -506,6 +536,3 @@ def _refuse_oversized(entry: ModelEntry, gens: list[Generate]) -> None:
                 "the prompt.", param="prompt" if gen.messages is None else "messages",
                 code="context_length_exceeded")
 
-
-def _iso(when: float) -> str:
-    return datetime.fromtimestamp(when, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

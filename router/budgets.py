@@ -1,0 +1,331 @@
+"""``Budgets``: a named key's token budgets (``KeySpec.budgets``), which no request can
+overspend.
+
+A budget caps a key's prompt+completion tokens per calendar day, ISO week or month
+(UTC), over every model or those its ``model`` glob names: a model is covered when the
+glob matches its id or any of its aliases (the registry's current entries); rows of a
+model no longer served count by their id alone.
+
+**Reserve, then settle.** Before a request runs, ``reserve`` holds what it may spend
+against what each budget covering its model has left: for each ``Generate``, an estimate
+of its prompt (``prompt_estimate``: UTF-8 bytes, an upper bound for byte-level
+tokenizers, plus a chat template's tokens) and ``n`` times its ``max_tokens`` (at most
+the model's context where known). The check and the hold are one step on the event loop,
+so concurrent requests see each other's holds. A request that cannot fit is refused
+(``BudgetExceeded``: a 429 naming the budget), with two exceptions:
+
+* a request without ``max_tokens`` asks for what there is room for (as an engine's
+  default is what the context leaves): its ``max_tokens`` becomes what the budget leaves
+  it, when that is less than the context;
+* where the protocol clamps an overflowing ``max_tokens`` (``clamp=True``: Anthropic's by
+  default, ``shared.config.clamps_max_tokens``), it is clamped to what the budget leaves
+  rather than refused, as it is to what the context leaves.
+
+Either way a request left less than one token per choice is refused. ``Reservation.settle``
+(once the request's ledger row is recorded, however it ended) drops the hold: its real
+spend is then in that row. The estimate is replaced by nothing earlier: a prompt whose
+chat template adds more than ``TEMPLATE_TOKENS`` a message is the one way a request spends
+past its hold (by that excess).
+
+**What a key has spent.** The current period's sum of the key's rows in the database
+(every router's: routers sharing a database share budgets), read at most every
+``SPENT_EVERY`` seconds per key, up to a *cut*: the earliest of the read's time and the
+oldest row this router has not written yet (``Ledger.unwritten_since``). Every row this
+router recorded at or after the cut is added from memory (``recorded``, the ledger's hook),
+so a row is counted exactly once: in the database below the cut, in memory from it, even
+while a flush runs.
+
+**The database away.** A read that fails keeps the last good one, and this router's rows
+since its cut are kept (never trimmed until a read succeeds): the spend is the last read
+plus every row this router recorded since, so the database being away never admits a key
+past its budget (what other routers spent meanwhile is unknown until it returns). A
+failed read is retried after ``SPENT_EVERY`` seconds, not per request.
+
+**A new period** starts from the rows at or after its start (a read made in the last
+period does not cover it: a new one is made, and with the database away this router's
+rows since the start count). Holds of requests still running count in the new period:
+their rows will land in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import functools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from router.database import Conn
+from router.errors import APIError
+from router.key_store import Budget
+from router.ledger import Ledger, period_bounds
+from router.registry import ModelEntry, ModelRegistry
+from shared.protocol import Generate
+
+log = logging.getLogger("modelyard.router")
+
+SPENT_EVERY = 2.0
+"""Seconds a key's spend read from the database is trusted (plus this router's own rows
+since): another router's requests count against a shared budget within this."""
+TEMPLATE_TOKENS = 8
+"""Tokens a chat template is taken to add per message (and once per request), in the
+prompt estimate."""
+
+
+class BudgetExceeded(APIError):
+    """A 429: the request does not fit what a budget of its key has left."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message, status=429, type="rate_limit_error",
+                         code="budget_exceeded", retry_after=retry_after)
+
+
+class Reservation:
+    """What one request holds of its key's budgets until ``settle``."""
+
+    __slots__ = ("_held", "model", "settled", "tokens")
+
+    def __init__(self, held: list[Reservation] | None, model: str, tokens: int) -> None:
+        self._held = held
+        self.model = model
+        self.tokens = tokens
+        self.settled = False
+
+    def settle(self) -> None:
+        """Drop the hold (the request's row, recorded just before, carries its real
+        spend). Only the first call counts."""
+        if self.settled:
+            return
+        self.settled = True
+        if self._held is not None:
+            self._held.remove(self)
+
+
+NOTHING_HELD = Reservation(None, "", 0)
+"""For a request no budget covers."""
+
+
+@dataclass(slots=True)
+class _Read:
+    cut: float
+    """Rows before this are in ``sums``; this router's from it on are in ``_Key.rows``."""
+    sums: dict[float, dict[str, int]]
+    """Per period start: tokens per model id in [start, cut)."""
+
+
+@dataclass(slots=True)
+class _Key:
+    rows: deque[tuple[float, str, int]] = field(default_factory=deque)
+    """This router's rows (time, model id, tokens) since the last good read's cut."""
+    totals: dict[str, int] = field(default_factory=dict)
+    """Their tokens per model id (a reservation sums these, not the rows)."""
+    read: _Read | None = None
+    tried: float = float("-inf")
+    """When a read was last tried."""
+    failed: bool = False
+    """Whether that try failed."""
+    held: list[Reservation] = field(default_factory=list)
+    reading: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Budgets:
+    """The budgets of every key that has reserved on this router; see the module
+    docstring. ``clock`` (seconds since the epoch) is the ledger's row clock."""
+
+    def __init__(self, ledger: Ledger, registry: ModelRegistry,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.ledger = ledger
+        self.registry = registry
+        self.clock = clock
+        self._keys: dict[str, _Key] = {}
+        ledger.on_record = self.recorded
+
+    def recorded(self, at: float, key: str, model: str, tokens: int) -> None:
+        """The ledger's hook: a row of ``key`` was recorded at ``at``."""
+        state = self._keys.get(key)  # none kept for a key that never reserved
+        if state is not None and tokens:
+            state.rows.append((at, model, tokens))
+            state.totals[model] = state.totals.get(model, 0) + tokens
+
+    async def reserve(self, key: str, budgets: Sequence[Budget], entry: ModelEntry,
+                      gens: Sequence[Generate], clamp: bool = False) -> Reservation:
+        """Hold what ``gens`` (one request to ``entry``'s model) may spend of ``key``'s
+        ``budgets``, lowering their ``max_tokens`` where the module docstring says; else
+        ``BudgetExceeded``."""
+        covering = [b for b in budgets if self.covers(b, entry.id)]
+        if not covering:
+            return NOTHING_HELD
+        state = self._keys.setdefault(key, _Key())
+        now = self.clock()
+        starts = {_bounds(b.period, now)[0] for b in budgets}
+        await self._refresh(key, state, starts)
+        # From here to the hold nothing awaits: concurrent requests see each other's.
+        now = self.clock()
+        tightest, room = min(((b, self.left(state, b, now)) for b in covering),
+                             key=lambda pair: pair[1])
+        context = entry.max_model_len or entry.spec.max_model_len
+        need = fit(gens, context, room, clamp)
+        if need is None:
+            end = _bounds(tightest.period, now)[1]
+            raise BudgetExceeded(_refusal(tightest, room, gens, context, end),
+                                 retry_after=max(1, int(end - now)))
+        reservation = Reservation(state.held, entry.id, need)
+        state.held.append(reservation)
+        return reservation
+
+    def covers(self, budget: Budget, model_id: str) -> bool:
+        """Whether ``budget`` counts rows of the model ``model_id``: its glob matches the
+        id or, for a model the registry serves, any alias."""
+        if not budget.model:
+            return True
+        entry = self.registry.entries.get(model_id)
+        names = entry.names if entry is not None else [model_id]
+        return any(fnmatch.fnmatchcase(name, budget.model) for name in names)
+
+    def spent(self, key: str, budget: Budget) -> int:
+        """``key``'s tokens on ``budget``'s models in its current period, as known now
+        (the last read plus this router's rows since; no holds)."""
+        state = self._keys.get(key)
+        if state is None:
+            return 0
+        return self._spent(state, budget, _bounds(budget.period, self.clock())[0])
+
+    def left(self, state: _Key, budget: Budget, now: float) -> int:
+        start = _bounds(budget.period, now)[0]
+        held = sum(r.tokens for r in state.held if self.covers(budget, r.model))
+        return budget.tokens - self._spent(state, budget, start) - held
+
+    def _spent(self, state: _Key, budget: Budget, start: float) -> int:
+        read = state.read
+        total = 0
+        if read is not None and start in read.sums:
+            total += sum(tokens for model, tokens in read.sums[start].items()
+                         if self.covers(budget, model))
+        # Rows before the read's cut are in its sums; a period the read has no sum for
+        # began after it (this router's rows since are all here).
+        if state.rows and state.rows[0][0] < start:  # kept since before the period began
+            return total + sum(tokens for at, model, tokens in state.rows
+                               if at >= start and self.covers(budget, model))
+        return total + sum(tokens for model, tokens in state.totals.items()
+                           if self.covers(budget, model))
+
+    async def _refresh(self, key: str, state: _Key, starts: set[float]) -> None:
+        """Read ``key``'s sums for the periods beginning at ``starts`` when the last read
+        is older than ``SPENT_EVERY`` or lacks one of them, at most one try every
+        ``SPENT_EVERY`` seconds; a failure keeps the last read."""
+        async with state.reading:  # one read per key at a time; a waiter takes its result
+            now = self.clock()
+            current = state.read is not None and starts <= state.read.sums.keys()
+            if now - state.tried < SPENT_EVERY and (current or state.failed):
+                return
+            state.tried, state.failed = now, True
+            unwritten = self.ledger.unwritten_since()
+            cut = now if unwritten is None else min(now, unwritten)
+            wanted = sorted(starts)
+            try:
+                sums = await self.ledger.db.run(lambda conn: _sums(conn, key, wanted, cut))
+            except Exception as err:  # noqa: BLE001  # either driver's: keep what is known
+                log.warning("budgets: cannot read %s's spending (%s); counting the last read "
+                            "and this router's rows since", key, err)
+                return
+            state.read, state.failed = _Read(cut, sums), False
+            while state.rows and state.rows[0][0] < cut:
+                _, model, tokens = state.rows.popleft()
+                state.totals[model] -= tokens
+
+
+def _bounds(period: str, now: float) -> tuple[float, float]:
+    """``period_bounds``, computed once per UTC day (a period is whole days)."""
+    return _day_bounds(period, int(now // 86_400))
+
+
+@functools.lru_cache(maxsize=16)
+def _day_bounds(period: str, day: int) -> tuple[float, float]:
+    return period_bounds(period, day * 86_400.0)
+
+
+def prompt_estimate(gen: Generate) -> int:
+    """Tokens ``gen``'s prompt may take: its token ids, else its text's UTF-8 bytes (no
+    byte-level token is shorter than a byte) plus ``TEMPLATE_TOKENS`` per message and
+    once more."""
+    if gen.prompt_token_ids is not None:
+        return len(gen.prompt_token_ids)
+    if gen.messages is None:
+        return len((gen.prompt or "").encode()) + TEMPLATE_TOKENS
+    size = sum(len((m.content or "").encode()) + TEMPLATE_TOKENS for m in gen.messages)
+    return size + TEMPLATE_TOKENS
+
+
+def fit(gens: Sequence[Generate], context: int | None, room: int, clamp: bool) -> int | None:
+    """What ``gens`` may spend once fitted into ``room`` tokens, or ``None`` if they
+    cannot fit. Each may spend its prompt (``prompt_estimate``, at most the context) and
+    ``n`` times its ``max_tokens`` (at most the context; none given: the context, or no
+    bound where the context is unknown). When that is more than ``room``, or unbounded,
+    the generates without ``max_tokens`` (and, with ``clamp``, every one) get an equal
+    share per choice of what the others leave as their ``max_tokens`` (where it is less
+    than they asked); at least one token each, else ``None``. The only side effect: those
+    ``max_tokens``, set only when it returns a number."""
+    if room < 1:  # every request spends a token
+        return None
+    prompts = [min(prompt_estimate(g), context) if context else prompt_estimate(g)
+               for g in gens]
+    wants = [_per_choice(g.sampling.max_tokens, context) for g in gens]
+    if None not in wants:
+        whole = sum(prompts) + sum(g.sampling.n * (w or 0) for g, w in zip(gens, wants,
+                                                                         strict=True))
+        if whole <= room:
+            return whole
+    lowered = [i for i, g in enumerate(gens) if clamp or g.sampling.max_tokens is None]
+    fixed = sum(prompts) + sum(g.sampling.n * (wants[i] or 0) for i, g in enumerate(gens)
+                               if i not in lowered)
+    choices = sum(gens[i].sampling.n for i in lowered)
+    share = (room - fixed) // choices if choices else 0
+    if share < 1:
+        return None
+    need = fixed
+    for i in lowered:
+        want, sampling = wants[i], gens[i].sampling
+        tokens = share if want is None else min(share, want)
+        if tokens != want:
+            sampling.max_tokens = tokens
+            # The prompt may leave the context less than that: the worker lowers it
+            # further, as the engine would have (this request asked for no number, or for
+            # a protocol that clamps).
+            sampling.clamp_max_tokens = True
+        need += sampling.n * tokens
+    return need
+
+
+def _per_choice(max_tokens: int | None, context: int | None) -> int | None:
+    if max_tokens is None:
+        return context
+    return min(max_tokens, context) if context else max_tokens
+
+
+def _refusal(budget: Budget, room: int, gens: Sequence[Generate], context: int | None,
+             resets: float) -> str:
+    on = f" on {budget.model}" if budget.model else ""
+    head = f"this key's budget of {budget.tokens} tokens per {budget.period}{on}"
+    when = datetime.fromtimestamp(resets, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if room <= 0:
+        return f"{head} is spent; it resets at {when}"
+    most = sum(prompt_estimate(g) + g.sampling.n * (g.sampling.max_tokens or context or 1)
+               for g in gens)
+    return (f"{head} has {room} tokens left, and this request may spend up to {most} (its "
+            f"prompt and n × max_tokens); lower max_tokens or n, or wait: it resets at "
+            f"{when}")
+
+
+def _sums(conn: Conn, key: str, starts: list[float], cut: float) -> dict[float, dict[str, int]]:
+    """Per period start: ``key``'s prompt and completion tokens per model in [start, cut)."""
+    out: dict[float, dict[str, int]] = {}
+    for start in starts:
+        rows = conn.execute("SELECT model, SUM(prompt_tokens + completion_tokens) FROM usage "
+                            "WHERE key = ? AND time >= ? AND time < ? GROUP BY model",
+                            (key, start, cut))
+        out[start] = {model: int(n or 0) for model, n in rows}
+    return out
