@@ -15,7 +15,7 @@ import hashlib
 import hmac
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,12 +63,23 @@ OPEN = Principal("", "admin")
 ANONYMOUS = Principal("", "anonymous")
 """A request with no valid key to a path open without one (``/health``, the probes)."""
 PRINCIPAL_SCOPE_KEY = "modelyard.principal"
+KEYS_SCOPE_KEY = "modelyard.keys"
 
 
 def principal_of(scope: Scope) -> Principal:
     """The principal ``KeyGuard`` found for a request (``OPEN`` when keys are off)."""
     found: Principal = scope.get(PRINCIPAL_SCOPE_KEY, OPEN)
     return found
+
+
+def still_admitted(scope: Scope) -> Callable[[], bool]:
+    """For a long answer (a stream): whether the request's key still admits it
+    (``Keys.admits``), asked as the answer goes on."""
+    keys: Keys | None = scope.get(KEYS_SCOPE_KEY)
+    if keys is None:  # no KeyGuard in front: an app built without admission (tests)
+        return lambda: True
+    principal = principal_of(scope)
+    return lambda: keys.admits(principal)
 
 
 def key_digest(key: bytes) -> bytes:
@@ -124,6 +135,7 @@ class Keys:
             preset[digest] = Principal(key_label(self.secret, digest), "admin")
         self.preset = preset
         self.principals = {**preset, **self.named}
+        self._by_name = {p.name: p for p in self.principals.values()}
         self.required = self.required or bool(self.principals)
 
     @property
@@ -147,9 +159,25 @@ class Keys:
         self.named = {digest: Principal(key.name, key.role, key.spec) for digest, key in named}
         self._build()
 
-    def other_admins(self, name: str) -> int:
-        """Admin keys that would remain without the named key ``name``."""
-        return sum(1 for p in self.principals.values() if p.admin and p.name != name)
+    @property
+    def preset_admins(self) -> int:
+        """The preset's keys that are admins (a named admin's revocation leaves them)."""
+        return sum(1 for p in self.preset.values() if p.admin)
+
+    def admits(self, principal: Principal) -> bool:
+        """Whether a request admitted as ``principal`` would still be: its key is still
+        there with the same role and limits (a stream checks this as it goes on, so a
+        revoked key's open streams end)."""
+        return not self.required or self._by_name.get(principal.name) == principal
+
+    def keeps_an_admin(self, other: Keys) -> bool:
+        """Whether the preset keys of ``other`` (a reload's) with today's named keys
+        leave an admin key, where one is today."""
+        if not any(p.admin for p in self.principals.values()):
+            return True  # none today: nothing to keep
+        users, admins = other.preset_digests
+        return bool(admins) or (bool(users) and not self._users_are_users) or any(
+            p.admin for p in self.named.values())
 
     @classmethod
     def load(cls, server: ServerConfig, source: str,
@@ -205,6 +233,10 @@ class KeyGuard:
         if scope["type"] == "lifespan":
             await self.app(scope, receive, send)
             return
+        if scope["type"] != "http":  # no route takes a WebSocket: refused before any key
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        scope[KEYS_SCOPE_KEY] = self.keys
         path = scope["path"]
         method = scope.get("method", "WEBSOCKET")
         rule = self.rules.rule_for(scope)

@@ -198,12 +198,26 @@ class KeyStore:
                         created=created, revoked=revoked)
 
     async def listed(self) -> list[NamedKey]:
-        return [self._listed(row) for row in await self.db.run(self._rows)]
+        return [key for row in await self.db.run(self._rows)
+                if (key := self._read(row)) is not None]
 
     async def active(self) -> list[tuple[bytes, NamedKey]]:
         """Every key not revoked, with its digest (the router's refresh)."""
-        rows = await self.db.run(self._rows)
-        return [(bytes.fromhex(row[1]), self._listed(row)) for row in rows if row[5] is None]
+        return [(bytes.fromhex(row[1]), key) for row in await self.db.run(self._rows)
+                if row[5] is None and (key := self._read(row)) is not None]
+
+    @classmethod
+    def _read(cls, row: tuple[str, str, str, str, float, float | None]) -> NamedKey | None:
+        """A row as a key; None (logged) for one that does not read, as a row edited by
+        hand may not: that key alone opens nothing, every other is read as usual."""
+        try:
+            if row[2] not in ("admin", "user", "viewer"):
+                raise ValueError(f"no role {row[2]!r}")
+            bytes.fromhex(row[1])
+            return cls._listed(row)
+        except (ValueError, msgspec.ValidationError) as err:
+            log.error("named key %r: its row does not read (%s); it opens nothing", row[0], err)
+            return None
 
 
 async def follow(refresh: Callable[[], Awaitable[None]], drop: Callable[[], None], *,

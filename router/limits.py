@@ -40,7 +40,6 @@ from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 from router.access import AccessRules
 from router.admission import (
-    OPEN,
     OPEN_PATHS,
     KeyGuard,
     Keys,
@@ -551,7 +550,9 @@ class RateLimit:
         if not per_minute and not at_once:
             await self.app(scope, receive, send)
             return
-        client: str = principal.name if principal is not OPEN else client_address(scope)
+        # A key's name; without one (an open server, or a keyless probe of an open path),
+        # the address: strangers never share one bucket.
+        client: str = principal.name or client_address(scope)
         extra: list[tuple[bytes, bytes]] = []
         if per_minute:
             buckets = self._buckets_for(per_minute)

@@ -154,6 +154,11 @@ class Reloader:
             raise ConfigError(f"{new.source}: {err}") from None
         self._check_preload(new, after)
         if keys.preset_digests != self.keys.preset_digests:
+            if not self.keys.keeps_an_admin(keys):
+                raise ConfigError(f"{new.source}: [server]: keys 'api_keys', "
+                                  "'admin_api_keys': this would leave no admin key (the "
+                                  "named ones included); make an admin key first, or "
+                                  "restart with this file")
             self.keys.set_preset(keys)
             diff.applied.append("api_keys")
             if self.keys.required and not keys.preset_digests[0] | keys.preset_digests[1]:

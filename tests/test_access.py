@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +40,7 @@ from router.database import Database, DatabaseUnavailable
 from router.key_store import SCHEMA as KEY_TABLES
 from router.key_store import KeySpec, KeyStore
 from shared.config import load_preset
+from tests.conftest import running_router
 
 PRESET_USER, PRESET_ADMIN = "k-preset-user-51c", "k-preset-admin-9ad"
 PRESET = """
@@ -264,20 +267,26 @@ def reload(server: Server, tmp: Path, *, user: bool, admin: bool) -> Callable[[]
 
 def test_a_reload_that_drops_the_preset_keys_keeps_keys_required(tmp_path: Path) -> None:
     """Finding 2: a reload without ``api_keys`` answered ``applied: ['api_keys']`` and a
-    keyless ``POST /v1/keys`` made an admin. Now the dropped keys open nothing, keys stay
-    required, and the answer lists ``api_keys`` as needing a restart to turn off."""
+    keyless ``POST /v1/keys`` made an admin. Now, with a named admin left, the dropped
+    keys open nothing at once and keys stay required; with none left the reload is
+    refused (400) and nothing changes."""
     async def go() -> list[str]:
         async with serving(tmp_path, preset_user=True, preset_admin=True) as server:
+            refused = await reload(server, tmp_path, user=False, admin=False)()
+            assert refused.status_code == 400, refused.text
+            assert (await server.ask("GET", "/v1/keys", PRESET_ADMIN)).status_code == 200
+        async with serving(tmp_path, preset_user=True, preset_admin=True,
+                           named=("admin", "viewer")) as server:
             answer = await reload(server, tmp_path, user=False, admin=False)()
             assert answer.status_code == 200, answer.text
-            assert "api_keys" in answer.json()["restart_required"]
+            assert "api_keys" in answer.json()["applied"]
             made = await server.ask("POST", "/v1/keys", None,
                                     b'{"name": "mallory", "role": "admin"}')
             assert made.status_code == 401, made.text
             for dropped in (PRESET_USER, PRESET_ADMIN):
                 assert (await server.ask("GET", "/v1/models", dropped)).status_code == 401
-            server.keys.update(user=None, admin=None, wrong=PRESET_USER, revoked=PRESET_ADMIN)
-            return await check_matrix(server, ROLE_OF, True, "reload dropped every key")
+            server.keys.update(user=None, wrong=PRESET_USER, revoked=PRESET_ADMIN)
+            return await check_matrix(server, ROLE_OF, True, "reload dropped the preset keys")
     assert asyncio.run(go()) == []
 
 
@@ -293,8 +302,10 @@ def test_a_reload_that_adds_an_admin_key_demotes_plain_keys_for_good(tmp_path: P
             assert answer.status_code == 200, answer.text
             server.keys.update(admin=PRESET_ADMIN, user=PRESET_USER)
             wrong = await check_matrix(server, ROLE_OF, True, "reload added an admin key")
-            assert (await reload(server, tmp_path, user=True, admin=False)()).status_code == 200
+            # Dropping the admin key again would leave none: refused, nothing changes.
+            assert (await reload(server, tmp_path, user=True, admin=False)()).status_code == 400
             assert (await server.ask("GET", "/v1/keys", PRESET_USER)).status_code == 403
+            assert (await server.ask("GET", "/v1/keys", PRESET_ADMIN)).status_code == 200
             return wrong
     assert asyncio.run(go()) == []
 
@@ -405,3 +416,132 @@ def test_readme_prints_the_table_as_it_is() -> None:
     shown = readme.split("<!-- access-table:start -->\n", 1)[1].split(
         "\n<!-- access-table:end -->", 1)[0]
     assert shown == markdown(), "README's role table: paste `python -m router.access`"
+
+
+# -- what a hostile review of the first version found ---------------------------------
+
+def test_a_limited_key_cannot_tell_hidden_names_from_unknown_ones(tmp_path: Path) -> None:
+    """A name matching two hidden models answered 'ambiguous: it matches <both ids>', a
+    hidden default answered with its id, and a hidden model's substring answered
+    differently from a name matching nothing: enough to enumerate them."""
+    async def go() -> None:
+        async with serving(tmp_path, preset_user=False, preset_admin=True,
+                           named=("limited",)) as server:
+            limited = server.keys["limited"]
+            answers = {}
+            for name in ("zzz", "secret", "SECRET-MODEL", "hid", "e", None):
+                body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+                if name is not None:
+                    body["model"] = name
+                got = await server.ask("POST", "/v1/chat/completions", limited,
+                                       json.dumps(body).encode())
+                answers[name] = (got.status_code, got.json()["error"]["message"].replace(
+                    f"'{name}'", "'NAME'"))
+            assert answers.pop(None)[0] == 404
+            assert len(set(answers.values())) == 1, answers
+            assert answers["zzz"] == (404, "The model 'NAME' does not exist. Available: m")
+    asyncio.run(go())
+
+
+def test_two_admins_revoking_each_other_at_once_leave_one(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with serving(tmp_path, preset_user=False, preset_admin=False,
+                           named=("admin",)) as server:
+            other = await server.ask("POST", "/v1/keys", server.keys["admin"],
+                                     b'{"name": "named-admin2", "role": "admin"}')
+            assert other.status_code == 201, other.text
+            both = await asyncio.gather(
+                server.ask("DELETE", "/v1/keys/named-admin2", server.keys["admin"]),
+                server.ask("DELETE", "/v1/keys/named-admin", other.json()["key"]))
+            assert sorted(r.status_code for r in both) in ([200, 401], [200, 409]), \
+                [r.text for r in both]
+            listed = await server.app.state.keys_api.store.listed()
+            assert [k.name for k in listed if k.role == "admin" and not k.revoked]
+    asyncio.run(go())
+
+
+def test_a_reload_that_would_leave_no_admin_key_is_refused(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with serving(tmp_path, preset_user=True, preset_admin=True,
+                           named=("admin",)) as server:
+            gone = await server.ask("DELETE", "/v1/keys/named-admin", PRESET_ADMIN)
+            assert gone.status_code == 200, gone.text
+            server.keys["admin"] = PRESET_ADMIN
+            refused = await reload(server, tmp_path, user=True, admin=False)()
+            assert refused.status_code == 400, refused.text
+            assert "no admin key" in refused.json()["error"]["message"]
+            assert (await server.ask("GET", "/v1/keys", PRESET_ADMIN)).status_code == 200
+    asyncio.run(go())
+
+
+def test_a_key_row_edited_by_hand_shuts_only_itself(tmp_path: Path) -> None:
+    """One row whose limits did not decode made every refresh fail: a key revoked at the
+    same time kept working (and past STALE_MAX every named key, admins too, stopped)."""
+    async def go() -> None:
+        async with serving(tmp_path, preset_user=False, preset_admin=True,
+                           named=("user", "limited", "viewer")) as server:
+            def edit(conn: Any) -> None:
+                conn.execute("UPDATE api_keys SET spec = ? WHERE name = 'named-limited'",
+                             ('{"models": "m"}',))
+                conn.execute("UPDATE api_keys SET role = 'Admin' WHERE name = 'named-viewer'")
+                conn.execute("UPDATE api_keys SET revoked = 1 WHERE name = 'named-user'")
+            await server.app.state.keys_api.store.db.run(edit)
+            await server.app.state.keys_api.refresh()
+            for who in ("user", "limited", "viewer"):
+                got = await server.ask("GET", "/v1/models", server.keys[who])
+                assert got.status_code == 401, (who, got.text)
+            assert (await server.ask("GET", "/v1/keys", PRESET_ADMIN)).status_code == 200
+    asyncio.run(go())
+
+
+def test_strangers_never_share_a_rate_limit_bucket(tmp_path: Path) -> None:
+    async def go() -> list[int]:
+        async with serving(tmp_path, preset_user=False, preset_admin=True) as server:
+            server.app.state.supervisor.server.rate_limit_per_minute = 3
+            statuses = []
+            for n in range(5):
+                transport = httpx.ASGITransport(app=server.app, client=(f"10.0.0.{n}", 1))
+                async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                    statuses.append((await c.get("/health")).status_code)
+                    statuses.append((await c.get("/static/status.js")).status_code)
+            return statuses
+    assert asyncio.run(go()) == [200] * 10
+
+
+REVOKE_PRESET = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  spare_workers: 0
+  admin_api_keys: [k-access-admin-0c1]
+models:
+  m: {model: /synthetic, engine: synthetic}
+"""
+
+
+@pytest.mark.integration
+def test_a_revoked_keys_open_streams_end(tmp_path: Path) -> None:
+    """A viewer's ``/v1/events`` stream (and its log follow) went on after the key was
+    revoked, carrying every key's requests."""
+    with running_router(REVOKE_PRESET, tmp_path, "revoke") as r:
+        admin = {"authorization": "Bearer k-access-admin-0c1"}
+        made = r.client.post(f"{r.url}/v1/keys", json={"name": "dash", "role": "viewer"},
+                             headers=admin)
+        assert made.status_code == 201, made.text
+        viewer = {"authorization": f"Bearer {made.json()['key']}",
+                  "accept": "text/event-stream"}
+        with httpx.Client(timeout=30) as client:
+            streams = [client.stream("GET", f"{r.url}{path}", headers=viewer)
+                       for path in ("/v1/events", "/v1/models/m/logs?follow=1")]
+            opened = [s.__enter__() for s in streams]
+            try:
+                assert [o.status_code for o in opened] == [200, 200]
+                revoked = r.client.delete(f"{r.url}/v1/keys/dash", headers=admin)
+                assert revoked.status_code == 200, revoked.text
+                deadline = time.monotonic() + 10
+                for response in opened:  # each ends by itself; keep-alives come meanwhile
+                    for _ in response.iter_raw():
+                        assert time.monotonic() < deadline, "the revoked key's stream goes on"
+            finally:
+                for s in streams:
+                    s.__exit__(None, None, None)

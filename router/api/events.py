@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.admission import Principal, principal_of
+from router.admission import Principal, principal_of, still_admitted
 from router.api.sse import EventStream, encode_json
 from router.api.wire import JSONResponse
 from router.errors import BadRequest, ModelNotFound
@@ -183,7 +183,8 @@ class EventsAPI:
         if "text/event-stream" not in request.headers.get("accept", ""):
             return JSONResponse({"object": "list", "data": recent})
         sub = self.bus.subscribe(replay=False)
-        return EventStream(self._event_stream(sub, recent, principal),
+        return EventStream(self._event_stream(sub, recent, principal,
+                                              still_admitted(request.scope)),
                            self.supervisor.server.send_timeout)
 
     def _names(self, model: str) -> list[str]:
@@ -196,7 +197,8 @@ class EventsAPI:
                 for e in self.supervisor.registry if principal.limits.allows(e.names)}
 
     async def _event_stream(self, sub: Subscription, recent: list[Event],
-                            principal: Principal) -> AsyncGenerator[bytes, None]:
+                            principal: Principal, admitted: Callable[[], bool]
+                            ) -> AsyncGenerator[bytes, None]:
         """The recent events (marked ``replayed``), then ``hello`` (live from here on, with
         every model's state and counts now), then events as they are published, and
         ``activity`` when a model's in-flight or queued count changed."""
@@ -213,7 +215,10 @@ class EventsAPI:
                                         if principal.limits.allows(e.names)}})
             while True:
                 event = await sub.get(timeout=self.activity_every)
-                if event is not None and (event := seen_by(event, principal, self._names)) is not None:
+                if not admitted():  # its key was revoked (or changed) meanwhile: it ends
+                    return
+                if event is not None and (
+                        event := seen_by(event, principal, self._names)) is not None:
                     yield sse_event(event)
                     quiet_since = loop.time()
                 now = self._activity(principal)
@@ -243,15 +248,16 @@ class EventsAPI:
         if not follow:
             return JSONResponse({"object": "list", "model": entry.id, "data": found})
         follower = LogFollower(path, offset, inode)
-        return EventStream(self._log_stream(entry.id, found, follower),
+        return EventStream(self._log_stream(entry.id, found, follower,
+                                            still_admitted(request.scope)),
                            self.supervisor.server.send_timeout)
 
-    async def _log_stream(self, model: str, first: list[str],
-                          follower: LogFollower) -> AsyncGenerator[bytes, None]:
+    async def _log_stream(self, model: str, first: list[str], follower: LogFollower,
+                          admitted: Callable[[], bool]) -> AsyncGenerator[bytes, None]:
         loop = asyncio.get_running_loop()
         quiet_since = loop.time()
         pending = first
-        while True:
+        while admitted():  # a key revoked meanwhile: the stream ends
             if pending:
                 yield b"".join(b"event: line\ndata: " + encode_json({"model": model, "line": line})
                                + b"\n\n" for line in pending)

@@ -8,6 +8,8 @@ takes a change at once; other routers on the same database within ``REFRESH`` se
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,6 +26,9 @@ class KeysAPI:
         self.store = store
         self.keys = keys
         self.max_body_bytes = max_body_bytes
+        self._lock = asyncio.Lock()
+        """Reads and writes of the keys one at a time: a read begun before a revocation
+        never lands after it (the revoked key would open again until the next read)."""
 
     def routes(self) -> list[Route]:
         # One route for both methods, so that a 405 lists them both in Allow.
@@ -42,7 +47,8 @@ class KeysAPI:
 
     async def refresh(self) -> None:
         """The database's keys into the guard's (``Keys.set_named``)."""
-        self.keys.set_named(await self.store.active())
+        async with self._lock:
+            self.keys.set_named(await self.store.active())
 
     async def list_keys(self, request: Request) -> Response:
         listed = [msgspec.to_builtins(k) for k in await self.store.listed()]
@@ -66,7 +72,7 @@ class KeysAPI:
     async def revoke(self, request: Request) -> Response:
         name = request.path_params["name"]
         try:
-            revoked = await self.store.revoke(name, self.keys.other_admins(name))
+            revoked = await self.store.revoke(name, self.keys.preset_admins)
         except LastAdmin:
             raise APIError(f"'{name}' is the last admin key: make another admin key before "
                            "revoking it", status=409, type="invalid_request_error",

@@ -82,7 +82,10 @@ class MetricsAPI:
 
         def keep(labels: dict[str, str]) -> bool:
             key = labels.get("key")
-            if key is not None and not principal.sees_all and key != principal.name:
+            # Per-key series carry no model: a key limited to some models (a viewer too)
+            # would read other models' traffic in another key's totals.
+            if key is not None and key != principal.name and (
+                    not principal.sees_all or principal.limits.models):
                 return False
             model = labels.get("model")
             return (model is None or not principal.limits.models
