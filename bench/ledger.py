@@ -31,10 +31,14 @@ from starlette.routing import Route
 from bench.common import modelyard, report
 from router.access import AccessRules
 from router.admission import KeyGuard, Keys
+from router.budgets import Budgets
 from router.database import Conn, Database
+from router.key_store import Budget
 from router.ledger import INSERT, SCHEMA, Ledger
 from router.limits import RateLimit, TokenBuckets
-from shared.config import ServerConfig
+from router.registry import ModelRegistry
+from shared.config import ServerConfig, build_preset
+from shared.protocol import ChatMessage, Generate, SamplingSpec
 
 KEY = "k-bench-ledger"
 ROWS = 1_000_000
@@ -70,9 +74,23 @@ def per_request_us() -> dict[str, float]:
         for _ in range(n):
             ledger.record("alice", "m", "chat", 200, 12, 0, 30, 0.25)
         record = (time.perf_counter() - started) / n * 1e6
+        # A key with a budget: the hold at admission, the row, the settle at its end.
+        budgets = Budgets(ledger, ModelRegistry(build_preset({"models": {
+            "m": {"model": "/synthetic", "engine": "synthetic"}}})))
+        entry = budgets.registry.entries["m"]
+        daily = [Budget(tokens=10**12, period="day")]
+        gens = [Generate(id="g", sampling=SamplingSpec(max_tokens=30),
+                         messages=[ChatMessage(role="user", content="hi")])]
+        started = time.perf_counter()
+        for _ in range(n // 10):
+            held = await budgets.reserve("alice", daily, entry, gens)
+            ledger.record("alice", "m", "chat", 200, 12, 0, 30, 0.25)
+            held.settle()
+        budgeted = (time.perf_counter() - started) / (n // 10) * 1e6
         return {"admission_with_key": round(with_keys - bare, 2),
                 "ledger_record": round(record, 2),
-                "total": round(with_keys - bare + record, 2)}
+                "total": round(with_keys - bare + record, 2),
+                "with_a_budget_reserve_record_settle": round(budgeted, 2)}
 
     return asyncio.run(run())
 
