@@ -97,12 +97,7 @@ class Ledger:
                             round(seconds, 4)))
         if self.on_record is not None:
             self.on_record(now, key, model, prompt + completion)
-        if len(self._queue) > QUEUE_MAX:
-            self._queue.popleft()
-            self.dropped += 1
-            if self.dropped in (1, 1000) or self.dropped % 100_000 == 0:
-                log.error("usage ledger: %d row(s) dropped: the database does not keep up",
-                          self.dropped)
+        self._trim()
         if len(self._queue) >= FLUSH_ROWS:
             self._wake.set()
 
@@ -150,6 +145,10 @@ class Ledger:
             self.written += len(rows)
             return
         self._queue.extendleft(reversed(rows))  # oldest first, as they were
+        self._trim()
+
+    def _trim(self) -> None:
+        """Past ``QUEUE_MAX`` rows, the oldest go (counted and logged)."""
         while len(self._queue) > QUEUE_MAX:
             self._queue.popleft()
             self.dropped += 1

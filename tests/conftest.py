@@ -138,10 +138,11 @@ def from_router(peer: Any) -> object:
 
 @contextlib.contextmanager
 def running_router(preset: str, workdir: Path, name: str,
-                   subst: dict[str, str] | None = None) -> Iterator[RouterProcess]:
-    """A started, healthy router that is stopped when the block ends; ``{key}`` in the
-    preset is replaced by ``subst[key]`` (and ``{port}``, ``{root}``)."""
-    r = RouterProcess(preset, workdir, name, subst)
+                   subst: dict[str, str] | None = None,
+                   kind: type[RouterProcess] = RouterProcess) -> Iterator[RouterProcess]:
+    """A started, healthy router (a ``kind``) that is stopped when the block ends;
+    ``{key}`` in the preset is replaced by ``subst[key]`` (and ``{port}``, ``{root}``)."""
+    r = kind(preset, workdir, name, subst)
     r.start()
     try:
         r.wait_healthy()

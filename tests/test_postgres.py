@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ROOT, RouterProcess, free_port
+from tests.conftest import ROOT, RouterProcess, free_port, running_router
 
 pytestmark = pytest.mark.integration
 
@@ -101,13 +101,9 @@ class PostgresRouter(RouterProcess):
 
 @contextlib.contextmanager
 def postgres_router(workdir: Path, name: str, postgres: Postgres) -> Iterator[RouterProcess]:
-    r = PostgresRouter(PRESET, workdir, name, {"database": postgres.url})
-    r.start()
-    try:
-        r.wait_healthy()
+    with running_router(PRESET, workdir, name, {"database": postgres.url},
+                        PostgresRouter) as r:
         yield r
-    finally:
-        r.stop()
 
 
 @pytest.fixture(scope="module")
