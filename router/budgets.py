@@ -23,9 +23,11 @@ so concurrent requests see each other's holds. A request that cannot fit is refu
 
 Either way a request left less than one token per choice is refused. ``Reservation.settle``
 (once the request's ledger row is recorded, however it ended) drops the hold: its real
-spend is then in that row. The estimate is replaced by nothing earlier: a prompt whose
-chat template adds more than ``TEMPLATE_TOKENS`` a message is the one way a request spends
-past its hold (by that excess).
+spend is then in that row. A chat template that adds more than ``TEMPLATE_TOKENS`` a
+message (a system prompt it inserts) makes a prompt take more than its estimate: the
+settle learns that excess per model (``Budgets.overhead``, the most seen) and every later
+hold of the model adds it, so only a model's first requests (until the largest excess is
+seen) can spend past their hold, by at most that excess.
 
 **What a key has spent.** The current period's sum of the key's rows in the database
 (every router's: routers sharing a database share budgets), read at most every
@@ -87,22 +89,31 @@ class BudgetExceeded(APIError):
 class Reservation:
     """What one request holds of its key's budgets until ``settle``."""
 
-    __slots__ = ("_held", "model", "settled", "tokens")
+    __slots__ = ("_held", "_learn", "estimate", "model", "prompts", "settled", "tokens")
 
-    def __init__(self, held: list[Reservation] | None, model: str, tokens: int) -> None:
+    def __init__(self, held: list[Reservation] | None, model: str, tokens: int,
+                 estimate: int = 0, prompts: int = 0,
+                 learn: Callable[[str, int], None] | None = None) -> None:
         self._held = held
         self.model = model
         self.tokens = tokens
+        self.estimate = estimate
+        """The prompt tokens held (``prompt_estimate`` of its prompts, the overhead learnt)."""
+        self.prompts = prompts
+        self._learn = learn
         self.settled = False
 
-    def settle(self) -> None:
+    def settle(self, prompt_tokens: int = 0) -> None:
         """Drop the hold (the request's row, recorded just before, carries its real
-        spend). Only the first call counts."""
+        spend); ``prompt_tokens``, what its prompts really took, teaches the model's
+        template overhead. Only the first call counts."""
         if self.settled:
             return
         self.settled = True
         if self._held is not None:
             self._held.remove(self)
+        if self._learn is not None and prompt_tokens > self.estimate and self.prompts:
+            self._learn(self.model, -(-(prompt_tokens - self.estimate) // self.prompts))
 
 
 NOTHING_HELD = Reservation(None, "", 0)
@@ -142,7 +153,14 @@ class Budgets:
         self.registry = registry
         self.clock = clock
         self._keys: dict[str, _Key] = {}
+        self.overhead: dict[str, int] = {}
+        """Per model id: the most tokens its chat template was seen to add to a prompt
+        beyond ``prompt_estimate`` (a system prompt it inserts, say), added to every
+        later hold of that model."""
         ledger.on_record = self.recorded
+
+    def _learnt(self, model: str, excess: int) -> None:
+        self.overhead[model] = self.overhead.get(model, 0) + excess
 
     def recorded(self, at: float, key: str, model: str, tokens: int) -> None:
         """The ledger's hook: a row of ``key`` was recorded at ``at``."""
@@ -168,12 +186,15 @@ class Budgets:
         tightest, room = min(((b, self.left(state, b, now)) for b in covering),
                              key=lambda pair: pair[1])
         context = entry.max_model_len or entry.spec.max_model_len
-        need = fit(gens, context, room, clamp)
+        overhead = self.overhead.get(entry.id, 0)
+        need = fit(gens, context, room, clamp, overhead)
         if need is None:
             end = _bounds(tightest.period, now)[1]
             raise BudgetExceeded(_refusal(tightest, room, gens, context, end),
                                  retry_after=max(1, int(end - now)))
-        reservation = Reservation(state.held, entry.id, need)
+        estimate = sum(prompt_estimate(gen) for gen in gens) + overhead * len(gens)
+        reservation = Reservation(state.held, entry.id, need, estimate, len(gens),
+                                  self._learnt)
         state.held.append(reservation)
         return reservation
 
@@ -260,9 +281,11 @@ def prompt_estimate(gen: Generate) -> int:
     return size + TEMPLATE_TOKENS
 
 
-def fit(gens: Sequence[Generate], context: int | None, room: int, clamp: bool) -> int | None:
+def fit(gens: Sequence[Generate], context: int | None, room: int, clamp: bool,
+        overhead: int = 0) -> int | None:
     """What ``gens`` may spend once fitted into ``room`` tokens, or ``None`` if they
-    cannot fit. Each may spend its prompt (``prompt_estimate``, at most the context) and
+    cannot fit. Each may spend its prompt (``prompt_estimate`` plus the model's learnt
+    template ``overhead``, at most the context) and
     ``n`` times its ``max_tokens`` (at most the context; none given: the context, or no
     bound where the context is unknown). When that is more than ``room``, or unbounded,
     the generates without ``max_tokens`` (and, with ``clamp``, every one) get an equal
@@ -271,8 +294,8 @@ def fit(gens: Sequence[Generate], context: int | None, room: int, clamp: bool) -
     ``max_tokens``, set only when it returns a number."""
     if room < 1:  # every request spends a token
         return None
-    prompts = [min(prompt_estimate(g), context) if context else prompt_estimate(g)
-               for g in gens]
+    prompts = [min(prompt_estimate(g) + overhead, context) if context
+               else prompt_estimate(g) + overhead for g in gens]
     wants = [_per_choice(g.sampling.max_tokens, context) for g in gens]
     if None not in wants:
         whole = sum(prompts) + sum(g.sampling.n * (w or 0) for g, w in zip(gens, wants,

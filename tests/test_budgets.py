@@ -146,6 +146,24 @@ def test_concurrent_requests_see_each_others_holds(setup: Setup) -> None:
     asyncio.run(go())
 
 
+def test_a_templates_overhead_is_learnt_and_held_from_then_on(setup: Setup) -> None:
+    """A template that inserts a system prompt makes "hi" take ~35 tokens, not its
+    estimate of 18: the first request's settle teaches the model that, and later holds
+    of the model include it (another model's do not)."""
+    budget = Budget(tokens=10_000, period="day")
+
+    async def go() -> None:
+        first = await setup.reserve("k", budget, 10)
+        assert first.tokens == HI + 10
+        first.settle(prompt_tokens=HI + 30)  # the template added 30 more
+        again = await setup.reserve("k", budget, 10)
+        assert again.tokens == HI + 30 + 10
+        again.settle(prompt_tokens=HI + 12)  # less than learnt: the most seen stays
+        assert (await setup.reserve("k", budget, 10)).tokens == HI + 30 + 10
+        assert (await setup.reserve("k", budget, 10, model="other")).tokens == HI + 10
+    asyncio.run(go())
+
+
 def test_an_alias_glob_counts_the_models_rows(setup: Setup) -> None:
     """On 96966e8 the rows (by id, ``m``) never matched ``smol*``: spent stayed 0."""
     budget = Budget(tokens=100, period="day", model="smol*")

@@ -305,7 +305,7 @@ class Relay:
         """Drop ``usage``'s budget hold, if it has one still (its row is recorded)."""
         held = self._reserved.pop(usage, None)
         if held is not None:
-            held.settle()
+            held.settle(usage.prompt_tokens)
 
     def _allowed(self, model: str | None, principal: Principal) -> None:
         """A model the key's ``models`` globs leave out does not exist, for that key."""
