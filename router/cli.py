@@ -12,7 +12,6 @@ import sys
 import msgspec
 import uvicorn
 
-from router.admission import Keys
 from router.app import build_app
 from router.database import Database, default_url
 from router.key_store import SCHEMA as KEY_TABLES
@@ -61,10 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def keys_command(args: argparse.Namespace, database: Database,
-                       other_admins: int = 0) -> int:
-    """``modelyard keys create|list|revoke`` (``other_admins``: the preset's admin keys,
-    which a revocation leaves)."""
+async def keys_command(args: argparse.Namespace, database: Database) -> int:
+    """``modelyard keys create|list|revoke`` (never the last named admin key: the preset
+    given here need not be the one the routers on that database run, so its admin keys
+    do not count)."""
     store = KeyStore(database)
     if args.action == "create":
         if args.name.startswith("key-"):
@@ -86,7 +85,7 @@ async def keys_command(args: argparse.Namespace, database: Database,
             print(f"{key.name}\t{key.role}\t{state}\t{limits}")
     else:
         try:
-            revoked = await store.revoke(args.name, other_admins)
+            revoked = await store.revoke(args.name)
         except LastAdmin:
             print(f"modelyard: {args.name!r} is the last admin key: make another admin key "
                   "first", file=sys.stderr)
@@ -110,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         database = Database(args.database_url or server.database_url
                             or default_url(server.cache_dir), KEY_TABLES)
         try:
-            admins = len(Keys.load(server, preset.source).preset_digests[1])
-            return asyncio.run(keys_command(args, database, admins))
+            return asyncio.run(keys_command(args, database))
         finally:
             database.close()
     overrides = {key: value for key, value in (

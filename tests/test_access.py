@@ -545,3 +545,21 @@ def test_a_revoked_keys_open_streams_end(tmp_path: Path) -> None:
             finally:
                 for s in streams:
                     s.__exit__(None, None, None)
+
+
+def test_the_cli_never_revokes_the_last_named_admin_key(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """Whatever preset it is given (its admin keys need not be the routers' own)."""
+    from router.cli import main
+
+    async def make() -> None:
+        async with serving(tmp_path, preset_user=False, preset_admin=True,
+                           named=("admin", "user")):
+            pass
+    asyncio.run(make())
+    url = f"sqlite:///{tmp_path / 'modelyard.db'}"
+    config = str(tmp_path / "preset.yaml")  # it has an admin key: not counted
+    assert main(["keys", "-c", config, "--database-url", url, "revoke", "named-user"]) == 0
+    assert main(["keys", "-c", config, "--database-url", url, "revoke", "named-admin"]) == 1
+    assert "last admin key" in capsys.readouterr().err
