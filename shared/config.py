@@ -152,6 +152,21 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``auto``); default: a Ray instance started in the router's process for its lifetime."""
 
 
+class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,
+                       kw_only=True):
+    """What a model samples with where a request leaves a parameter out: above the
+    model's own ``generation_config.json``, below the request (as Ollama's Modelfile
+    ``PARAMETER`` lines and ``vllm serve --override-generation-config``)."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """How to run one model. ``id`` is the preset's section or key name."""
 
@@ -231,6 +246,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     the context leaves, or ``reject`` (a 400); one value for every protocol, or per
     protocol. Default: Anthropic's Messages clamp (its clients hard-code 32 000), OpenAI's
     chat/completions and Responses reject, as OpenAI does."""
+    sampling_defaults: SamplingDefaults = msgspec.field(default_factory=SamplingDefaults)
+    """Sampling parameters for what a request leaves out (``SamplingDefaults``), on every
+    protocol; INI: ``sampling_defaults.temperature = 0.2``."""
     owned_by: str = "modelyard"
     engine_args: dict[str, Any] = {}
     """Extra ``AsyncEngineArgs`` keyword arguments, passed through unchanged."""
@@ -310,9 +328,9 @@ def _explain(err: msgspec.ValidationError) -> tuple[str, str | None]:
     m = _AT_RE.search(text)
     reason = _AT_RE.sub("", text)
     unknown = re.search(r"unknown field `([^`]+)`", text)
-    if unknown:
-        return "unknown key", unknown.group(1)
     key = m.group(1).lstrip(".") if m else None
+    if unknown:  # at a nested table's key: its path first
+        return "unknown key", f"{key}.{unknown.group(1)}" if key else unknown.group(1)
     return reason, key or None
 
 
@@ -470,6 +488,8 @@ def _ini_section(section: configparser.SectionProxy, where: str,
             out.setdefault("env", {})[key[4:].upper()] = value
         elif key.startswith("engine_args."):
             out.setdefault("engine_args", {})[key[12:]] = _ini_scalar(value)
+        elif key.startswith("sampling_defaults."):
+            out.setdefault("sampling_defaults", {})[key[18:]] = value
         else:
             out[key] = value
     return out

@@ -35,6 +35,29 @@ def default_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterP
         yield r
 
 
+def readme_first_request() -> str:
+    """README's first request, as README writes it (``reply = client.chat...(...)``)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    return block[block.index("reply = "):block.index("print(reply")]
+
+
+def test_readmes_first_question_is_answered_right(default_router: RouterProcess) -> None:
+    """Issue 27: sent as README writes it (no temperature), the default preset answered
+    "What is the capital of France?" naming Paris 9 times in 20 (the engine's temperature
+    1.0); its ``sampling_defaults`` make it 20 of 20 here."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=default_router.url + "/v1", api_key="unused", max_retries=0)
+    answers = []
+    for _ in range(20):
+        scope: dict[str, object] = {"client": client}
+        exec(readme_first_request(), scope)  # noqa: S102  # README's own words
+        answers.append(scope["reply"].choices[0].message.content)  # type: ignore[attr-defined]
+    named = sum("Paris" in a for a in answers)
+    assert named >= 18, answers
+
+
 def test_the_anthropic_sdks_tool_round_trip_with_auto_on_the_default_preset(
         default_router: RouterProcess) -> None:
     from anthropic import Anthropic

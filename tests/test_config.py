@@ -36,6 +36,17 @@ def test_default_preset_is_the_embedded_cpu_model() -> None:
     spec = preset.models["smollm2"]
     assert spec.model == "builtin:smollm2" and spec.device == "cpu" and spec.enforce_eager
     assert preset.server.host == "127.0.0.1" and preset.server.port == 8080
+    assert spec.sampling_defaults.temperature == 0.2 and spec.sampling_defaults.top_p == 0.5
+
+
+def test_sampling_defaults_in_yaml_and_ini() -> None:
+    ini = build_preset(parse_ini("[m]\nmodel = /x\nsampling_defaults.temperature = 0.3\n"
+                                 "sampling_defaults.top_k = 20\n", "t.ini"), "t.ini")
+    spec = ini.models["m"].sampling_defaults
+    assert (spec.temperature, spec.top_k, spec.top_p) == (0.3, 20, None)
+    yaml = build_preset(parse_yaml("models:\n  m: {model: /x, sampling_defaults: "
+                                   "{temperature: 0.3, top_k: 20}}\n", "t.yaml"), "t.yaml")
+    assert yaml.models["m"].sampling_defaults == ini.models["m"].sampling_defaults
 
 
 def test_ini_env_engine_args_and_star_defaults() -> None:
@@ -55,6 +66,10 @@ def test_ini_env_engine_args_and_star_defaults() -> None:
     ("server: {default_model: zz}\nmodels:\n  m: {model: /x}\n", "key 'default_model'"),
     ("models:\n  m: {model: /x, aliases: [n]}\n  n: {model: /y}\n", "already used"),
     ("models:\n  m: {model: /x, device: tpu}\n", "key 'device'"),
+    ("models:\n  m: {model: /x, sampling_defaults: {top_p: 2}}\n",
+     "model 'm': key 'sampling_defaults.top_p'"),
+    ("models:\n  m: {model: /x, sampling_defaults: {temp: 1}}\n",
+     "key 'sampling_defaults.temp': unknown key"),
     ("modls:\n  m: {model: /x}\n", "unknown top-level key 'modls'"),
 ])
 def test_errors_name_file_model_and_key(text: str, fragment: str) -> None:

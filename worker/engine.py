@@ -102,9 +102,12 @@ class VllmEngine:
         self.tokenizer = llm.get_tokenizer()
         self.model_config = llm.model_config
         self.max_model_len: int = llm.model_config.max_model_len
-        # Defaults from the model's generation_config.json, as `vllm serve` applies them.
-        self._defaults: dict[str, Any] = (llm.model_config.get_diff_sampling_param()
-                                          if spec.task == "generate" else {})
+        # Defaults from the model's generation_config.json, as `vllm serve` applies them,
+        # under the preset's own (``sampling_defaults``); a request's parameters win.
+        self._defaults: dict[str, Any] = ({
+            **llm.model_config.get_diff_sampling_param(),
+            **{k: v for k, v in msgspec.structs.asdict(spec.sampling_defaults).items()
+               if v is not None}} if spec.task == "generate" else {})
         self._chat_template = spec.chat_template
         self._tool_parser = _tool_parser_class(spec.tool_parser)
         self._reasoning_parser = _reasoning_parser_class(spec.reasoning_parser)

@@ -71,6 +71,7 @@ class AdminAPI:
             "loaded_at": int(entry.loaded_at) if entry.loaded_at else None,
             "idle_seconds": round(now - entry.last_used, 3) if entry.last_used else None,
             "placement": entry.placement or None, "exit_code": entry.exit_code,
+            "sampling_defaults": msgspec.to_builtins(entry.spec.sampling_defaults) or None,
             "error": entry.error if principal.sees_all or not entry.error
             else first_line(entry.error),
         }
