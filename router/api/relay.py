@@ -120,7 +120,7 @@ class Relay:
                         keep_alive: float | None, principal: Principal, usage: Usage
                         ) -> Response:
         if streaming and keepalive:
-            now = self._now(endpoint, model, "generate", True, usage, principal)
+            now = self._now(endpoint, model, "generate", True, usage)
             if not isinstance(now, tuple):
                 body = self._cold_stream(now.id, model, gens, shaper_for(now.id), keepalive,
                                          usage, endpoint, keep_alive, principal)
@@ -128,7 +128,7 @@ class Relay:
             lease, link = now
         else:
             lease, link = await self._acquire(request, endpoint, model, "generate", streaming,
-                                              usage, principal)
+                                              usage)
         self._keep_alive(lease, keep_alive, principal)
         stream, first = await self._start(lease, link, gens, usage, endpoint, streaming, request)
         shaper = shaper_for(lease.entry.id)
@@ -260,12 +260,10 @@ class Relay:
             await rest.aclose()
 
     def _now(self, endpoint: str, model: str | None, task: str, streaming: bool,
-             usage: Usage, principal: Principal) -> tuple[Lease, WorkerLink] | ModelEntry:
-        """``Supervisor.acquire_now``, for a model ``principal`` may use; its refusal
-        logged."""
+             usage: Usage) -> tuple[Lease, WorkerLink] | ModelEntry:
+        """``Supervisor.acquire_now``; its refusal logged. A key limited to some models
+        comes here with the exact id ``_visible`` found among them."""
         try:
-            if principal.limits.models:
-                self._allowed(model, principal)
             return self.supervisor.acquire_now(model, task)
         except APIError as err:  # unknown model, wrong task
             self._log(endpoint, self._model_id(model), streaming, err.status, usage)
@@ -307,10 +305,6 @@ class Relay:
         if held is not None:
             held.settle(usage.prompt_tokens)
 
-    def _allowed(self, model: str | None, principal: Principal) -> None:
-        """A model the key's ``models`` globs leave out does not exist, for that key."""
-        self.resolve_for(model, principal)
-
     def resolve_for(self, model: str | None, principal: Principal) -> ModelEntry:
         """The model ``model`` names, as ``principal`` may know it: one its ``models``
         globs leave out does not exist for it, and a 404 lists only those it may use."""
@@ -341,11 +335,10 @@ class Relay:
             return "-"
 
     async def _acquire(self, request: Request | None, endpoint: str, model: str | None, task: str,
-                       streaming: bool, usage: Usage, principal: Principal
-                       ) -> tuple[Lease, WorkerLink]:
+                       streaming: bool, usage: Usage) -> tuple[Lease, WorkerLink]:
         """The model's lease and link; a client that leaves while it waits (for a load or
         a slot) gives its place in the queue back at once (``ClientGone``)."""
-        now = self._now(endpoint, model, task, streaming, usage, principal)
+        now = self._now(endpoint, model, task, streaming, usage)
         if isinstance(now, tuple):
             return now
         try:
@@ -431,8 +424,7 @@ class Relay:
             # Its input is counted by the worker only: held is that the budget has room.
             await self._within_limits(principal, model, [], endpoint, False, usage)
         try:
-            lease, link = await self._acquire(request, endpoint, model, task, False, usage,
-                                              principal)
+            lease, link = await self._acquire(request, endpoint, model, task, False, usage)
         except BaseException:
             self._settle(usage)  # an end without its log line (cancelled)
             raise
