@@ -26,11 +26,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.access import ROLES, AccessRules, Rule
 from router.admission import Keys
+from router.http_protocol import http_protocol
 from router.limits import (
     MAX_CLIENTS,
     ConnectionCap,
     TokenBuckets,
-    http_protocol,
     middleware_stack,
 )
 from shared.config import ServerConfig

@@ -29,7 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from router.api.metrics import endpoint_name
 from router.api.wire import JSONResponse, error_response, server_error_handler
 from router.errors import APIError
-from router.limits import RouterCycle
+from router.http_protocol import RouterCycle
 from router.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request
 
 HOT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
