@@ -1,4 +1,4 @@
-"""``python -m bench [NAME ...]``: run the benchmarks (all seven by default), each in its
+"""``python -m bench [NAME ...]``: run the benchmarks (all of them by default), each in its
 own process, writing ``bench/results/NAME.json``."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-ALL = ["overhead", "relay", "coldstart", "scaling", "faults", "swap", "ledger"]
+ALL = ["overhead", "relay", "coldstart", "scaling", "faults", "swap", "ledger",
+       "toolcalls"]
 
 
 def main() -> int:

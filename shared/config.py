@@ -237,6 +237,13 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``builtin:chatml-tools`` (SmolLM2's ChatML with Hermes tools, shipped with modelyard)."""
     tool_parser: str | None = None
     """vLLM's tool parser name (``hermes``, ``llama3_json`` ...) for ``tool_choice: auto``."""
+    tool_strict_level: Literal["auto", "function", "parameter"] | None = None
+    """How far vLLM's structural tag constrains a call the model starts under
+    ``tool_choice: auto`` (a text answer stays free): ``parameter`` (the default where
+    ``tool_parser`` has a structural tag, ``STRUCTURAL_TAG_PARSERS``) names a declared tool
+    and pins its arguments to the tool's schema; ``function`` names a declared tool;
+    ``auto`` constrains only requests with a ``strict: true`` tool. A tool's own
+    ``strict`` wins over the level. Parsers without a structural tag: leave it out."""
     reasoning_parser: str | None = None
     """vLLM's reasoning parser name (``deepseek_r1``, ``qwen3``, ``olmo3`` ...)."""
     max_tokens_overflow: (Literal["clamp", "reject"]
@@ -253,6 +260,27 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine_args: dict[str, Any] = {}
     """Extra ``AsyncEngineArgs`` keyword arguments, passed through unchanged."""
     env: dict[str, str] = {}
+
+
+STRUCTURAL_TAG_PARSERS = frozenset({
+    "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4", "deepseek_v41", "glm45",
+    "glm47", "hermes", "hy_v4", "kimi_k2", "kimi_k3", "ling3", "llama3_json", "llama4_json",
+    "longcat", "mimo", "minimax_m2", "openai", "plamo3", "qwen3_coder", "qwen3_json",
+    "qwen3_xml", "step3p5"})
+"""vLLM 0.32's tool parsers that declare a structural tag (``structural_tag_model``), the
+ones whose ``auto`` calls can be constrained; tests/test_tools.py keeps it equal to
+vLLM's own list."""
+
+
+def auto_tool_calls(spec: ModelSpec) -> str | None:
+    """What a ``tool_choice: auto`` call of ``spec``'s model is held to: ``parameter``,
+    ``function`` or ``auto`` (``tool_strict_level``), ``unconstrained`` (a parser without
+    a structural tag), or None (no ``tool_parser``: the model cannot choose tools)."""
+    if spec.tool_parser is None:
+        return None
+    if spec.tool_parser not in STRUCTURAL_TAG_PARSERS:
+        return "unconstrained"
+    return spec.tool_strict_level or "parameter"
 
 
 ROUTER_ONLY_FIELDS = frozenset({"aliases", "ttl", "pinned", "priority", "min_resident",
@@ -411,6 +439,13 @@ def _check_names(models: dict[str, ModelSpec], server: ServerConfig, source: str
             raise ConfigError(f"{source}: model '{spec.id}': key 'kv_cache_gib': must be > 0")
         if spec.tensor_parallel_size < 1:
             raise ConfigError(f"{source}: model '{spec.id}': key 'tensor_parallel_size': must be >= 1")
+        if spec.tool_strict_level is not None and auto_tool_calls(spec) == "unconstrained":
+            raise ConfigError(f"{source}: model '{spec.id}': key 'tool_strict_level': tool "
+                              f"parser '{spec.tool_parser}' has no structural tag in vLLM, so "
+                              "its calls cannot be constrained; leave the key out")
+        if spec.tool_strict_level is not None and spec.tool_parser is None:
+            raise ConfigError(f"{source}: model '{spec.id}': key 'tool_strict_level': needs "
+                              "'tool_parser'")
         if spec.cpu_cores is not None:
             try:
                 cores = parse_cores(spec.cpu_cores)

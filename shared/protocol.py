@@ -95,6 +95,9 @@ class Tool(msgspec.Struct, omit_defaults=True, gc=False):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    """The client's own ``strict``: ``True`` pins the arguments to ``parameters`` whatever
+    the model's ``tool_strict_level``; ``False`` leaves them free; ``None``: the level says."""
 
 
 class Constraint(msgspec.Struct, omit_defaults=True, gc=False):

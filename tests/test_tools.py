@@ -188,3 +188,70 @@ def test_tool_requests_the_server_cannot_honour_are_400(base_url: str) -> None:
         validate("ErrorResponse", r.json())
         assert r.json()["error"]["param"] == param, r.text
         assert re.search(r"\w", r.json()["error"]["message"])
+
+
+AGENT_ASKS = ["What is the weather in Paris? Use the tool.",
+              "What time is it in Tokyo? Use the tool."]
+
+
+def _auto_verdict(content: str, calls: list[tuple[str, str]], finish: str | None) -> str:
+    """``call`` (every call declared, its arguments valid JSON of its schema), ``text``,
+    or what is broken."""
+    if "<tool_call>" in content or "</tool_call>" in content:
+        return f"markup in content: {content!r}"
+    for name, args in calls:
+        if name not in SCHEMAS:
+            return f"undeclared tool {name!r}"
+        try:
+            jsonschema.validate(json.loads(args), SCHEMAS[name])
+        except (ValueError, jsonschema.ValidationError) as err:
+            return f"arguments {args!r} of {name}: {err}"
+    if bool(calls) != (finish == "tool_calls"):
+        return f"finish_reason {finish} with {len(calls)} calls"
+    return "call" if calls else "text"
+
+
+def test_auto_calls_name_declared_tools_with_valid_arguments(aclient) -> None:  # type: ignore[no-untyped-def]
+    """``tool_choice: auto`` as agents send it, at temperature 1.0 where the model wanders,
+    streamed and not: with the default ``tool_strict_level`` (``parameter``, hermes has a
+    structural tag) no answer is broken. On 0d84075 seed 4 wrote eight calls, the same
+    ones again and again, until ``length`` cut the last one's arguments short; now the
+    turn ends at the first repeat (the grammar itself is checked in test_tool_strict)."""
+    async def ask(seed: int, stream: bool) -> str:
+        body: dict[str, Any] = {
+            "model": "smollm2", "tools": TOOLS, "temperature": 1.0, "seed": seed, "max_tokens": 300,
+            "messages": [{"role": "user", "content": AGENT_ASKS[seed % 2]}]}
+        if not stream:
+            out = await aclient.chat.completions.create(**body)
+            validate("CreateChatCompletionResponse", out.model_dump(exclude_unset=True))
+            m = out.choices[0].message
+            return _auto_verdict(m.content or "", [(c.function.name, c.function.arguments)
+                                                   for c in m.tool_calls or []],
+                                 out.choices[0].finish_reason)
+        content, calls, finish = "", {}, None  # type: tuple[str, dict[int, list[str]], Any]
+        async for chunk in await aclient.chat.completions.create(**body, stream=True):
+            validate("CreateChatCompletionStreamResponse", chunk.model_dump(exclude_unset=True))
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                for tc in choice.delta.tool_calls or []:
+                    call = calls.setdefault(tc.index, ["", ""])
+                    call[0] += tc.function.name or ""
+                    call[1] += tc.function.arguments or ""
+                finish = choice.finish_reason or finish
+        return _auto_verdict(content, [(n, a) for n, a in calls.values()], finish)
+
+    async def run() -> list[str]:
+        return list(await asyncio.gather(*(ask(seed, stream) for seed in range(10)
+                                           for stream in (False, True))))
+
+    verdicts = asyncio.run(run())
+    broken = [v for v in verdicts if v not in ("call", "text")]
+    assert not broken, broken
+    print(f"{verdicts.count('call')} calls, {verdicts.count('text')} text answers of 20")
+
+
+def test_models_say_how_auto_calls_are_held(base_url: str) -> None:
+    models = {m["id"]: m for m in httpx.get(f"{base_url}/models", timeout=30).json()["data"]}
+    assert models["smollm2"]["tool_parser"] == "hermes"
+    assert models["smollm2"]["auto_tool_calls"] == "parameter"
+    assert "auto_tool_calls" not in models["smollm2-b"]  # no tool_parser: no auto calls

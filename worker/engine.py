@@ -8,6 +8,7 @@ server around it knows nothing of vLLM.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -16,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from shared.config import ModelSpec
+from shared.config import ModelSpec, auto_tool_calls
 from shared.protocol import (
     ChatMessage,
     ContentPart,
@@ -110,6 +111,7 @@ class VllmEngine:
                if v is not None}} if spec.task == "generate" else {})
         self._chat_template = spec.chat_template
         self._tool_parser = _tool_parser_class(spec.tool_parser)
+        self._auto_calls = auto_tool_calls(spec)
         self._reasoning_parser = _reasoning_parser_class(spec.reasoning_parser)
         self._cross_encoder: Any = None  # vLLM's pair renderer, made on the first score
         self._pair_tokens: Any = None
@@ -247,7 +249,10 @@ class VllmEngine:
         return text
 
     # -- sampling --------------------------------------------------------------------
-    def sampling_params(self, gen: Generate, prompt_len: int, skip_special: bool) -> Any:
+    def sampling_params(self, gen: Generate, prompt_len: int, skip_special: bool,
+                        auto_calls: Any = None) -> Any:
+        """vLLM's ``SamplingParams`` for ``gen``; ``auto_calls``: the structured output
+        that holds ``tool_choice: auto`` calls (``auto_call_constraint``), if any."""
         from vllm import SamplingParams
 
         spec = gen.sampling
@@ -272,7 +277,7 @@ class VllmEngine:
             logprobs=spec.top_logprobs if spec.logprobs else None,
             logit_bias=spec.logit_bias, output_kind=self._delta_kind,
             skip_special_tokens=skip_special,
-            structured_outputs=self._structured(gen))
+            structured_outputs=self._structured(gen) or auto_calls)
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as err:
@@ -299,8 +304,34 @@ class VllmEngine:
                                        grammar=c.grammar,
                                        json_object=True if c.json_object else None)
 
-    def _output_parser(self, gen: Generate) -> Callable[[], OutputParser] | None:
-        """A factory of per-choice output parsers, or None when text passes through."""
+    def auto_call_constraint(self, gen: Generate) -> tuple[Any, tuple[str, ...]]:
+        """vLLM's structural tag for a call the model may start under ``tool_choice: auto``
+        (``tool_strict_level``) and the strings that close a call, or ``(None, ())``: the
+        text before a call stays free; once the model writes its call trigger, it must
+        name a declared tool, and with ``strict`` arguments (the level's ``parameter``, or
+        the tool's own ``strict: true``) write arguments that validate against that
+        tool's schema. After its calls, the turn ends: more calls or the end of the
+        answer, never more text. With ``response_format`` the format wins, as before."""
+        from vllm.sampling_params import StructuredOutputsParams
+
+        if not gen.tools or gen.tool_choice != "auto" or gen.constraint is not None \
+                or self._auto_calls not in ("auto", "function", "parameter"):
+            return None, ()
+        pinned = self._auto_calls == "parameter"
+        tools = [{**msgspec.to_builtins(t), "strict": pinned if t.strict is None else t.strict}
+                 for t in gen.tools]
+        if self._auto_calls == "auto" and not any(t["strict"] for t in tools):
+            return None, ()  # as vLLM's own ``auto`` level: only a strict tool turns it on
+        tag = _auto_call_tag(self._tool_parser.structural_tag_model, tools,
+                             gen.parallel_tool_calls)
+        if tag is None:
+            return None, ()
+        return StructuredOutputsParams(structural_tag=tag[0]), tag[1]
+
+    def _output_parser(self, gen: Generate, call_ends: tuple[str, ...] = ()
+                       ) -> Callable[[], OutputParser] | None:
+        """A factory of per-choice output parsers, or None when text passes through;
+        ``call_ends``: what closes a constrained ``auto`` call (``OutputParser``)."""
         tools = bool(gen.tools) and gen.tool_choice != "none"
         if gen.messages is None or (not tools and self._reasoning_parser is None):
             return None
@@ -319,7 +350,7 @@ class VllmEngine:
             mode, gen.tool_name,
             tool_parser(self.tokenizer, request.tools) if tool_parser else None,
             reasoning_parser(self.tokenizer) if reasoning_parser else None, request,
-            _scan_required)
+            _scan_required, call_ends if gen.sampling.n == 1 else ())
 
     # -- generation ------------------------------------------------------------------
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
@@ -333,9 +364,11 @@ class VllmEngine:
                                f"'{self.task}'); it does not generate", param="model",
                                code="wrong_model_task")
         ids, media = await self._off_loop(self.prompt, gen)
-        make_parser = self._output_parser(gen)
+        auto_calls, call_ends = self.auto_call_constraint(gen)
+        make_parser = self._output_parser(gen, call_ends)
         # Tool markup may be a special token; the parser must see it to cut it out.
-        params = self.sampling_params(gen, len(ids), skip_special=make_parser is None)
+        params = self.sampling_params(gen, len(ids), skip_special=make_parser is None,
+                                      auto_calls=auto_calls)
         parsers: dict[int, OutputParser] = {}
         want_logprobs = gen.sampling.logprobs
         top_n = gen.sampling.top_logprobs
@@ -369,6 +402,20 @@ class VllmEngine:
                         yield deltas
                         raise RequestError("the engine aborted this generation", status=503,
                                            code="generation_aborted")
+                    repeated = make_parser is not None and parsers[choice.index].repeated
+                    if repeated and choice.finish_reason is None:
+                        # A small model, its call made, calls it again and again until
+                        # max_tokens cuts the last one: the turn ends at the first repeat.
+                        d.finish_reason = "tool_calls"
+                        # This step's tokens may have begun one more call: not sent.
+                        closed = parsers[choice.index].closed
+                        d.tool_calls = [c for c in d.tool_calls or [] if c.index < closed] or None
+                        d.prompt_tokens = len(out.prompt_token_ids or ids)
+                        d.cached_tokens = out.num_cached_tokens or 0
+                        deltas.append(d)
+                        yield deltas
+                        await outputs.aclose()  # vLLM aborts the request
+                        return
                     if choice.finish_reason is not None:
                         d.finish_reason = _finish_reason(choice.finish_reason)
                         parser = parsers.get(choice.index)
@@ -592,6 +639,45 @@ def _vllm_request(gen: Generate) -> Any:
     return ChatCompletionRequest.model_validate(
         {"messages": [], "tools": tools or None, "tool_choice": "auto" if tools else "none",
          "skip_special_tokens": False})
+
+
+def _auto_call_tag(model: str, tools: list[dict[str, Any]], parallel: bool
+                   ) -> tuple[str, tuple[str, ...]] | None:
+    """The structural tag (JSON) of ``auto`` calls in ``model``'s format (vLLM's registry)
+    for ``tools`` (each with its ``strict`` decided), ending the answer after the calls,
+    and the strings that close one call (none known: ``()``).
+
+    vLLM's own tag for ``auto`` (triggered tags) lets free text follow a call, where a
+    small model rambles on for thousands of tokens; here, after the first call only more
+    calls may follow (or none, if ``parallel`` is false), then the end of the answer. A
+    format whose tag has another shape is used as vLLM builds it."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
+    from vllm.tool_parsers.structural_tag_registry import get_model_structural_tag
+    from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
+    from xgrammar.structural_tag import (
+        SequenceFormat,
+        StructuralTag,
+        TagsWithSeparatorFormat,
+        TriggeredTagsFormat,
+    )
+
+    params = [ChatCompletionToolsParam.model_validate({"type": "function", "function": t})
+              for t in tools]
+    # At FUNCTION, vLLM keeps each tool's own ``strict``, which ``tools`` already decided.
+    tag = get_model_structural_tag(model, params, "auto", reasoning=False,
+                                   strict_level=ToolStrictLevel.FUNCTION)
+    if tag is None:
+        return None
+    calls = tag.format
+    ends: tuple[str, ...] = ()
+    if isinstance(calls, TriggeredTagsFormat) and calls.tags:
+        first = calls.model_copy(update={"stop_after_first": True})
+        tag = StructuralTag(format=first if not parallel else SequenceFormat(elements=[
+            first, TagsWithSeparatorFormat(tags=calls.tags, separator="\n")]))
+        ends = tuple(sorted({e for t in calls.tags
+                             for e in ([t.end] if isinstance(t.end, str) else
+                                       t.end if isinstance(t.end, list) else [])}))
+    return json.dumps(tag.model_dump()), ends
 
 
 def _scan_required(previous: str, current: str) -> Any:

@@ -6,6 +6,7 @@ handed in; this module only drives them, delta by delta.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,8 @@ class OutputParser:
 
     def __init__(self, mode: str, tool_name: str | None, tool_parser: Any,
                  reasoning_parser: Any, request: Any,
-                 scan_required: Callable[[str, str], Any]) -> None:
+                 scan_required: Callable[[str, str], Any],
+                 call_ends: tuple[str, ...] = ()) -> None:
         self.mode = mode
         self.scan_required = scan_required
         self.tool_name = tool_name
@@ -37,6 +39,12 @@ class OutputParser:
         self.sent_reasoning = ""
         self.sent_content = ""
         self.called = False
+        self.call_ends = call_ends
+        """What closes one ``auto`` call, where its grammar says (else no repeat check)."""
+        self.closed = 0
+        self.repeated = False
+        """The last closed call repeats an earlier one of this answer, name and arguments:
+        the engine ends the turn there."""
 
     def feed(self, d: Delta, token_ids: Any, last: bool) -> None:
         """Rewrite ``d`` (its ``text`` is the raw delta) into its parsed parts."""
@@ -107,7 +115,29 @@ class OutputParser:
                                        arguments=(fn.arguments or "") if fn else ""))
         text = msg.content or ""
         self.sent_content += text
+        if self.call_ends:
+            self._check_repeat()
         return text
+
+    def _check_repeat(self) -> None:
+        """Whether the calls closed so far hold one twice (``repeated``)."""
+        closed = sum(self.content.count(end) for end in self.call_ends)
+        if closed <= self.closed:
+            return
+        self.closed = closed
+        cut = max(self.content.rfind(end) + len(end) for end in self.call_ends
+                  if end in self.content)
+        found = self.tools.extract_tool_calls(self.content[:cut], self.request)
+        seen = set()
+        for call in found.tool_calls if found.tools_called else []:
+            try:
+                args = json.dumps(json.loads(call.function.arguments), sort_keys=True)
+            except ValueError:
+                return
+            if (call.function.name, args) in seen:
+                self.repeated = True
+                return
+            seen.add((call.function.name, args))
 
 
 def _call_id() -> str:

@@ -23,6 +23,7 @@ from router.policy import idle
 from router.registry import ModelEntry
 from router.reload import Reloader
 from router.supervisor import Supervisor
+from shared.config import auto_tool_calls
 
 
 class ModelAction(msgspec.Struct, kw_only=True):
@@ -72,6 +73,8 @@ class AdminAPI:
             "idle_seconds": round(now - entry.last_used, 3) if entry.last_used else None,
             "placement": entry.placement or None, "exit_code": entry.exit_code,
             "sampling_defaults": msgspec.to_builtins(entry.spec.sampling_defaults) or None,
+            "tool_parser": entry.spec.tool_parser,
+            "auto_tool_calls": auto_tool_calls(entry.spec),
             "error": entry.error if principal.sees_all or not entry.error
             else first_line(entry.error),
         }

@@ -63,6 +63,8 @@ class ToolDef(msgspec.Struct, kw_only=True):
     description: str | None = None
     input_schema: dict[str, Any] | None = None
     type: str | None = None
+    strict: bool | None = None
+    """Anthropic's strict tool use: the input always validates against ``input_schema``."""
 
 
 class ToolChoice(msgspec.Struct, kw_only=True):
@@ -236,7 +238,8 @@ def tools(req: _Conversation) -> tuple[list[Tool] | None, str, str | None, bool]
     for k, t in enumerate(req.tools or []):
         check_free_json(t.input_schema, f"tools[{k}].input_schema")
     found = [Tool(name=t.name, description=t.description,
-                  parameters=t.input_schema or {"type": "object", "properties": {}})
+                  parameters=t.input_schema or {"type": "object", "properties": {}},
+                  strict=t.strict)
              for t in defs] or None
     choice = req.tool_choice
     parallel = not (choice is not None and choice.disable_parallel_tool_use)

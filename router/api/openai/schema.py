@@ -397,8 +397,8 @@ def set_tools(gen: Generate, defs: list[tuple[str, FunctionDefinition]], choice:
             raise BadRequest("tool names must be unique", param="tools")
         for where, d in defs:
             check_free_json(d.parameters, where)
-        tools = [Tool(name=d.name, description=d.description, parameters=d.parameters)
-                 for _, d in defs]
+        tools = [Tool(name=d.name, description=d.description, parameters=d.parameters,
+                      strict=d.strict) for _, d in defs]
     gen.tools = tools
     gen.parallel_tool_calls = parallel is not False
     if named is not None:
