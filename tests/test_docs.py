@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -119,3 +120,19 @@ def test_every_preset_key_is_in_the_configuration_reference(key: str) -> None:
              if line.startswith("| ")]  # a key table's first column: the keys a row is about
     assert any(f"`{key}`" in cell for cell in named), (
         f"docs/presets.md: the preset key `{key}` has no row in the key tables")
+
+
+def test_readme_is_a_five_minute_read_whose_links_resolve() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) < 150, "README grew back: move the reference into docs/"
+    assert "make serve" in text and "make test" in text
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [link for link in links if "://" not in link]
+    assert any(link.startswith("docs/") for link in local)
+    missing = [link for link in local if not (ROOT / link).exists()]
+    assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_the_site_home_page_is_readme_with_its_docs_links_made_relative() -> None:
+    home = hooks().home_page(README.read_text())
+    assert "](docs/" not in home and "](presets.md)" in home
