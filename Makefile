@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.modelyard-installed
 SYSTEM := $(VENV)/.system-packages-installed
 PIP    := $(PY) -m pip install --disable-pip-version-check -q
 
-.PHONY: install system clients serve test lint unit bench clean
+.PHONY: install system clients serve test lint docs unit bench clean
 
 install: $(STAMP)
 
@@ -40,13 +40,19 @@ $(CLIENTS): tests/clients/package-lock.json
 serve: install
 	HF_HUB_OFFLINE=1 $(VENV)/bin/modelyard serve --config configs/default.yaml --host 127.0.0.1 --port 8080
 
-test: install system clients lint
+test: install system clients lint docs
 	HF_HUB_OFFLINE=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml) into build/site, strictly: a broken link or anchor, or
+# a page left out of the nav, fails it (never add --quiet: it hides the warnings strict
+# counts). NO_MKDOCS_2_WARNING silences the theme's end-of-life notice (May 2027).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Both are pinned in the test extra, so a new release cannot turn CI red on its own.
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy router worker shared bench
+	$(VENV)/bin/mypy router worker shared bench docs/hooks.py
 
 unit: install system
 	$(PY) -m pytest -m "not integration" $(PYTEST_ARGS)

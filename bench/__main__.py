@@ -1,11 +1,14 @@
 """``python -m bench [NAME ...]``: run the benchmarks (all of them by default), each in its
-own process, writing ``bench/results/NAME.json``."""
+own process, writing ``bench/results/NAME.json``; then the tables of
+``docs/performance.md`` are made again from the results (``bench/report.py``)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+
+from bench import report
 
 ALL = ["overhead", "relay", "coldstart", "scaling", "faults", "swap", "ledger",
        "toolcalls"]
@@ -25,6 +28,8 @@ def main() -> int:
         print(f"== bench {name}: exit {code} after {time.monotonic() - started:.0f} s", flush=True)
         if code:
             failed.append(name)
+    if report.write():
+        print(f"== {report.PAGE.relative_to(report.ROOT)}: tables made again from the results")
     return 1 if failed else 0
 
 

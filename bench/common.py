@@ -50,10 +50,18 @@ def machine() -> dict[str, Any]:
             "python": platform.python_version()}
 
 
+def commit() -> dict[str, str]:
+    """The commit of the router tree measured (``BENCH_TREE`` or this one), for the
+    performance page to name; none where it is not a git checkout."""
+    done = subprocess.run(["git", "-C", str(TREE), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False)
+    return {"commit": done.stdout.strip()} if done.returncode == 0 else {}
+
+
 def report(name: str, result: dict[str, Any], rows: Sequence[tuple[Any, ...]]) -> None:
     """Write ``bench/results/<name>.json``; print the JSON and a small table."""
     result = {"benchmark": name, "machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M"),
-              **result}
+              **commit(), **result}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

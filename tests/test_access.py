@@ -411,11 +411,11 @@ def test_preset_key_labels_are_keyed_and_stable(tmp_path: Path) -> None:
     assert first != "key-" + hashlib.sha256(PRESET_USER.encode()).hexdigest()[:12]
 
 
-def test_readme_prints_the_table_as_it_is() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    shown = readme.split("<!-- access-table:start -->\n", 1)[1].split(
+def test_the_security_page_prints_the_table_as_it_is() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    shown = page.split("<!-- access-table:start -->\n", 1)[1].split(
         "\n<!-- access-table:end -->", 1)[0]
-    assert shown == markdown(), "README's role table: paste `python -m router.access`"
+    assert shown == markdown(), "docs/security.md's role table: paste `python -m router.access`"
 
 
 # -- what a hostile review of the first version found ---------------------------------

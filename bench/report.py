@@ -1,0 +1,289 @@
+"""``python -m bench.report``: the performance page's tables, made from ``bench/results/*.json``.
+
+``docs/performance.md`` holds each benchmark's tables between ``<!-- bench:NAME:start -->``
+and ``<!-- bench:NAME:end -->``. Nobody copies a figure by hand: ``python -m bench`` and
+``python -m bench.report --write`` rewrite those blocks, the docs hook (``docs/hooks.py``)
+fills them again at every site build, and ``tests/test_docs.py`` keeps the committed page
+equal to what this module makes and checks that every figure of every results file is
+on it. A results file with no table of its own here gets a plain list of its figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+PAGE = ROOT / "docs" / "performance.md"
+
+MARKER = re.compile(r"<!-- bench:(?P<name>[\w-]+):start -->\n.*?<!-- bench:(?P=name):end -->",
+                    re.DOTALL)
+
+Result = dict[str, Any]
+
+
+def shown(value: Any) -> str:
+    """A figure as the page writes it: numbers exactly as the JSON records them."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return ", ".join(shown(v) for v in value)
+    return str(value)
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(shown(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def provenance(name: str, result: Result, setup: str = "") -> str:
+    """Which run, on which machine, a block's figures come from (what the file records)."""
+    m = result.get("machine", {})
+    machine = ", ".join(part for part in (
+        f"{m['cpus']} CPUs ({m['cpu']})" if "cpus" in m and "cpu" in m else "",
+        f"{shown(m['memory_gib'])} GiB" if "memory_gib" in m else "",
+        f"Python {m['python']}" if "python" in m else "") if part)
+    said = [f"`bench/results/{name}.json` (`bench/{name}.py`)",
+            f"run of {result['when']}" if "when" in result else "",
+            f"on commit `{result['commit']}`" if "commit" in result else "",
+            f"machine: {machine}" if machine else "", setup]
+    return "*" + "; ".join(s for s in said if s) + ".*"
+
+
+def overhead(r: Result) -> str:
+    rows = []
+    for streams in (1, 16):
+        point = r[f"streams_{streams}"]
+        for key, server in (("vllm", "vllm serve"), ("modelyard", "modelyard"),
+                            ("in_process", "in-process engine")):
+            s = point[key]
+            rows.append((streams, server, s["tokens_per_s"], s["ttft_p50_ms"], s["ttft_p99_ms"],
+                         s["itl_p50_ms"], s["itl_p99_ms"], s["errors"]))
+    a = r["after_load_1_stream"]
+    rows.append((1, "modelyard right after a load", a["tokens_per_s"], a["ttft_p50_ms"],
+                 a["ttft_p99_ms"], a["itl_p50_ms"], a["itl_p99_ms"], a["errors"]))
+    ratios = [(n, r[f"streams_{n}"]["ratio_tokens_per_s"], r[f"streams_{n}"]["ratio_in_process"],
+               r[f"streams_{n}"]["ratio_itl_p99"], r[f"streams_{n}"]["ttft_p50_added_ms"])
+              for n in (1, 16)]
+    setup = f"{r['tokens']} tokens a stream, {r['rounds']} rounds, cores {r['cores']}"
+    return "\n\n".join([
+        provenance("overhead", r, setup),
+        table(["streams", "server", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+               "ITL p99 ms", "errors"], rows),
+        table(["streams", "tokens/s, modelyard ÷ vllm serve", "modelyard ÷ in-process",
+               "ITL p99, modelyard ÷ vllm serve", "TTFT p50 added ms"], ratios),
+        (f"Right after a load, modelyard's 1-stream rate was {shown(a['ratio_to_steady'])}× "
+        f"its steady rate (a spare still importing afterwards: "
+        f"{shown(a['spare_still_importing_after'])}).")])
+
+
+def relay(r: Result) -> str:
+    rows = []
+    for kind, load in (("stream", "streamed chunks/s"), ("requests", "non-streaming requests/s")):
+        for conns in (1, 16, 64):
+            p = r[f"{kind}_{conns}"]
+            rows.append((load, conns, p["router_per_s"], p["bare_per_s"], p["share_of_bare"],
+                         p["shares"], p["router_errors"]))
+    latency = [(n, r[f"added_latency_{n}"]) for n in (1, 16)]
+    setup = (f"{r['tokens_per_stream']} tokens a stream, {r['seconds_per_point']} s a point; "
+             f"router on core {r['router_cpu']}, synthetic engine and load on core "
+             f"{r['load_cpu']}; with an API key: {shown(r['api_key'])}; router tree "
+             f"`{r['tree']}`")
+    return "\n\n".join([
+        provenance("relay", r, setup),
+        table(["load", "connections", "modelyard", "bare framework", "share",
+               "share per round", "errors"], rows),
+        table(["streams", "added p50 ms", "router p50 ms", "router p99 ms", "bare p50 ms",
+               "bare p99 ms", "samples"],
+              [(n, x["p50_ms"], x["router_p50_ms"], x["router_p99_ms"], x["bare_p50_ms"],
+                x["bare_p99_ms"], x["samples"]) for n, x in latency]),
+        (f"A 200-byte CURVE ZeroMQ round trip between the two cores: "
+        f"{shown(r['zmq_round_trip_us'])} µs; with it, the most one connection could reach "
+        f"with no Python work at all: {shown(r['one_connection_ceiling'])} of the bare app."),
+        "Where the router's core went (py-spy, the functions with the largest share):",
+        table(["function", "share"],
+              [(f"`{p['function']}`", p["share"]) for p in r["router_profile"]])])
+
+
+def coldstart(r: Result) -> str:
+    keys = [("vllm_start_to_first_token_s", "`vllm serve` start → first token, s"),
+            ("modelyard_cold_first_token_s", "modelyard, never-loaded model → first token, s"),
+            ("modelyard_worker_load_s", "modelyard's worker load, s"),
+            ("modelyard_after_reap_first_token_s",
+             "modelyard after an idle reap → first token, s")]
+    return "\n\n".join([
+        provenance("coldstart", r),
+        table(["", "runs"], [(label, r[key]) for key, label in keys]),
+        table(["ratio to `vllm serve`", ""],
+              [("cold", r["ratio_cold_vs_vllm"]),
+               ("after a reap", r["ratio_after_reap_vs_vllm"])])])
+
+
+def scaling(r: Result) -> str:
+    points = sorted((int(k.split("_")[1]), v) for k, v in r.items() if k.startswith("streams_"))
+    return "\n\n".join([
+        provenance("scaling", r, f"{r['tokens_per_stream']} tokens a stream, through modelyard"),
+        table(["streams", "tokens/s", "speed-up", "TTFT p50 ms", "ITL p50 ms", "errors"],
+              [(n, p["tokens_per_s"], p["speedup"], p["ttft_p50_ms"], p["itl_p50_ms"],
+                p["errors"]) for n, p in points])])
+
+
+def faults(r: Result) -> str:
+    d, h, s = r["disconnect_20_percent"], r["huge_prompt"], r["router_signals"]
+
+    def pair(key: str) -> str:
+        before, after = d[key]
+        return f"{shown(before)} → {shown(after)}"
+
+    rows: list[tuple[str, Any]] = []
+    for key, worker in (("kill9_synthetic", "a synthetic"), ("kill9_real_vllm", "a vLLM")):
+        k = r[key]
+        killed = (f"kill -9 of {worker} worker mid-stream: clients with a terminal error "
+                  "within 2 s (worst, s)")
+        errors = f"{k['clients_terminal_error_within_2s']} ({shown(k['worst_seconds_to_error'])})"
+        rows += [(killed, errors),
+                 ("… next request succeeded (the worker restarted)", k["next_request_succeeded"])]
+    disconnects = (f"{shown(d['requests'])} streamed requests, {shown(d['disconnected'])} "
+                   f"clients disconnecting mid-stream, {shown(d['completed'])} completed: "
+                   "in flight afterwards")
+    in_flight = (f"engine {shown(d['engine_in_flight_after'])}, "
+                 f"router {shown(d['router_in_flight_after'])}")
+    huge = (f"a 30 MiB prompt beside a vLLM stream, {shown(h['rounds'])} times: refused by "
+            "the router (never sent to the worker)")
+    gaps = (f"… the neighbour stream's longest gap meanwhile, s (target < "
+            f"{shown(h['target_longest_gap_s'])}; its median gap {shown(h['median_gap_s'])} s)")
+    rows += [
+        (disconnects, in_flight),
+        ("… router file descriptors / asyncio tasks, before → after",
+         f"{pair('router_fds_before_after')} / {pair('router_tasks_before_after')}"),
+        ("router SIGTERM: worker and EngineCore processes", s["SIGTERM"]),
+        ("router SIGKILL: worker and EngineCore processes", s["SIGKILL"]),
+        (huge, h["refused_by_router"]),
+        (gaps, h["longest_gap_during_refusal_s"]),
+    ]
+    return "\n\n".join([provenance("faults", r), table(["fault", "outcome"], rows)])
+
+
+def swap(r: Result) -> str:
+    phases = ["spare", "imports", "model_files", "engine", "weights", "kv_cache_and_warmup"]
+    loads = [("cold start", r["cold_load_phases_s"])]
+    loads += [(f"swap {i + 1}", p) for i, p in enumerate(r["swap_load_phases_s"])]
+    two = r["two_clients_one_slot_150s"]
+    return "\n\n".join([
+        provenance("swap", r),
+        table(["", "seconds"], [
+            ("`vllm serve` start → first token", r["vllm_start_to_first_token_s"]),
+            ("modelyard, never-loaded model → first token (a spare ready)",
+             r["modelyard_cold_first_token_s"]),
+            ("ratio", r["ratio_cold_vs_vllm"]),
+            ("swaps (`POST /v1/models/load` of the other model)", r["swap_s"])]),
+        ("The load phases of each start (`load_phases`, seconds; weights and KV cache + "
+        "warm-up are inside engine):"),
+        table(["load", *phases, "whole swap, s"],
+              [(name, *(p[k] for k in phases), r["swap_s"][i - 1] if i else "")
+               for i, (name, p) in enumerate(loads)]),
+        "Two closed-loop clients, one per model, sharing one slot for 150 s:",
+        table(["requests", "per model", "loads", "longest wait s", "median s", "errors"],
+              [(two["requests"], ", ".join(f"{m} {shown(n)}" for m, n in two["per_model"].items()),
+                two["loads"], two["longest_wait_s"], two["median_s"], two["errors"])])])
+
+
+def ledger(r: Result) -> str:
+    u, q, k = r["per_request_us"], r["query"], r["kill_9"]
+    return "\n\n".join([
+        provenance("ledger", r),
+        table(["per request", "µs"], [
+            ("admission with a key (`KeyGuard`, `RateLimit`, the access table)",
+             u["admission_with_key"]),
+            ("queueing a ledger row", u["ledger_record"]), ("both", u["total"]),
+            ("a key with a budget: its hold, row and settle",
+             u["with_a_budget_reserve_record_settle"])]),
+        table(["usage query (SQLite)", ""], [
+            ("rows", q["rows"]), ("inserting them, s", q["insert_seconds"]),
+            ("one key's month summed per model and day, ms", q["one_key_month_by_model_day_ms"]),
+            ("groups in the answer", q["groups"])]),
+        table(["kill -9 of the router under load", ""], [
+            ("requests answered", k["answered"]), ("rows written", k["rows"]),
+            ("rows lost", k["lost"]), ("requests/s", k["requests_per_s"]),
+            ("seconds of rows lost", k["lost_seconds"])])])
+
+
+def flat(name: str, r: Result) -> str:
+    """A results file with no table of its own: every figure, by its path in the JSON."""
+    def leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                yield from leaves(inner, f"{path}.{key}" if path else key)
+        else:
+            yield path, value
+
+    skip = {"benchmark", "when", "commit", "machine"}
+    rows = [(f"`{p}`", v) for p, v in leaves({k: v for k, v in r.items() if k not in skip}, "")]
+    return "\n\n".join([provenance(name, r), table(["figure", "value"], rows)])
+
+
+TABLES: dict[str, Callable[[Result], str]] = {
+    "overhead": overhead, "relay": relay, "coldstart": coldstart, "scaling": scaling,
+    "faults": faults, "swap": swap, "ledger": ledger}
+
+
+def block(name: str, results: Path = RESULTS) -> str:
+    """The Markdown that stands between ``name``'s markers."""
+    path = results / f"{name}.json"
+    if not path.exists():
+        return f"*No `bench/results/{name}.json` yet: `make bench BENCH={name}` writes it.*"
+    result: Result = json.loads(path.read_text())
+    made = TABLES.get(name)
+    return made(result) if made else flat(name, result)
+
+
+def fill(page: str, results: Path = RESULTS) -> str:
+    """``page`` with every ``<!-- bench:NAME:... -->`` block made anew from ``results``."""
+    def made(match: re.Match[str]) -> str:
+        name = match["name"]
+        return (f"<!-- bench:{name}:start -->\n{block(name, results)}\n"
+                f"<!-- bench:{name}:end -->")
+
+    return MARKER.sub(made, page)
+
+
+def names_on(page: str) -> list[str]:
+    return [m["name"] for m in MARKER.finditer(page)]
+
+
+def write(page: Path = PAGE, results: Path = RESULTS) -> bool:
+    """Rewrite the page's blocks in place; whether anything changed."""
+    before = page.read_text()
+    after = fill(before, results)
+    if after != before:
+        page.write_text(after)
+    return after != before
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*",
+                        help="benchmarks to print (default: every results file)")
+    parser.add_argument("--write", action="store_true", help=f"rewrite {PAGE.relative_to(ROOT)}")
+    args = parser.parse_args(argv)
+    if args.write:
+        changed = write()
+        print(f"{PAGE.relative_to(ROOT)}: {'rewritten' if changed else 'already up to date'}")
+        return 0
+    for name in args.names or sorted(p.stem for p in RESULTS.glob("*.json")):
+        print(f"## {name}\n\n{block(name)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
