@@ -93,6 +93,9 @@ class ModelEntry:
     loaded_at: float | None = None
     load_seconds: float | None = None
     load_phases: dict[str, float] = field(default_factory=dict)
+    load_started: float = 0.0
+    """When (``time.monotonic``) the running load's worker began to start, the clock of
+    ``load_seconds``; 0 while a load waits for room or a start lock."""
     max_model_len: int | None = None
     max_prompt_chars: int = 0
     """From the worker: a longer prompt cannot fit, so it is refused before sending."""

@@ -51,7 +51,8 @@ log = logging.getLogger("modelyard.router")
 
 RUNTIME_KEYS = frozenset({"ttl", "default_model", "max_loaded_models", "memory_budget_gib",
                           "max_queue_depth", "drain_timeout", "load_timeout", "send_timeout",
-                          "swap_wait", "preload", "keep_alive_max"})
+                          "swap_wait", "preload", "keep_alive_max",
+                          "loading_progress"})
 """Server keys a reload applies: everything that reads them reads the live value."""
 KEY_KEYS = frozenset({"api_keys", "admin_api_keys", "api_key_file"})
 WATCH_SECONDS = 1.0

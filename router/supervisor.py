@@ -301,6 +301,7 @@ class Supervisor:
             entry.restarts += entry.state == "failed"  # a start after a crash or failed start
             # No await between finding room and claiming it: two loads cannot both fit.
             entry.state, entry.error, entry.exit_code = "loading", None, None
+            entry.load_started = 0.0  # the spawn, after the start locks, sets it
             entry.keep_alive = None  # a request's keep_alive was its last worker's (Ollama's)
             self._publish_state(entry)
             async with contextlib.AsyncExitStack() as held:
@@ -315,6 +316,7 @@ class Supervisor:
 
     async def _spawn(self, entry: ModelEntry) -> WorkerLink:
         started, started_wall = time.monotonic(), time.time()
+        entry.load_started = started
         spec = entry.spec  # what this worker serves, whatever a reload makes of the entry
         backend = self.backends[spec.backend or "local"]
         log_path = self.log_path(entry)

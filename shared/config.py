@@ -131,6 +131,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``GET``; the oldest go first. 0: none are kept."""
     responses_store_mib: Annotated[float, msgspec.Meta(ge=0)] = 64.0
     """The stored responses' JSON, at most; the oldest go first."""
+    loading_progress: Literal["off", "comments"] = "off"
+    """``comments``: a streamed generation request that waits for its model to load gets
+    SSE comment lines about every second (``: modelyard loading smollm2 phase=engine
+    62%``), which SDKs ignore; its response (status 200) then begins with the first of
+    them, so a failure to load arrives as the protocol's error event. A model's own
+    ``loading_progress`` wins, and a request's ``X-Modelyard-Loading-Progress: comments``
+    or ``off`` header over both (``router.api.progress``)."""
     responses_store_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     """Seconds a stored response is kept after its last write."""
     swap_wait: Annotated[float, msgspec.Meta(ge=0)] = 40.0
@@ -256,6 +263,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     sampling_defaults: SamplingDefaults = msgspec.field(default_factory=SamplingDefaults)
     """Sampling parameters for what a request leaves out (``SamplingDefaults``), on every
     protocol; INI: ``sampling_defaults.temperature = 0.2``."""
+    loading_progress: Literal["off", "comments"] | None = None
+    """Comment lines to a stream that waits for this model's load (the server's
+    ``loading_progress``); default: the server's."""
     owned_by: str = "modelyard"
     engine_args: dict[str, Any] = {}
     """Extra ``AsyncEngineArgs`` keyword arguments, passed through unchanged."""
@@ -285,7 +295,7 @@ def auto_tool_calls(spec: ModelSpec) -> str | None:
 
 ROUTER_ONLY_FIELDS = frozenset({"aliases", "ttl", "pinned", "priority", "min_resident",
                                 "idle_action", "owned_by", "load_on_startup",
-                                "max_tokens_overflow"})
+                                "max_tokens_overflow", "loading_progress"})
 """``ModelSpec`` fields only the router reads: a reload changes them in a running model
 without restarting its worker."""
 
@@ -378,7 +388,8 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
     if unknown:
         raise ConfigError(f"{source}: unknown top-level key '{min(unknown)}' "
                           "(expected server, defaults, models)")
-    server = _convert(raw.get("server") or {}, ServerConfig, f"{source}: [server]")
+    server = _convert(_off_word(raw.get("server") or {}, f"{source}: [server]"), ServerConfig,
+                      f"{source}: [server]")
     defaults = raw.get("defaults") or raw.get("*") or {}
     if not isinstance(defaults, dict):
         raise ConfigError(f"{source}: 'defaults' must be a mapping")
@@ -391,7 +402,7 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
         name = str(name)
         if not isinstance(body, dict):
             raise ConfigError(f"{source}: model '{name}': must be a mapping of keys")
-        merged = {**defaults, **body, "id": name}
+        merged = _off_word({**defaults, **body, "id": name}, f"{source}: model '{name}'")
         models[name] = _convert(merged, ModelSpec, f"{source}: model '{name}'")
         if models[name].backend is None:
             models[name].backend = server.backend
@@ -400,6 +411,16 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
             read_files.append(template)
     _check_names(models, server, source)
     return Preset(server=server, models=models, source=source, read_files=read_files)
+
+
+def _off_word(body: Any, where: str) -> Any:
+    """``body`` with ``loading_progress: off`` as written: YAML 1.1 reads an unquoted
+    ``off`` as false (and ``on`` as true, which names no choice)."""
+    if not isinstance(body, dict) or not isinstance(body.get("loading_progress"), bool):
+        return body
+    if body["loading_progress"]:
+        raise ConfigError(f"{where}: key 'loading_progress': expected off or comments")
+    return {**body, "loading_progress": "off"}
 
 
 BUILTIN_TEMPLATE = "builtin:"

@@ -231,8 +231,9 @@ def test_a_cold_stream_left_as_its_slot_frees_leaks_no_lease_or_slot(
     async def go() -> None:
         entry = sup.registry.entries["m"]
         held, _ = await sup.acquire("m")
-        body = relay._cold_stream("m", "m", [], None, b": ping\n\n", Usage(),  # type: ignore[arg-type]
-                                  "/v1/messages", None, OPEN)
+        body = relay._cold_stream("m", "m", [], None,  # type: ignore[arg-type]
+                                  lambda: b": ping\n\n", 5.0, Usage(), "/v1/messages", None,
+                                  OPEN)
         assert await body.__anext__() == b": ping\n\n"
         await until(lambda: entry.queued == 1, 1, "the stream waits for a slot")
         if first == "free":

@@ -134,6 +134,7 @@ async def _main(args: argparse.Namespace, boot: WorkerBoot, phases: Phases) -> i
             from worker.synthetic import SyntheticEngine, SyntheticError
 
             engine, error = SyntheticEngine(spec), SyntheticError
+            phases.done("engine")  # its ``start_seconds``, timed as a real engine's start
         else:
             from worker.engine import RequestError, VllmEngine
             from worker.materialize import resolve_model_path

@@ -23,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.admission import Principal, principal_of
+from router.api import progress
 from router.api.sse import EventStream
 from router.api.wire import JSONResponse, disconnected, error_response, unless_disconnected
 from router.budgets import Budgets, Reservation
@@ -95,9 +96,17 @@ class Relay:
                        keepalive: bytes = b"", keep_alive: float | None = None) -> Response:
         """Relay ``gens`` (one client request) and answer as ``shaper_for(model id)`` shapes it.
 
-        A stream for a model that is not ready yet begins at once when the protocol gives
-        a ``keepalive`` event (Anthropic's ``ping``): the client sees it every few seconds
-        while the model loads, and a failure to start then arrives in-band. ``keep_alive``
+        A stream for a model that is not ready yet begins at once (status 200) when the
+        protocol gives a ``keepalive`` event (Anthropic's ``ping``): the client sees it
+        every few seconds while the model loads. A stream whose model must load (or wake)
+        and that asked for loading progress (``router.api.progress``: the preset, or the
+        request's header) begins at once too, with an SSE comment line that says how far
+        the load is, and another every second. Once such a stream has begun, a failure
+        to start (the load failed or timed out, the model was unloaded meanwhile) can no
+        longer be an HTTP status: it arrives as the protocol's in-band error event
+        (``Shaper.error_event``, as a worker lost mid-stream does), and the stream ends.
+        A full queue is refused before any stream begins, with its status. Any other
+        request waits without a word and fails with its status. ``keep_alive``
         (seconds; the request's own) is ``_keep_alive``'s.
         """
         principal = principal_of(request.scope)
@@ -119,13 +128,18 @@ class Relay:
                         shaper_for: Callable[[str], Shaper], keepalive: bytes,
                         keep_alive: float | None, principal: Principal, usage: Usage
                         ) -> Response:
-        if streaming and keepalive:
+        if streaming:
             now = self._now(endpoint, model, "generate", True, usage)
-            if not isinstance(now, tuple):
-                body = self._cold_stream(now.id, model, gens, shaper_for(now.id), keepalive,
-                                         usage, endpoint, keep_alive, principal)
-                return EventStream(body, self.supervisor.server.send_timeout)
-            lease, link = now
+            if isinstance(now, tuple):
+                lease, link = now
+            else:  # not ready, or no free slot: only here are the preset and header read
+                beat = self._beat(request, now, keepalive)
+                if beat is not None:
+                    body = self._cold_stream(now.id, model, gens, shaper_for(now.id), *beat,
+                                             usage, endpoint, keep_alive, principal)
+                    return EventStream(body, self.supervisor.server.send_timeout)
+                lease, link = await self._wait(request, endpoint, model, "generate", True,
+                                               usage)
         else:
             lease, link = await self._acquire(request, endpoint, model, "generate", streaming,
                                               usage)
@@ -210,20 +224,36 @@ class Relay:
                 self._log(endpoint, lease.entry.id, streaming, err.status, usage)
             raise
 
+    def _beat(self, request: Request, entry: ModelEntry, keepalive: bytes
+              ) -> tuple[Callable[[], bytes], float] | None:
+        """What a stream for ``entry``'s model, which is not ready or has no free slot,
+        writes while it waits, and how often: loading progress comments if it asked for
+        them and the model must load or wake, else the protocol's ``keepalive``; ``None``:
+        the request waits before its response begins (its queue is full, say: a 429)."""
+        server = self.supervisor.server
+        if entry.queued >= server.max_queue_depth:
+            return None  # refused by ``acquire`` at once: with its status, not in-band
+        if entry.state != "ready" and progress.wanted(request.scope, entry, server):
+            return progress.LoadProgress(entry), progress.EVERY
+        if keepalive:
+            return (lambda: keepalive), self.keepalive_every
+        return None
+
     async def _cold_stream(self, model_id: str, model: str | None, gens: list[Generate],
-                           shaper: Shaper, keepalive: bytes, usage: Usage,
-                           endpoint: str, keep_alive: float | None, principal: Principal
-                           ) -> AsyncGenerator[bytes, None]:
-        """A stream that begins before its model is ready: ``keepalive`` at once and every
-        ``keepalive_every`` seconds until it is, then as ``_stream``. A client that leaves
-        meanwhile cancels the wait (and its place)."""
+                           shaper: Shaper, beat: Callable[[], bytes], every: float,
+                           usage: Usage, endpoint: str, keep_alive: float | None,
+                           principal: Principal) -> AsyncGenerator[bytes, None]:
+        """A stream that begins before its model is ready: ``beat()`` at once and every
+        ``every`` seconds until it is, then as ``_stream``. A client that leaves
+        meanwhile cancels the wait (and its place). A failure to start is the shaper's
+        ``error_event``: the status (200) went with the first beat."""
         waiting = asyncio.ensure_future(self.supervisor.acquire(model, "generate"))
         try:
-            yield keepalive  # at once: the client knows the request is taken
+            yield beat()  # at once: the client knows the request is taken
             while not waiting.done():
-                await asyncio.wait((waiting,), timeout=self.keepalive_every)
+                await asyncio.wait((waiting,), timeout=every)
                 if not waiting.done():
-                    yield keepalive
+                    yield beat()
         except BaseException as err:  # gone, or too slow to read a keep-alive
             waiting.cancel()
             await asyncio.wait((waiting,))  # awaited: it ends by the cancel, or it got in first
@@ -341,6 +371,11 @@ class Relay:
         now = self._now(endpoint, model, task, streaming, usage)
         if isinstance(now, tuple):
             return now
+        return await self._wait(request, endpoint, model, task, streaming, usage)
+
+    async def _wait(self, request: Request | None, endpoint: str, model: str | None, task: str,
+                    streaming: bool, usage: Usage) -> tuple[Lease, WorkerLink]:
+        """``_acquire`` for a model ``_now`` found not ready or without a free slot."""
         try:
             waiting = self.supervisor.acquire(model, task)
             if request is None:
