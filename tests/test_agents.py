@@ -8,13 +8,16 @@ a tool round trip with ``tool_choice`` left to ``auto`` was a 400 ("no tool_pars
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests.conformance import validate
 from tests.conftest import ROOT, RouterProcess, running_router
 
 pytestmark = pytest.mark.integration
@@ -137,6 +140,41 @@ def scripted_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router
         yield r
 
 
+CODEX_CONFIG = """
+model = "{model}"
+model_provider = "modelyard"
+
+[model_providers.modelyard]
+name = "modelyard"
+base_url = "{url}/v1"
+wire_api = "responses"
+
+[model_providers.modelyard.auth]
+command = "sh"
+args = ["-c", "echo ${{MODELYARD_API_KEY:-none}}"]
+"""
+"""README's ``~/.codex/config.toml``. The provider's ``auth`` command is what makes Codex
+ask ``/v1/models?client_version=`` for its models' metadata (``router.api.codex_catalog``)."""
+
+
+def codex_exec(router: RouterProcess, home: str, model: str,
+               prompt: str) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+    """Codex headless (``exec``) with README's config in a HOME of its own (``home``
+    under the router's workdir): the run, the HOME and the project folder it ran in."""
+    codex_home = router.workdir / home
+    (codex_home / ".codex").mkdir(parents=True, exist_ok=True)
+    (codex_home / ".codex" / "config.toml").write_text(
+        CODEX_CONFIG.format(model=model, url=router.url))
+    project = router.workdir / f"{home}-project"
+    project.mkdir(exist_ok=True)
+    done = subprocess.run(
+        [str(CLIENTS / "codex"), "exec", "--skip-git-repo-check",
+         "--dangerously-bypass-approvals-and-sandbox", prompt],
+        env={"PATH": os.environ["PATH"], "HOME": str(codex_home)}, cwd=project,
+        capture_output=True, text=True, timeout=300, check=False)
+    return done, codex_home, project
+
+
 def test_codex_exec_completes_two_turns_where_the_first_used_a_tool(
         scripted_router: RouterProcess) -> None:
     """Codex 0.169 ``exec`` over the Responses API (streamed), as README configures it.
@@ -144,30 +182,36 @@ def test_codex_exec_completes_two_turns_where_the_first_used_a_tool(
     answer), so the tool round trip is deterministic: turn one asks for ``exec_command``,
     Codex runs it and sends its output back in turn two with its whole history."""
     r = scripted_router
-    home = r.workdir / "codex-home"
-    (home / ".codex").mkdir(parents=True, exist_ok=True)
-    (home / ".codex" / "config.toml").write_text(f"""
-model = "scripted"
-model_provider = "modelyard"
-
-[model_providers.modelyard]
-name = "modelyard"
-base_url = "{r.url}/v1"
-wire_api = "responses"
-""")
-    project = r.workdir / "project"
-    project.mkdir(exist_ok=True)
-    done = subprocess.run(
-        [str(CLIENTS / "codex"), "exec", "--skip-git-repo-check",
-         "--dangerously-bypass-approvals-and-sandbox", "Write proof.txt, please."],
-        env={"PATH": os.environ["PATH"], "HOME": str(home)}, cwd=project,
-        capture_output=True, text=True, timeout=300, check=False)
+    done, _, project = codex_exec(r, "codex-home", "scripted", "Write proof.txt, please.")
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:], r.tail(30))
     assert (project / "proof.txt").read_text() == "modelyard-was-here\n"
     assert "I wrote proof.txt for you." in done.stdout + done.stderr
     turns = [line for line in r.tail(400).splitlines()
              if "responses model=scripted" in line and "status=200" in line]
     assert len(turns) == 2, r.tail(60)
+
+
+def test_codex_finds_the_models_metadata_without_a_warning(
+        scripted_router: RouterProcess) -> None:
+    """Issue 27: Codex 0.169 warned "Model metadata for `smollm2` not found. Defaulting to
+    fallback metadata" on every run. With an ``auth`` command on its provider it asks
+    ``/v1/models?client_version=0.169.0`` and reads ``{"models": [...]}``, which the
+    router did not serve: now it does, beside OpenAI's list, with the preset's context
+    window, and Codex keeps it (its ``models_cache.json``)."""
+    r = scripted_router
+    done, codex_home, _ = codex_exec(r, "codex-metadata", "greeter", "Say hello.")
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:], r.tail(30))
+    assert "Hello from modelyard." in done.stdout
+    said = done.stdout + done.stderr
+    assert "Model metadata" not in said and "fallback metadata" not in said, said[-3000:]
+    cached = json.loads((codex_home / ".codex" / "models_cache.json").read_text())
+    assert {m["slug"]: m.get("context_window") for m in cached["models"]}["greeter"] == 200000
+
+    listed = r.client.get(f"{r.url}/v1/models", params={"client_version": "0.169.0"}).json()
+    validate("ListModelsResponse", listed)  # still OpenAI's list
+    assert [m["slug"] for m in listed["models"]] == [
+        "scripted", "greeter", "claude-sonnet", "claude-opus", "claude-haiku"]
+    assert "models" not in r.client.get(f"{r.url}/v1/models").json()  # asked by Codex only
 
 
 def test_claude_code_with_every_default_gets_an_answer(scripted_router: RouterProcess) -> None:

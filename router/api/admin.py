@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.admission import ANONYMOUS, Principal, principal_of
+from router.api import codex_catalog
 from router.api.events import first_line
 from router.api.wire import JSONResponse, read_body
 from router.errors import APIError, ModelNotFound, ModelUnavailable
@@ -83,10 +84,15 @@ class AdminAPI:
                 **{k: v for k, v in extra.items() if v is not None}}
 
     async def list_models(self, request: Request) -> Response:
+        """OpenAI's list; asked with Codex's ``client_version``, Codex's catalog of the
+        same models beside it (``router.api.codex_catalog``)."""
         principal = principal_of(request.scope)
-        return JSONResponse({"object": "list",
-                             "data": [self.model_object(e, principal)
-                                      for e in self.registry if _visible(e, principal)]})
+        shown = [e for e in self.registry if _visible(e, principal)]
+        body: dict[str, Any] = {"object": "list",
+                                "data": [self.model_object(e, principal) for e in shown]}
+        if "client_version" in request.query_params:
+            body["models"] = codex_catalog.catalog(shown)
+        return JSONResponse(body)
 
     async def get_model(self, request: Request) -> Response:
         name = request.path_params["model_id"]

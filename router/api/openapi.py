@@ -151,7 +151,22 @@ RESPONSES: dict[str, Schema] = {
                    "loaded_at": _INT, "idle_seconds": _NUM, "placement": {"type": "object"},
                    "node": {"type": "string"}, "backend": {"type": "string"},
                    "exit_code": _INT, "error": _STR, "worker_in_flight": _INT}),
-    "ModelList": _obj({"object": _const("list"), "data": _array(_ref("Model"))}),
+    "ModelList": _obj({"object": _const("list"), "data": _array(_ref("Model"))},
+                      {"models": _array(_ref("CodexModel"))}),
+    # Codex's ModelInfo (router.api.codex_catalog): its required fields, and the rest sent
+    "CodexModel": _obj({"slug": _STR, "display_name": _STR,
+                        "supported_reasoning_levels": _array(_obj({"effort": _STR,
+                                                                   "description": _STR})),
+                        "shell_type": _STR, "visibility": _STR,
+                        "supported_in_api": {"type": "boolean"}, "priority": _INT,
+                        "model_messages": _obj({"instructions_template": _STR}),
+                        "support_verbosity": {"type": "boolean"},
+                        "truncation_policy": _obj({"mode": _STR, "limit": _INT}),
+                        "experimental_supported_tools": _array(_STR)},
+                       {"description": _STR, "supports_reasoning_summaries": {"type": "boolean"},
+                        "apply_patch_tool_type": {"type": "null"},
+                        "supports_parallel_tool_calls": {"type": "boolean"},
+                        "context_window": _INT, "max_context_window": _INT}),
     "ModelOrList": {"anyOf": [_ref("Model"), _ref("ModelList")]},
     "AnthropicError": _obj({"type": _const("error"),
                             "error": _obj({"type": _STR, "message": _STR})}),
@@ -323,8 +338,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "`after`, `before`)", None, "ResponseItemList"),
     ("POST", "/v1/responses/{response_id}/cancel"): Operation(
         "Cancel a background response", None, "Response"),
-    ("GET", "/v1/models"): Operation("Every configured model and its state", None,
-                                     "ModelList"),
+    ("GET", "/v1/models"): Operation(
+        "Every configured model and its state; with `client_version` (Codex's), Codex's "
+        "metadata of the generation models too (`models`)", None, "ModelList",
+        query={"client_version": _STR}),
     ("GET", "/v1/models/{model_id}"): Operation(
         "One model by exact id (aliases are for requests)", None, "Model"),
     ("POST", "/v1/models/load"): Operation(
