@@ -217,6 +217,18 @@ def ledger(r: Result) -> str:
             ("seconds of rows lost", k["lost_seconds"])])])
 
 
+def toolcalls(r: Result) -> str:
+    rows = [(server, v["call"], v["text"], v["broken"], v["requests"],
+             v["completion_tokens_mean"], v["completion_tokens_max"], v["seconds_mean"])
+            for server, v in r["runs"].items()]
+    setup = (f"{r['requests_each']} requests each, max_tokens {r['max_tokens']}, "
+             f"asking in turn: {' / '.join(repr(q) for q in r['questions'])}")
+    return "\n\n".join([
+        provenance("toolcalls", r, setup),
+        table(["server", "valid calls", "text answers", "broken", "requests",
+               "completion tokens, mean", "max", "seconds, mean"], rows)])
+
+
 def flat(name: str, r: Result) -> str:
     """A results file with no table of its own: every figure, by its path in the JSON."""
     def leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
@@ -233,7 +245,7 @@ def flat(name: str, r: Result) -> str:
 
 TABLES: dict[str, Callable[[Result], str]] = {
     "overhead": overhead, "relay": relay, "coldstart": coldstart, "scaling": scaling,
-    "faults": faults, "swap": swap, "ledger": ledger}
+    "faults": faults, "swap": swap, "ledger": ledger, "toolcalls": toolcalls}
 
 
 def block(name: str, results: Path = RESULTS) -> str:

@@ -90,18 +90,18 @@ def test_a_block_is_made_again_whatever_it_held(tmp_path: Path) -> None:
 
 
 def test_a_results_file_without_a_table_of_its_own_is_listed_whole(tmp_path: Path) -> None:
-    """A new benchmark's file (say ``toolcalls.json``) is on the page before anyone writes
+    """A new benchmark's file (say ``newbench.json``) is on the page before anyone writes
     its table, and a block whose file is missing says how to make it."""
-    result = {"benchmark": "toolcalls", "machine": {"cpus": 2, "cpu": "AMD EPYC"},
+    result = {"benchmark": "newbench", "machine": {"cpus": 2, "cpu": "AMD EPYC"},
               "when": "2026-11-27 10:00", "commit": "abc1234",
               "modelyard": {"valid_calls": 17, "broken": 0, "share": 0.85}, "ok": True}
-    (tmp_path / "toolcalls.json").write_text(json.dumps(result))
-    page = "<!-- bench:toolcalls:start -->\n<!-- bench:toolcalls:end -->\n" \
+    (tmp_path / "newbench.json").write_text(json.dumps(result))
+    page = "<!-- bench:newbench:start -->\n<!-- bench:newbench:end -->\n" \
            "<!-- bench:absent:start -->\n<!-- bench:absent:end -->\n"
     shown = blocks(report.fill(page, tmp_path))
     for where, text in figures(result):
-        assert text in shown["toolcalls"], where
-    assert "`modelyard.valid_calls` | 17" in shown["toolcalls"]
+        assert text in shown["newbench"], where
+    assert "`modelyard.valid_calls` | 17" in shown["newbench"]
     assert "make bench BENCH=absent" in shown["absent"]
 
 
