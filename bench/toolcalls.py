@@ -5,8 +5,9 @@ how modelyard answered before), and ``vllm serve`` with its defaults and with
 ``--tool-strict-level parameter``, one after another in one run.
 
 Each server gets ``N`` (20) chat requests that ask for a tool ("Use the tool."), with two
-declared tools, at the server's default sampling, ``max_tokens`` 300, not streamed. Each
-answer is one of:
+declared tools, at the server's default sampling, ``max_tokens`` 300, not streamed; the
+modelyard presets also at temperature 1.0 (``vllm serve``'s default here), where the model
+wanders and starts calls. Each answer is one of:
 
 - ``call``: every tool call names a declared tool and its arguments parse as JSON and
   validate against that tool's schema, and ``content`` holds no tool markup;
@@ -94,7 +95,8 @@ def judge(body: dict[str, Any]) -> str:
     return "call" if calls else "text"
 
 
-def measure(server: Server, wait_path: str) -> dict[str, Any]:
+def measure(server: Server, wait_path: str, temperature: float | None = None
+            ) -> dict[str, Any]:
     server.wait(wait_path, timeout=900)
     counts = {"call": 0, "text": 0, "broken": 0}
     tokens: list[int] = []
@@ -106,6 +108,7 @@ def measure(server: Server, wait_path: str) -> dict[str, Any]:
             r = client.post("/chat/completions", json={
                 "model": "smollm2", "tools": TOOLS, "tool_choice": "auto",
                 "max_tokens": MAX_TOKENS,
+                **({"temperature": temperature} if temperature is not None else {}),
                 "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]})
             seconds.append(time.monotonic() - started)
             r.raise_for_status()
@@ -123,19 +126,23 @@ def measure(server: Server, wait_path: str) -> dict[str, Any]:
 
 def main() -> None:
     results: dict[str, Any] = {}
-    runs: list[tuple[str, Callable[[], Server], str]] = [
-        ("modelyard default preset (tool_strict_level parameter)",
-         lambda: modelyard(preset(None)), "/health/ready"),
+    # Each server once; at temperature 1.0 (``vllm serve``'s default for this model, which
+    # has no sampling defaults of its own) modelyard's preset is measured again, so that
+    # the structural tag is compared on the same sampling.
+    runs: list[tuple[str, Callable[[], Server], str, list[tuple[str, float | None]]]] = [
+        ("modelyard, default preset (tool_strict_level parameter)",
+         lambda: modelyard(preset(None)), "/health/ready", [("", None), (", temperature 1.0", 1.0)]),
         ("modelyard, tool_strict_level auto (no tag, as before)",
-         lambda: modelyard(preset("auto")), "/health/ready"),
-        ("vllm serve, defaults", vllm_serve, "/v1/models"),
+         lambda: modelyard(preset("auto")), "/health/ready", [("", None), (", temperature 1.0", 1.0)]),
+        ("vllm serve, defaults", vllm_serve, "/v1/models", [("", None)]),
         ("vllm serve --tool-strict-level parameter",
-         lambda: vllm_serve("--tool-strict-level", "parameter"), "/v1/models"),
+         lambda: vllm_serve("--tool-strict-level", "parameter"), "/v1/models", [("", None)]),
     ]
-    for name, start, ready in runs:
+    for name, start, ready, samplings in runs:
         with start() as server:
-            results[name] = measure(server, ready)
-        print(name, results[name], flush=True)
+            for suffix, temperature in samplings:
+                results[name + suffix] = measure(server, ready, temperature)
+                print(name + suffix, results[name + suffix], flush=True)
     rows = [("server", "calls", "text", "broken", "tokens mean", "s mean")]
     rows += [(name, str(r["call"]), str(r["text"]), str(r["broken"]),
               str(r["completion_tokens_mean"]), str(r["seconds_mean"]))
