@@ -129,11 +129,12 @@ def main() -> None:
     # Each server once; at temperature 1.0 (``vllm serve``'s default for this model, which
     # has no sampling defaults of its own) modelyard's preset is measured again, so that
     # the structural tag is compared on the same sampling.
+    both: list[tuple[str, float | None]] = [("", None), (", temperature 1.0", 1.0)]
     runs: list[tuple[str, Callable[[], Server], str, list[tuple[str, float | None]]]] = [
         ("modelyard, default preset (tool_strict_level parameter)",
-         lambda: modelyard(preset(None)), "/health/ready", [("", None), (", temperature 1.0", 1.0)]),
+         lambda: modelyard(preset(None)), "/health/ready", both),
         ("modelyard, tool_strict_level auto (no tag, as before)",
-         lambda: modelyard(preset("auto")), "/health/ready", [("", None), (", temperature 1.0", 1.0)]),
+         lambda: modelyard(preset("auto")), "/health/ready", both),
         ("vllm serve, defaults", vllm_serve, "/v1/models", [("", None)]),
         ("vllm serve --tool-strict-level parameter",
          lambda: vllm_serve("--tool-strict-level", "parameter"), "/v1/models", [("", None)]),
