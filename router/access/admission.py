@@ -22,18 +22,18 @@ from typing import TYPE_CHECKING
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.access import AccessRules
+from router.access.key_store import KeySpec, NamedKey
+from router.access.rules import AccessRules
 from router.api.sse import encode_json
 from router.errors import APIError, shaped
-from router.key_store import KeySpec, NamedKey
 from shared.config import ConfigError, ServerConfig
 
 if TYPE_CHECKING:
-    from router.limits import TokenBuckets
+    from router.access.limits import TokenBuckets
 
 OPEN_PATHS = frozenset({"/health", "/health/ready", "/"})
-"""Probes and the status page: never rate-limited or capped (``router.limits``); who may call what is
-``router.access.TABLE``."""
+"""Probes and the status page: never rate-limited or capped (``router.access.limits``); who may call what is
+``router.access.rules.TABLE``."""
 KEYS_VARIABLE = "MODELYARD_API_KEYS"
 """Keys from the environment (comma-separated); never passed on to workers."""
 
@@ -42,7 +42,7 @@ KEYS_VARIABLE = "MODELYARD_API_KEYS"
 class Principal:
     """Who asks: the name of the key a request showed, its role and its limits. The name
     owns what the request stores (stored responses, background runs): no other key sees
-    those. Roles: ``admin``, ``user``, ``viewer`` (``router.access`` says what each may call)."""
+    those. Roles: ``admin``, ``user``, ``viewer`` (``router.access.rules`` says what each may call)."""
 
     name: str
     role: str
@@ -215,7 +215,7 @@ def client_address(scope: Scope) -> str:
 
 
 class KeyGuard:
-    """ASGI middleware that enforces ``router.access.TABLE``: a request whose key (or lack
+    """ASGI middleware that enforces ``router.access.rules.TABLE``: a request whose key (or lack
     of one) the route's row does not admit gets a 401 (no valid key) or a 403 (a role the
     row leaves out; a route without a row) in its protocol's error shape and never reaches
     a handler; one admitted carries its ``Principal`` on (``principal_of``). Wrong keys

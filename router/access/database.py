@@ -33,7 +33,7 @@ is a 500:
 What callers do with it: the named keys keep their last good snapshot for
 ``key_store.STALE_MAX`` seconds, then named keys open nothing until the store answers
 again (``key_store.follow``); ``/v1/keys`` and ``/v1/usage`` answer 503; the ledger
-keeps its rows queued and writes them when the database returns (``router.ledger``).
+keeps its rows queued and writes them when the database returns (``router.access.ledger``).
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import psutil
 
-from router.backends.base import Backend, BootFor, WorkerHandle
-from router.processes import descendants, group_members, kill_tree, signal_all
 from router.registry import ModelEntry
-from router.spares import SparePool
+from router.workers.backends.base import Backend, BootFor, WorkerHandle
+from router.workers.processes import descendants, group_members, kill_tree, signal_all
+from router.workers.spares import SparePool
 from worker.lifeline import dies_with
 
 

@@ -28,8 +28,8 @@ from typing import Any
 
 import psutil
 
-from router.processes import group_members, kill_tree, log_tail, signal_all
 from router.registry import ModelEntry, ModelRegistry
+from router.workers.processes import group_members, kill_tree, log_tail, signal_all
 from worker.lifeline import dies_with
 
 log = logging.getLogger("modelyard.router")

@@ -10,7 +10,7 @@ nothing further in, and a stranger without a key never takes a token from a buck
 ``/health`` is never capped or limited, so monitoring still sees an overloaded router.
 
 How long a client may take is kept below them, in the router's uvicorn protocol
-(``router.http_protocol``).
+(``router.api.http_protocol``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from router.access import AccessRules
-from router.admission import (
+from router.access.admission import (
     OPEN_PATHS,
     KeyGuard,
     Keys,
@@ -34,6 +33,7 @@ from router.admission import (
     principal_of,
     send_error,
 )
+from router.access.rules import AccessRules
 from router.errors import APIError
 from shared.config import ServerConfig
 
