@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from router.errors import APIError
+from shared.config import default_cache_dir
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
@@ -91,8 +92,6 @@ class DatabaseUnavailable(APIError):
 
 def default_url(cache_dir: str | None) -> str:
     """SQLite under the cache dir (``server.cache_dir``, else ``~/.cache/modelyard``)."""
-    from worker.materialize import default_cache_dir  # no vLLM import: a path helper
-
     base = Path(cache_dir) if cache_dir else default_cache_dir()
     return f"sqlite:///{base / 'modelyard.db'}"
 
