@@ -383,7 +383,7 @@ def test_a_limited_key_learns_nothing_of_other_models_or_keys(tmp_path: Path) ->
 
 
 def key_digest(key: str) -> bytes:
-    from router.access.admission import key_digest as digest
+    from router.access.key_store import key_digest as digest
     return digest(key.encode())
 
 

@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.access.key_store import KeySpec, NamedKey
+from router.access.key_store import KeySpec, NamedKey, key_digest
 from router.access.rules import AccessRules
-from router.api.sse import encode_json
 from router.errors import APIError, shaped
 from shared.config import ConfigError, ServerConfig
 
 if TYPE_CHECKING:
-    from router.access.limits import TokenBuckets
+    from router.access.buckets import TokenBuckets
 
 OPEN_PATHS = frozenset({"/health", "/health/ready", "/"})
 """Probes and the status page: never rate-limited or capped (``router.access.limits``); who may call what is
@@ -58,6 +58,8 @@ class Principal:
         return self.role in ("admin", "viewer")
 
 
+_json = msgspec.json.Encoder()  # error bodies of the middleware (send_error)
+
 OPEN = Principal("", "admin")
 """Everyone, on a server with no keys: one user, who may do everything."""
 ANONYMOUS = Principal("", "anonymous")
@@ -80,13 +82,6 @@ def still_admitted(scope: Scope) -> Callable[[], bool]:
         return lambda: True
     principal = principal_of(scope)
     return lambda: keys.admits(principal)
-
-
-def key_digest(key: bytes) -> bytes:
-    """What a key is known by: its SHA-256 (a key is random, so no salt or stretching is
-    needed; the digest is compared, so the time does not tell how much of a guess
-    matched)."""
-    return hashlib.sha256(key).digest()
 
 
 def key_label(secret: bytes, digest: bytes) -> str:
@@ -290,7 +285,7 @@ async def send_error(send: Send, err: APIError, path: str,
     """Answer ``err`` from ASGI middleware, before any handler, in the error shape of the
     protocol serving ``path``."""
     status, shape = shaped(err, path)
-    body = encode_json(shape)
+    body = _json.encode(shape)
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()), *headers]})

@@ -23,9 +23,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from router.access.admission import Principal, principal_of
+from router.access.buckets import TokensPerMinute
 from router.access.budgets import Budgets, Reservation
 from router.access.ledger import Ledger
-from router.access.limits import TokensPerMinute
 from router.api import progress
 from router.api.sse import EventStream
 from router.api.wire import JSONResponse, disconnected, error_response, unless_disconnected
