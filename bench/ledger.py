@@ -29,13 +29,14 @@ import httpx
 from starlette.routing import Route
 
 from bench.common import modelyard, report
-from router.access import AccessRules
-from router.admission import KeyGuard, Keys
-from router.budgets import Budgets
-from router.database import Conn, Database
-from router.key_store import Budget
-from router.ledger import INSERT, SCHEMA, Ledger
-from router.limits import RateLimit, TokenBuckets
+from router.access.admission import KeyGuard, Keys
+from router.access.buckets import TokenBuckets
+from router.access.budgets import Budgets
+from router.access.database import Conn, Database
+from router.access.key_store import Budget
+from router.access.ledger import INSERT, SCHEMA, Ledger
+from router.access.limits import RateLimit
+from router.access.rules import AccessRules
 from router.registry import ModelRegistry
 from shared.config import ServerConfig, build_preset
 from shared.protocol import ChatMessage, Generate, SamplingSpec

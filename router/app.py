@@ -18,8 +18,15 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp
 
-from router.access import AccessRules
-from router.admission import Keys
+from router.access.admission import Keys
+from router.access.database import Database, default_url
+from router.access.key_store import SCHEMA as KEY_TABLES
+from router.access.key_store import KeyStore
+from router.access.key_store import follow as follow_keys
+from router.access.ledger import SCHEMA as LEDGER_TABLES
+from router.access.ledger import Ledger
+from router.access.limits import middleware_stack
+from router.access.rules import AccessRules
 from router.api.admin import AdminAPI
 from router.api.anthropic import AnthropicAPI
 from router.api.events import EventsAPI
@@ -35,20 +42,13 @@ from router.api.scoring import ScoringAPI
 from router.api.status import StatusPage
 from router.api.usage import UsageAPI
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
-from router.database import Database, default_url
 from router.errors import APIError, ModelNotFound
-from router.events import EventBus
-from router.key_store import SCHEMA as KEY_TABLES
-from router.key_store import KeyStore
-from router.key_store import follow as follow_keys
-from router.ledger import SCHEMA as LEDGER_TABLES
-from router.ledger import Ledger
-from router.limits import middleware_stack
-from router.metrics import Metrics
-from router.placement import Placer, check_budgets
+from router.lifecycle.reload import Reloader
+from router.lifecycle.supervisor import Supervisor
+from router.observe.events import EventBus
+from router.observe.metrics import Metrics
 from router.registry import ModelRegistry
-from router.reload import Reloader
-from router.supervisor import Supervisor
+from router.workers.placement import Placer, check_budgets
 from shared.config import ConfigError, Preset
 
 log = logging.getLogger("modelyard.router")
@@ -134,7 +134,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
                       "not starting", database.shown)
             raise
         # While the database is away the last read serves STALE_MAX s, then named keys
-        # open nothing until it answers (router.key_store.follow).
+        # open nothing until it answers (router.access.key_store.follow).
         following = asyncio.create_task(follow_keys(named.refresh, lambda: keys.set_named(())),
                                         name="named-keys")
         supervisor.start()
@@ -159,7 +159,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
               + OpenAPIDocument(keys).routes() + StatusPage().routes())
     rules = AccessRules(routes)
     if rules.missing():  # refused to everyone (403 no_access_rule); tests/test_access fails
-        log.error("routes without a row in router.access.TABLE: %s", rules.missing())
+        log.error("routes without a row in router.access.rules.TABLE: %s", rules.missing())
     app = ModelyardApp(
         routes=routes,
         lifespan=lifespan,

@@ -12,11 +12,11 @@ import sys
 import msgspec
 import uvicorn
 
+from router.access.database import Database, default_url
+from router.access.key_store import SCHEMA as KEY_TABLES
+from router.access.key_store import KeyExists, KeySpec, KeyStore, LastAdmin
+from router.api.http_protocol import http_protocol, uvicorn_backstop
 from router.app import build_app
-from router.database import Database, default_url
-from router.http_protocol import http_protocol, uvicorn_backstop
-from router.key_store import SCHEMA as KEY_TABLES
-from router.key_store import KeyExists, KeySpec, KeyStore, LastAdmin
 from shared.config import ConfigError, ServerConfig, load_preset
 
 GC_THRESHOLD = 50_000
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                             # typed int, but it only reaches loop.call_later
                             timeout_keep_alive=server.keep_alive_timeout,  # type: ignore[arg-type]
                             limit_concurrency=uvicorn_backstop(server.max_connections),
-                            proxy_headers=False,  # X-Forwarded-For: see router/limits.py (ProxyHeaders)
+                            proxy_headers=False,  # X-Forwarded-For: see router/access/limits.py (ProxyHeaders)
                             http=http_protocol(server.read_timeout, server))
     # Everything built so far lives as long as the server: keep the collector from
     # walking it in every full collection (vLLM's API server does the same).

@@ -20,7 +20,7 @@ from router.errors import ModelNotFound
 from shared.config import ModelSpec, Preset
 
 if TYPE_CHECKING:
-    from router.link import WorkerLink
+    from router.workers.link import WorkerLink
 
 DEMAND_SECONDS = 300.0
 """The window of a model's recent request rate (its eviction cost)."""

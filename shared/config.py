@@ -60,6 +60,13 @@ def format_cores(cores: set[int]) -> str:
     return ",".join(runs)
 
 
+def default_cache_dir() -> Path:
+    """Where ``server.cache_dir`` points when unset: the embedded model's folder (the
+    worker's) and the default SQLite database (the router's)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "modelyard"
+
+
 class ConfigError(ValueError):
     """A preset file is unreadable or invalid; the message names file, model and key."""
 
@@ -89,7 +96,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     runtime_dir: str | None = None
     """Where ZeroMQ sockets and worker logs live; default: a fresh 0700 temp dir."""
     cache_dir: str | None = None
-    """Where the embedded model is materialised; default: ~/.cache/modelyard."""
+    """Where the embedded model is materialised; default: ~/.cache/modelyard
+    (``default_cache_dir``)."""
     database_url: str | None = None
     """Where named keys live: ``sqlite:///PATH`` or ``postgresql://...`` (several routers
     sharing keys); unset: SQLite in the cache dir (``modelyard.db``)."""

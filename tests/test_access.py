@@ -1,4 +1,4 @@
-"""The access table (``router.access.TABLE``) as a matrix over the app's real route table:
+"""The access table (``router.access.rules.TABLE``) as a matrix over the app's real route table:
 every route and method × every kind of caller × every state of the keys, in-process
 (httpx's ASGI transport; synthetic models, never started: admission decides before a
 model is touched). What the matrix states, in words:
@@ -34,11 +34,11 @@ import httpx
 import pytest
 from starlette.routing import Mount, Route
 
-from router.access import ROLES, TABLE, AccessRules, markdown
+from router.access.database import Database, DatabaseUnavailable
+from router.access.key_store import SCHEMA as KEY_TABLES
+from router.access.key_store import KeySpec, KeyStore
+from router.access.rules import ROLES, TABLE, AccessRules, markdown
 from router.app import build_app
-from router.database import Database, DatabaseUnavailable
-from router.key_store import SCHEMA as KEY_TABLES
-from router.key_store import KeySpec, KeyStore
 from shared.config import load_preset
 from tests.conftest import running_router
 
@@ -383,7 +383,7 @@ def test_a_limited_key_learns_nothing_of_other_models_or_keys(tmp_path: Path) ->
 
 
 def key_digest(key: str) -> bytes:
-    from router.admission import key_digest as digest
+    from router.access.key_store import key_digest as digest
     return digest(key.encode())
 
 

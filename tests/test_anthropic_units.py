@@ -12,7 +12,7 @@ import pytest
 from router.api.anthropic.schema import MessagesRequest, conversation, messages_generate
 from router.api.anthropic.shaper import MessagesShaper
 from router.errors import APIError, BadRequest, TooManyRequests, shaped
-from router.link import Usage
+from router.workers.link import Usage
 from shared.protocol import Delta, ToolCallDelta
 
 

@@ -15,13 +15,13 @@ import psutil
 import pytest
 import zmq
 
-from router.backends.local import LocalBackend
-from router.backends.ray_cluster import RayBackend
-from router.link import WorkerLink
-from router.placement import Placer
+from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry, ModelRegistry
-from router.spares import SparePool
-from router.supervisor import Supervisor
+from router.workers.backends.local import LocalBackend
+from router.workers.backends.ray_cluster import RayBackend
+from router.workers.link import WorkerLink
+from router.workers.placement import Placer
+from router.workers.spares import SparePool
 from shared.config import ConfigError, build_preset
 from tests.conftest import ROOT
 

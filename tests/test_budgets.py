@@ -1,6 +1,6 @@
 """Budgets that cannot be overspent (issue 26, findings 5-7).
 
-The unit tests drive ``router.budgets`` with a clock of their own, a real ``Ledger`` over
+The unit tests drive ``router.access.budgets`` with a clock of their own, a real ``Ledger`` over
 SQLite and a database they take away; the router tests reproduce the findings against a
 router with synthetic workers (each token is one word; a chat prompt of one message is its
 words + 4 tokens). On 96966e8: carol's ``smol*`` budget was never enforced; one request of
@@ -21,17 +21,17 @@ from typing import Any
 import httpx
 import pytest
 
-from router import ledger as ledger_module
-from router.budgets import (
+from router.access import ledger as ledger_module
+from router.access.budgets import (
     TEMPLATE_TOKENS,
     BudgetExceeded,
     Budgets,
     fit,
     prompt_estimate,
 )
-from router.database import Database
-from router.key_store import Budget
-from router.ledger import INSERT, SCHEMA, Ledger
+from router.access.database import Database
+from router.access.key_store import Budget
+from router.access.ledger import INSERT, SCHEMA, Ledger
 from router.registry import ModelRegistry
 from shared.config import build_preset
 from shared.protocol import ChatMessage, Generate, SamplingSpec

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from router import database
-from router.database import Database, DatabaseUnavailable
-from router.key_store import SCHEMA as KEY_TABLES
-from router.key_store import KeySpec, KeyStore, follow
-from router.ledger import SCHEMA as LEDGER_TABLES
-from router.ledger import Ledger
+from router.access import database
+from router.access.database import Database, DatabaseUnavailable
+from router.access.key_store import SCHEMA as KEY_TABLES
+from router.access.key_store import KeySpec, KeyStore, follow
+from router.access.ledger import SCHEMA as LEDGER_TABLES
+from router.access.ledger import Ledger
 
 
 def spoil(path: Path) -> None:

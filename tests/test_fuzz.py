@@ -26,7 +26,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import ignored_auth, positive_data_acceptance
 
-from router.access import AccessRules
+from router.access.rules import AccessRules
 from router.api.openapi import build_document
 from router.app import build_app
 from router.errors import ANTHROPIC_PREFIX
@@ -284,7 +284,7 @@ RULES = AccessRules(build_app(build_preset(parse_yaml(
 def test_fuzz_as_each_role(case: schemathesis.Case[Any], role: str,
                            keyed_router: tuple[RouterProcess, dict[str, str]]) -> None:
     """Schemathesis once per role (a few fuzzed cases of each operation): no 5xx, every shape valid, and a 403 exactly
-    where ``router.access.TABLE`` leaves the role out (never a 401: the key is valid)."""
+    where ``router.access.rules.TABLE`` leaves the role out (never a 401: the key is valid)."""
     r, keys = keyed_router
 
     def as_the_table_says(response: schemathesis.Response) -> None:

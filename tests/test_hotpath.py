@@ -25,7 +25,7 @@ from router.api.hotpath import HOT_PATHS, HotPath
 from router.api.relay import WATCH_AFTER, Relay
 from router.api.wire import JSONResponse
 from router.app import build_app
-from router.link import WorkerLink
+from router.workers.link import WorkerLink
 from shared.config import build_preset
 from shared.protocol import Cancel, Generate, worker_codec
 from tests.conftest import connected_peer, from_router

@@ -23,11 +23,11 @@ import pytest
 import zmq
 
 from router.errors import ModelUnavailable, TooManyRequests, WorkerLost
-from router.link import WorkerLink
-from router.placement import Placer
-from router.policy import idle
+from router.lifecycle.policy import idle
+from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelRegistry
-from router.supervisor import Supervisor
+from router.workers.link import WorkerLink
+from router.workers.placement import Placer
 from shared.config import build_preset
 from shared.protocol import Codec, Generate, Ready, SamplingSpec, ToRouter
 from tests.conftest import RouterProcess, connected_peer, from_router, running_router
@@ -342,7 +342,7 @@ def test_clients_that_leave_while_queued_give_their_place_back(tmp_path: Path) -
 def test_a_stream_its_client_does_not_read_is_bounded(tmp_path: Path) -> None:
     """Defect 3: deltas for a client that did not read piled up without bound."""
     from router.errors import ClientTooSlow
-    from router.link import Usage
+    from router.workers.link import Usage
     from shared.protocol import Delta, Deltas
 
     async def scenario() -> None:

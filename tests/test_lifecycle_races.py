@@ -22,14 +22,14 @@ import pytest
 import zmq
 from starlette.requests import Request
 
-from router.admission import OPEN
+from router.access.admission import OPEN
 from router.api.relay import Relay
 from router.api.wire import unless_disconnected
 from router.errors import ClientGone, ModelUnavailable
-from router.link import Usage, WorkerLink
-from router.placement import GIB, GpuMemory, Placer
+from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry, ModelRegistry
-from router.supervisor import Supervisor
+from router.workers.link import Usage, WorkerLink
+from router.workers.placement import GIB, GpuMemory, Placer
 from shared.config import build_preset
 from tests.conftest import connected_peer
 from tests.test_scheduling import supervisor as scheduling_supervisor
@@ -387,8 +387,8 @@ def test_a_worker_whose_boot_cannot_be_written_is_not_left_running(tmp_path: Pat
     """Defect 5b (confirmed): ``LocalBackend.spawn`` started the process (or took a
     spare), then ``boot_for`` raised: the process, blocked on its stdin, was left running
     with nobody to stop it."""
-    from router.backends.local import LocalBackend
-    from router.spares import SparePool
+    from router.workers.backends.local import LocalBackend
+    from router.workers.spares import SparePool
 
     preset = build_preset({"server": {"spare_workers": 0},
                            "models": {"m": {"model": "/m", "engine": "synthetic"}}})
@@ -455,7 +455,7 @@ def test_log_followers_leave_the_default_executor_to_the_supervisor(
     from concurrent.futures import ThreadPoolExecutor
 
     from router.api.events import EventsAPI, LogFollower
-    from router.events import EventBus
+    from router.observe.events import EventBus
 
     def slow_read(self: LogFollower) -> list[str]:
         time.sleep(0.3)  # a log on a busy or network disk
@@ -511,7 +511,7 @@ def test_spares_start_again_after_one_came_up_ready(tmp_path: Path) -> None:
     worker of this host that becomes ready, now starts the count again."""
     import os
 
-    from router.spares import SparePool
+    from router.workers.spares import SparePool
 
     preset = build_preset({"server": {"spare_workers": 1}, "models": {"m": {"model": "/m"}}})
     registry = ModelRegistry(preset)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from router.placement import GIB, GpuMemory, Placer, fits, footprint
+from router.lifecycle.supervisor import Supervisor, backoff_seconds
 from router.registry import ModelRegistry
-from router.supervisor import Supervisor, backoff_seconds
-from router.worker_start import base_env, model_env, worker_command
+from router.workers.placement import GIB, GpuMemory, Placer, fits, footprint
+from router.workers.worker_start import base_env, model_env, worker_command
 from shared.config import ModelSpec, ServerConfig, build_preset
 from tests.conftest import connected_peer, from_router
 
@@ -153,7 +153,7 @@ def test_a_worker_that_cannot_start_leaves_the_model_failed_with_the_reason(
 def test_a_model_larger_than_its_whole_budget_is_refused_at_start(tmp_path: Path) -> None:
     """Issue 8, defect 6: such a model waited for room forever."""
     from router.app import build_app
-    from router.placement import check_budgets
+    from router.workers.placement import check_budgets
     from shared.config import ConfigError
 
     preset = build_preset({"server": {"memory_budget_gib": {"cpu": 4, "cuda:0": 40}},
@@ -195,8 +195,8 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
     import zmq
 
     from router.errors import ModelUnavailable
-    from router.link import WorkerLink
-    from router.worker_record import WorkerRecord
+    from router.lifecycle.worker_record import WorkerRecord
+    from router.workers.link import WorkerLink
     from shared.protocol import Generate, SamplingSpec, Shutdown
 
     preset = build_preset({"models": {"m": {"model": "/m"}}})

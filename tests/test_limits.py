@@ -24,15 +24,11 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.access import ROLES, AccessRules, Rule
-from router.admission import Keys
-from router.http_protocol import http_protocol
-from router.limits import (
-    MAX_CLIENTS,
-    ConnectionCap,
-    TokenBuckets,
-    middleware_stack,
-)
+from router.access.admission import Keys
+from router.access.buckets import MAX_CLIENTS, TokenBuckets
+from router.access.limits import ConnectionCap, middleware_stack
+from router.access.rules import ROLES, AccessRules, Rule
+from router.api.http_protocol import http_protocol
 from shared.config import ServerConfig
 from tests.conformance import validate
 from tests.conftest import RouterProcess, running_router

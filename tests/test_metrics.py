@@ -16,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
 from router.api.metrics import endpoint_name
-from router.link import Usage
-from router.metrics import Metrics, quantile, snapshot
-from router.placement import Placer
+from router.lifecycle.supervisor import Supervisor
+from router.observe.metrics import Metrics, quantile, snapshot
 from router.registry import ModelRegistry
-from router.supervisor import Supervisor
+from router.workers.link import Usage
+from router.workers.placement import Placer
 from shared.config import build_preset
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

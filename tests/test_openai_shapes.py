@@ -8,7 +8,7 @@ from typing import Any
 from router.api.openai.chat import ChatShaper
 from router.api.openai.completions import CompletionShaper
 from router.errors import BadRequest, ModelNotFound
-from router.link import Usage
+from router.workers.link import Usage
 from shared.protocol import Delta, TokenLogprob, ToolCallDelta, TopLogprob
 from tests.conformance import validate
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement import Placer
+from router.workers.placement import Placer
 from shared.config import ModelSpec, format_cores, parse_cores
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.placement import ASLEEP_GIB, GIB, Placer, nvml_process_memory, read_gpus
+from router.workers.placement import ASLEEP_GIB, GIB, Placer, nvml_process_memory, read_gpus
 from shared.config import ModelSpec
 
 GPUS = read_gpus()

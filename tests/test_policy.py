@@ -1,7 +1,7 @@
 """The lifecycle policy alone: no supervisor, no event loop, no process.
 
-``router.policy.room`` decides who gets room and who makes it (victim order, evict or
-yield after ``swap_wait``, the line by priority then wait); ``router.policy.idle``
+``router.lifecycle.policy.room`` decides who gets room and who makes it (victim order, evict or
+yield after ``swap_wait``, the line by priority then wait); ``router.lifecycle.policy.idle``
 decides who has idled past ``keep_alive`` / ``ttl`` and whether it stops or sleeps.
 """
 
@@ -12,7 +12,7 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
-from router.policy import idle, room
+from router.lifecycle.policy import idle, room
 from router.registry import ModelEntry
 from shared.config import ServerConfig, build_preset
 
@@ -198,8 +198,8 @@ def test_idle_action_sleep_sleeps_a_gpu_model_and_stops_a_cpu_one() -> None:
 
 
 def test_the_policy_imports_nothing_of_the_supervisor() -> None:
-    code = ("import sys, router.policy.room, router.policy.idle; "
+    code = ("import sys, router.lifecycle.policy.room, router.lifecycle.policy.idle; "
             "print(sorted(m for m in sys.modules if m.startswith('router.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
-    assert "router.supervisor" not in out.stdout and "router.link" not in out.stdout
+    assert "router.lifecycle.supervisor" not in out.stdout and "router.workers.link" not in out.stdout

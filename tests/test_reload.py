@@ -1,4 +1,4 @@
-"""Hot reload of the preset (``router/reload.py``): the diff, its application to a running
+"""Hot reload of the preset (``router/lifecycle/reload.py``): the diff, its application to a running
 router, and the three triggers (``POST /v1/config/reload``, SIGHUP, ``--watch-config``).
 
 Unit tests need no worker. The integration test runs one router with real vLLM workers on
@@ -23,12 +23,12 @@ import msgspec
 import openai
 import pytest
 
-from router.admission import Keys
+from router.access.admission import Keys
 from router.errors import BadRequest, ModelNotFound
-from router.placement import Placer
+from router.lifecycle.reload import Reloader, diff_presets, fingerprint
+from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelRegistry
-from router.reload import Reloader, diff_presets, fingerprint
-from router.supervisor import Supervisor
+from router.workers.placement import Placer
 from shared.config import build_preset, load_preset, restart_needed
 from tests.conftest import ROOT, RouterProcess, running_router
 

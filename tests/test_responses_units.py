@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from router.admission import Principal, principal_of
+from router.access.admission import Principal, principal_of
 from router.api.responses import shaper as shaper_module
 from router.api.responses.background import BackgroundRuns
 from router.api.responses.schema import (
@@ -25,7 +25,7 @@ from router.api.responses.schema import (
 from router.api.responses.shaper import ResponseShaper
 from router.api.responses.store import ResponseStore, StoreCollector, encode_items
 from router.errors import BadRequest, WorkerLost
-from router.link import Usage
+from router.workers.link import Usage
 from shared.protocol import Delta, TokenLogprob, ToolCallDelta, TopLogprob
 from tests.conformance import validate_responses
 

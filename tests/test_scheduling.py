@@ -20,10 +20,10 @@ import pytest
 
 from router.api.openai.schema import keep_alive_seconds
 from router.errors import BadRequest, ModelUnavailable
-from router.placement import GIB, GpuMemory, Placer
-from router.policy.idle import idle_limit
+from router.lifecycle.policy.idle import idle_limit
+from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry, ModelRegistry
-from router.supervisor import Supervisor
+from router.workers.placement import GIB, GpuMemory, Placer
 from shared.config import build_preset
 
 

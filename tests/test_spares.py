@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from router.registry import ModelRegistry
-from router.spares import SparePool
+from router.workers.spares import SparePool
 from shared.config import build_preset
 from tests.test_lifecycle_races import run, until
 

@@ -406,7 +406,7 @@ def test_a_budget_and_a_tpm_end_in_a_429_naming_them(shared: RouterProcess) -> N
         "name": "thrifty", "budgets": [{"tokens": 40, "period": "day"}]}).json()["key"]
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
     # 5 prompt + 10 completion tokens each; a request holds its prompt's estimate (18) and
-    # its max_tokens (``router.budgets``): the second does not fit the 25 left.
+    # its max_tokens (``router.access.budgets``): the second does not fit the 25 left.
     assert call(r, budgeted, "POST", "/v1/chat/completions", chat).status_code == 200
     refused = call(r, budgeted, "POST", "/v1/chat/completions", chat)
     assert refused.status_code == 429, refused.text

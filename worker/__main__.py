@@ -5,7 +5,7 @@ router's address and key, its environment), never on the command line, where eve
 could read it. With ``--spare`` the process first imports vLLM and torch, then waits for
 its boot: the router keeps such a spare ready and turns it into the next model's worker.
 vLLM starts EngineCore children, so everything runs under the ``__main__`` guard. The
-worker and the processes its engine starts die with the router (``worker.lifeline``).
+worker and the processes its engine starts die with the router (``shared.lifeline``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import msgspec
 import uvloop
 
 from shared.config import WorkerBoot
-from worker.lifeline import die_with_parent, guard_group, set_parent_death_signal
+from shared.lifeline import die_with_parent, guard_group, set_parent_death_signal
 from worker.server import WorkerServer
 
 log = logging.getLogger("modelyard.worker")

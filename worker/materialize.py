@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shared.config import default_cache_dir
+
 log = logging.getLogger("modelyard.worker")
 
 BUILTIN_PREFIX = "builtin:"
@@ -27,11 +29,6 @@ _BUILTINS = {
 
 class MaterializeError(RuntimeError):
     """The embedded model's package is missing or its conversion failed."""
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "modelyard"
 
 
 def resolve_model_path(model: str, cache_dir: str | None) -> str:

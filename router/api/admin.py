@@ -15,15 +15,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.admission import ANONYMOUS, Principal, principal_of
+from router.access.admission import ANONYMOUS, Principal, principal_of
 from router.api import codex_catalog
 from router.api.events import first_line
 from router.api.wire import JSONResponse, read_body
 from router.errors import APIError, ModelNotFound, ModelUnavailable
-from router.policy import idle
+from router.lifecycle.policy import idle
+from router.lifecycle.reload import Reloader
+from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry
-from router.reload import Reloader
-from router.supervisor import Supervisor
 from shared.config import auto_tool_calls
 
 
@@ -146,7 +146,7 @@ class AdminAPI:
         return self._answer(request, body, entries)
 
     async def reload(self, request: Request) -> Response:
-        """Read the preset file again and apply it (``router/reload.py``); a file that does
+        """Read the preset file again and apply it (``router/lifecycle/reload.py``); a file that does
         not load is a 400 naming file, model and key, and nothing changes."""
         return JSONResponse(await self.reloader.reload("POST /v1/config/reload"))
 

@@ -23,12 +23,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.admission import Principal, principal_of, still_admitted
+from router.access.admission import Principal, principal_of, still_admitted
 from router.api.sse import EventStream, encode_json
 from router.api.wire import JSONResponse
 from router.errors import BadRequest, ModelNotFound
-from router.events import Event, EventBus, Subscription
-from router.supervisor import Supervisor
+from router.lifecycle.supervisor import Supervisor
+from router.observe.events import Event, EventBus, Subscription
 
 MAX_LINES = 10_000
 TAIL_BYTES = 4 << 20

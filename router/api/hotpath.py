@@ -4,7 +4,7 @@ Starlette spends a request's time in layers that these endpoints do not need: it
 server-error and exception middleware, the router's match over every route, the route's
 method check, two exception-handling wrappers, a ``send`` wrapper per layer; and the
 protocol route's own wrappers (error shaping, counting) add three more. ``HotPath`` sits
-just inside the admission middleware (``router.limits.middleware_stack``): a POST to one
+just inside the admission middleware (``router.access.limits.middleware_stack``): a POST to one
 of its paths runs its handler directly and does, in one place, what those layers would
 have done with it; any other request goes on to Starlette.
 
@@ -26,11 +26,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from router.api.http_protocol import RouterCycle
 from router.api.metrics import endpoint_name
 from router.api.wire import JSONResponse, error_response, server_error_handler
 from router.errors import APIError
-from router.http_protocol import RouterCycle
-from router.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request
+from router.observe.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request
 
 HOT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 """The endpoints every generation client calls (OpenAI's chat and completions)."""

@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.admission import Keys
+from router.access.admission import Keys
+from router.access.key_store import KeyCreate, KeyExists, KeyStore, LastAdmin
 from router.api.wire import JSONResponse, read_body
 from router.errors import APIError, BadRequest
-from router.key_store import KeyCreate, KeyExists, KeyStore, LastAdmin
 
 
 class KeysAPI:

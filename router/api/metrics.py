@@ -15,12 +15,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.admission import Principal, principal_of
+from router.access.admission import Principal, principal_of
 from router.api.wire import JSONResponse
 from router.errors import APIError
-from router.link import WorkerLink
-from router.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request, snapshot
+from router.observe.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request, snapshot
 from router.registry import ModelEntry
+from router.workers.link import WorkerLink
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -69,7 +69,7 @@ class MetricsAPI:
         return JSONResponse(snapshot(self.seen_by(principal_of(request.scope)).collect()))
 
     def seen_by(self, principal: Principal) -> SeenBy | CollectorRegistry:
-        """The figures ``principal`` may read (``router.access``): per-key series of its
+        """The figures ``principal`` may read (``router.access.rules``): per-key series of its
         own key only unless it sees all (an admin or a viewer), and nothing of a model
         outside its globs."""
         if principal.sees_all and not principal.limits.models:

@@ -18,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from router.admission import OPEN_PATHS, Keys
+from router.access.admission import OPEN_PATHS, Keys
+from router.access.key_store import KeyCreate
 from router.api.admin import ModelAction
 from router.api.anthropic.schema import CountTokensRequest, MessagesRequest
 from router.api.openai.embeddings import EmbeddingRequest
@@ -26,7 +27,6 @@ from router.api.openai.schema import ChatCompletionRequest, CompletionRequest
 from router.api.openai.tokens import DetokenizeRequest, TokenizeRequest
 from router.api.responses.schema import CreateResponseRequest, ResponseInput
 from router.api.scoring import RerankRequest, ScoreRequest
-from router.key_store import KeyCreate
 
 Schema = dict[str, Any]
 _REF = "#/components/schemas/{name}"

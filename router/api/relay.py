@@ -22,18 +22,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.admission import Principal, principal_of
+from router.access.admission import Principal, principal_of
+from router.access.buckets import TokensPerMinute
+from router.access.budgets import Budgets, Reservation
+from router.access.ledger import Ledger
 from router.api import progress
 from router.api.sse import EventStream
 from router.api.wire import JSONResponse, disconnected, error_response, unless_disconnected
-from router.budgets import Budgets, Reservation
 from router.errors import APIError, BadRequest, ClientGone, ClientTooSlow
-from router.ledger import Ledger
-from router.limits import TokensPerMinute
-from router.link import RequestStream, Usage, WorkerLink
-from router.metrics import Metrics
+from router.lifecycle.supervisor import Supervisor
+from router.observe.metrics import Metrics
 from router.registry import Lease, ModelEntry
-from router.supervisor import Supervisor
+from router.workers.link import RequestStream, Usage, WorkerLink
 from shared.config import clamps_max_tokens
 from shared.protocol import Delta, Generate
 

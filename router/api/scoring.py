@@ -25,7 +25,7 @@ from router.api.openai.schema import Int64
 from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body
 from router.errors import BadRequest
-from router.link import WorkerLink
+from router.workers.link import WorkerLink
 from shared.protocol import Score
 
 MAX_DOCUMENTS = 1000

@@ -3,7 +3,7 @@
 Plain HTML, CSS and JavaScript, no build step and nothing fetched from elsewhere. The
 page holds no data: it reads ``/v1/models`` once, then follows ``/v1/events`` and the
 worker logs, sending the API key the operator typed as ``Authorization``. So the page and
-its assets need no key (``router.admission``), and every route it calls still does.
+its assets need no key (``router.access.admission``), and every route it calls still does.
 """
 
 from __future__ import annotations

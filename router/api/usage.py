@@ -1,4 +1,4 @@
-"""``GET /v1/usage``: the usage ledger (``router.ledger``), summed.
+"""``GET /v1/usage``: the usage ledger (``router.access.ledger``), summed.
 
 ``group_by`` (comma-separated, of ``key``, ``model``, ``endpoint``, ``day``; default
 ``key,model``), ``start`` and ``end`` (Unix seconds, or a UTC date or time in ISO 8601;
@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.admission import principal_of
+from router.access.admission import principal_of
+from router.access.ledger import GROUPS, Ledger, period_bounds
 from router.api.wire import JSONResponse
 from router.errors import APIError, BadRequest
-from router.ledger import GROUPS, Ledger, period_bounds
 from router.registry import ModelRegistry
 
 

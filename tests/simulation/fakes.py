@@ -24,9 +24,9 @@ from typing import Any
 import msgspec
 import zmq
 
-from router.backends import Backend, SpawnError, WorkerHandle
-from router.backends.base import BootFor
 from router.registry import ModelEntry
+from router.workers.backends import Backend, SpawnError, WorkerHandle
+from router.workers.backends.base import BootFor
 from shared.config import WorkerBoot
 from shared.protocol import (
     Cancel,

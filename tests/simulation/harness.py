@@ -14,7 +14,7 @@ memory budgets, short timeouts) and a schedule of operations at virtual times:
 - ``load`` (``start_loading`` or acquire-and-release, as ``/v1/models/load``), ``unload``
   (``stop``, ``force`` or not), ``crash`` (the model's worker exits), ``reload``
   (``registry.reconfigure`` with one model changed, removed or restored, then
-  ``retire``/``refresh`` as ``router.reload`` does, or ``max_loaded_models`` changed in
+  ``retire``/``refresh`` as ``router.lifecycle.reload`` does, or ``max_loaded_models`` changed in
   place, as a reload applies a runtime key).
 
 Workers fail as the seed says (``fakes.draw_plan``): spawn errors, hung or crashing
@@ -47,10 +47,10 @@ import msgspec
 
 from router.api.relay import Relay
 from router.errors import APIError
-from router.link import Usage
-from router.placement import Placer
+from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry, ModelRegistry, Slots
-from router.supervisor import Supervisor
+from router.workers.link import Usage
+from router.workers.placement import Placer
 from shared.config import ModelSpec, Preset, build_preset
 from shared.protocol import Delta, Generate, SamplingSpec
 from tests.simulation.fakes import Q, SimBackend, SimContext, SimNet
@@ -305,7 +305,7 @@ class Simulation:
         return f"ok {entry.state}"
 
     def reload(self, op: Op) -> None:
-        """What ``router.reload.Reloader._apply`` does with a new preset's models."""
+        """What ``router.lifecycle.reload.Reloader._apply`` does with a new preset's models."""
         change, name = op.args["change"], op.model
         if change == "limit":  # a runtime key: the live server config changes in place
             self.sup.server.max_loaded_models = op.args["max_loaded_models"]

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.placement import GIB, GpuMemory
+from router.workers.placement import GIB, GpuMemory
 from tests.simulation.fakes import Q, quantum
 
 

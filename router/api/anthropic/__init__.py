@@ -29,7 +29,7 @@ from router.api.anthropic.shaper import PING, MessagesShaper
 from router.api.openai.schema import keep_alive_seconds
 from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body, request_id
-from router.link import WorkerLink
+from router.workers.link import WorkerLink
 from shared.protocol import Tokenize
 
 

@@ -22,7 +22,7 @@ import msgspec
 
 from router.api.sse import sse
 from router.errors import APIError, anthropic_error
-from router.link import Usage
+from router.workers.link import Usage
 from shared.protocol import Delta
 
 PING = sse({"type": "ping"}, "ping")

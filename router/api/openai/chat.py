@@ -18,7 +18,7 @@ from router.api.openai.shapes import OpenAIShaper, logprob_items, usage_body
 from router.api.relay import Relay
 from router.api.sse import encode_json
 from router.api.wire import read_body, request_id
-from router.link import Usage
+from router.workers.link import Usage
 from shared.protocol import Delta
 
 

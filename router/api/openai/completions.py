@@ -20,7 +20,7 @@ from router.api.relay import Relay
 from router.api.sse import encode_json
 from router.api.wire import read_body, request_id
 from router.errors import BadRequest
-from router.link import Usage
+from router.workers.link import Usage
 from shared.protocol import Delta, Generate
 
 

@@ -15,7 +15,7 @@ from router.api.openai.schema import Int64, text_or_token_lists
 from router.api.relay import Relay
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import BadRequest
-from router.link import WorkerLink
+from router.workers.link import WorkerLink
 from shared.protocol import Embed
 
 MAX_INPUTS = 2048  # OpenAI's own limit on one request's inputs

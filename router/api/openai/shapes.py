@@ -8,7 +8,7 @@ from typing import Any
 
 from router.api.sse import SSE_DONE, encode_json, sse
 from router.errors import APIError
-from router.link import Usage
+from router.workers.link import Usage
 from shared.protocol import Delta, TokenLogprob
 
 

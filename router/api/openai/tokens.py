@@ -19,7 +19,7 @@ from router.api.openai.schema import (
 from router.api.relay import Relay
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import BadRequest
-from router.link import WorkerLink
+from router.workers.link import WorkerLink
 from shared.protocol import Detokenize, Tokenize, Tool
 
 

@@ -26,7 +26,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.admission import principal_of
+from router.access.admission import principal_of
+from router.access.limits import CAP_SCOPE_KEY, KEY_PLACE_SCOPE_KEY, ConnectionCap, KeyPlace
 from router.api.openai.schema import keep_alive_seconds
 from router.api.relay import Relay, protocol_route
 from router.api.responses.background import BackgroundRuns
@@ -42,8 +43,7 @@ from router.api.responses.shaper import ResponseShaper
 from router.api.responses.store import ResponseStore, StoreCollector, Stored, encode_items
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import APIError, BadRequest, ClientGone
-from router.limits import CAP_SCOPE_KEY, KEY_PLACE_SCOPE_KEY, ConnectionCap, KeyPlace
-from router.link import WorkerLink
+from router.workers.link import WorkerLink
 from shared.protocol import Generate, Tokenize
 
 log = logging.getLogger("modelyard.router")

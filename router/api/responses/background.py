@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from starlette.requests import Request
 from starlette.types import Message
 
-from router.admission import PRINCIPAL_SCOPE_KEY, Principal
+from router.access.admission import PRINCIPAL_SCOPE_KEY, Principal
 
 
 class _Run:

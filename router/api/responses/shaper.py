@@ -25,7 +25,7 @@ from typing import Any
 from router.api.openai.shapes import logprob_items
 from router.api.sse import sse
 from router.errors import APIError
-from router.link import Usage
+from router.workers.link import Usage
 from shared.protocol import Delta, ToolCallDelta
 
 

@@ -1,5 +1,5 @@
 """The router's uvicorn HTTP protocol: how long a client may take, below the admission
-middleware (``router.limits``). Headers and body within ``read_timeout`` (a late body is
+middleware (``router.access.limits``). Headers and body within ``read_timeout`` (a late body is
 a 408 from ``RouterCycle.receive``), the keep-alive timeout between requests, and a
 response it does not read dropped after ``send_timeout``; each response's head leaves
 with its body. ``http_protocol`` says why this is a fork of uvicorn's.

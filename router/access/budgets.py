@@ -61,10 +61,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from router.database import Conn
+from router.access.database import Conn
+from router.access.key_store import Budget
+from router.access.ledger import Ledger, period_bounds
 from router.errors import APIError
-from router.key_store import Budget
-from router.ledger import Ledger, period_bounds
 from router.registry import ModelEntry, ModelRegistry
 from shared.protocol import Generate
 

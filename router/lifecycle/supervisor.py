@@ -10,7 +10,7 @@ Lifecycle: ``unloaded → loading → ready ⇄ sleeping → stopping → unload
 ``failed`` (exit code and log tail kept) after a crash or a failed start. A request to a
 ``failed`` model starts it again, after an exponential backoff while failures repeat.
 
-Who gets room and who idles is policy (``router.policy``: plain functions, no awaits);
+Who gets room and who idles is policy (``router.lifecycle.policy``: plain functions, no awaits);
 the supervisor owns the executors that act on it, ``RoomMaker`` (evict, yield) and
 ``IdleReaper`` (stop, sleep, wake), and its own worker records (``worker_of``).
 """
@@ -29,9 +29,6 @@ from typing import Any
 
 import zmq
 
-from router.backends import Backend, SpawnError
-from router.backends.local import LocalBackend, LocalHandle
-from router.backends.ray_cluster import RayBackend
 from router.errors import (
     APIError,
     BadRequest,
@@ -40,16 +37,19 @@ from router.errors import (
     TooManyRequests,
     WorkerLost,
 )
-from router.events import EventBus
-from router.idle_reaper import IdleReaper
-from router.link import WorkerLink
-from router.placement import Placer
-from router.processes import engine_phases, log_tail
+from router.lifecycle.idle_reaper import IdleReaper
+from router.lifecycle.room_maker import RoomMaker
+from router.lifecycle.worker_record import WorkerRecord
+from router.observe.events import EventBus
 from router.registry import Lease, ModelEntry, ModelRegistry
-from router.room_maker import RoomMaker
-from router.spares import SparePool
-from router.worker_record import WorkerRecord
-from router.worker_start import base_env, model_env, worker_boot, worker_command
+from router.workers.backends import Backend, SpawnError
+from router.workers.backends.local import LocalBackend, LocalHandle
+from router.workers.backends.ray_cluster import RayBackend
+from router.workers.link import WorkerLink
+from router.workers.placement import Placer
+from router.workers.processes import engine_phases, log_tail
+from router.workers.spares import SparePool
+from router.workers.worker_start import base_env, model_env, worker_boot, worker_command
 from shared.config import SERVED_BY, TASK_NAMES, ServerConfig, restart_needed
 
 log = logging.getLogger("modelyard.router")
@@ -64,7 +64,7 @@ def backoff_seconds(failures: int) -> float:
 
 
 class Supervisor:
-    """The one executor of the models' lifecycle: asks policy (``router.policy``), then
+    """The one executor of the models' lifecycle: asks policy (``router.lifecycle.policy``), then
     spawns, stops, sleeps and wakes workers through a backend (module docstring)."""
 
     def __init__(self, registry: ModelRegistry, server: ServerConfig, runtime_dir: Path,

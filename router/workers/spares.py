@@ -12,7 +12,7 @@ streams and no load waits for a worker. Even at nice 19 (and under ``SCHED_IDLE`
 an import beside a serving model took a 1-stream rate from 32 to 13.6 tokens/s for the
 first ~4 s after every load: not CPU time but the core's shared resources. A held spare
 still dies with the router: it is started with SIGKILL as its parent-death signal, which
-a stopped process cannot hold off (``worker.lifeline``).
+a stopped process cannot hold off (``shared.lifeline``).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Any
 
 import psutil
 
-from router.processes import group_members, kill_tree, log_tail, signal_all
 from router.registry import ModelEntry, ModelRegistry
-from worker.lifeline import dies_with
+from router.workers.processes import group_members, kill_tree, log_tail, signal_all
+from shared.lifeline import dies_with
 
 log = logging.getLogger("modelyard.router")
 FAILURES_MAX = 3  # spares that die unused in a row before no more are started

@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router.admission import KEYS_VARIABLE
-from router.backends.base import Backend, BootFor, SpawnError, WorkerHandle
-from router.placement import Placer
+from router.access.admission import KEYS_VARIABLE
 from router.registry import ModelEntry
+from router.workers.backends.base import Backend, BootFor, SpawnError, WorkerHandle
+from router.workers.placement import Placer
 
 log = logging.getLogger("modelyard.router")
 EXIT_POLL = 0.05  # seconds between the actor's looks at its process

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from router.placement import GpuMemory, fits
 from router.registry import ModelEntry
+from router.workers.placement import GpuMemory, fits
 from shared.config import ServerConfig
 
 ACTIVE_GAP = 2.0

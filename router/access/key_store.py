@@ -1,4 +1,4 @@
-"""Named API keys, kept hashed in the router's database (``router.database``).
+"""Named API keys, kept hashed in the router's database (``router.access.database``).
 
 A key has a name, a role (``admin``, ``user``, ``viewer``) and limits (``KeySpec``): the
 models it may use (globs; none: all), requests and tokens per minute, requests at once.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import hashlib
 import logging
 import re
 import secrets
@@ -27,7 +28,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from router.database import Conn, Database
+from router.access.database import Conn, Database
 
 log = logging.getLogger("modelyard.router")
 
@@ -55,6 +56,13 @@ SCHEMA = (
 routers sharing the database agree on (``label_secret``)."""
 
 
+def key_digest(key: bytes) -> bytes:
+    """What a key is known by: its SHA-256 (a key is random, so no salt or stretching is
+    needed; the digest is compared, so the time does not tell how much of a guess
+    matched)."""
+    return hashlib.sha256(key).digest()
+
+
 class Budget(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
     """At most ``tokens`` prompt+completion tokens per calendar ``period`` (UTC), on the
     models ``model`` (a glob of ids) names, else on every model."""
@@ -76,7 +84,7 @@ class KeySpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw
     max_concurrent: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Requests in flight at once (0: no limit)."""
     budgets: list[Budget] = []
-    """Token budgets per period (``router.ledger`` enforces them)."""
+    """Token budgets per period (``router.access.ledger`` enforces them)."""
 
     def allows(self, names: list[str]) -> bool:
         """Whether a model known by ``names`` (its id and aliases) is one it may use."""
@@ -142,8 +150,6 @@ class KeyStore:
 
     async def create(self, name: str, role: str, spec: KeySpec) -> tuple[NamedKey, str]:
         """A new key: what it is, and its secret (shown once, stored only hashed)."""
-        from router.admission import key_digest
-
         if not NAME.fullmatch(name):
             raise ValueError(f"key name {name!r}: 1-64 letters, digits and _.@- "
                              "(starting with a letter or digit)")

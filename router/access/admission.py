@@ -20,20 +20,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.access import AccessRules
-from router.api.sse import encode_json
+from router.access.key_store import KeySpec, NamedKey, key_digest
+from router.access.rules import AccessRules
 from router.errors import APIError, shaped
-from router.key_store import KeySpec, NamedKey
 from shared.config import ConfigError, ServerConfig
 
 if TYPE_CHECKING:
-    from router.limits import TokenBuckets
+    from router.access.buckets import TokenBuckets
 
 OPEN_PATHS = frozenset({"/health", "/health/ready", "/"})
-"""Probes and the status page: never rate-limited or capped (``router.limits``); who may call what is
-``router.access.TABLE``."""
+"""Probes and the status page: never rate-limited or capped (``router.access.limits``); who may call what is
+``router.access.rules.TABLE``."""
 KEYS_VARIABLE = "MODELYARD_API_KEYS"
 """Keys from the environment (comma-separated); never passed on to workers."""
 
@@ -42,7 +42,7 @@ KEYS_VARIABLE = "MODELYARD_API_KEYS"
 class Principal:
     """Who asks: the name of the key a request showed, its role and its limits. The name
     owns what the request stores (stored responses, background runs): no other key sees
-    those. Roles: ``admin``, ``user``, ``viewer`` (``router.access`` says what each may call)."""
+    those. Roles: ``admin``, ``user``, ``viewer`` (``router.access.rules`` says what each may call)."""
 
     name: str
     role: str
@@ -57,6 +57,8 @@ class Principal:
         """Sees every key's events and failures' log tails (an admin or a viewer)."""
         return self.role in ("admin", "viewer")
 
+
+_json = msgspec.json.Encoder()  # error bodies of the middleware (send_error)
 
 OPEN = Principal("", "admin")
 """Everyone, on a server with no keys: one user, who may do everything."""
@@ -80,13 +82,6 @@ def still_admitted(scope: Scope) -> Callable[[], bool]:
         return lambda: True
     principal = principal_of(scope)
     return lambda: keys.admits(principal)
-
-
-def key_digest(key: bytes) -> bytes:
-    """What a key is known by: its SHA-256 (a key is random, so no salt or stretching is
-    needed; the digest is compared, so the time does not tell how much of a guess
-    matched)."""
-    return hashlib.sha256(key).digest()
 
 
 def key_label(secret: bytes, digest: bytes) -> str:
@@ -215,7 +210,7 @@ def client_address(scope: Scope) -> str:
 
 
 class KeyGuard:
-    """ASGI middleware that enforces ``router.access.TABLE``: a request whose key (or lack
+    """ASGI middleware that enforces ``router.access.rules.TABLE``: a request whose key (or lack
     of one) the route's row does not admit gets a 401 (no valid key) or a 403 (a role the
     row leaves out; a route without a row) in its protocol's error shape and never reaches
     a handler; one admitted carries its ``Principal`` on (``principal_of``). Wrong keys
@@ -290,7 +285,7 @@ async def send_error(send: Send, err: APIError, path: str,
     """Answer ``err`` from ASGI middleware, before any handler, in the error shape of the
     protocol serving ``path``."""
     status, shape = shaped(err, path)
-    body = encode_json(shape)
+    body = _json.encode(shape)
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()), *headers]})

@@ -1,4 +1,4 @@
-"""``IdleReaper``: carries out the idle policy (``router.policy.idle``) and sleep/wake.
+"""``IdleReaper``: carries out the idle policy (``router.lifecycle.policy.idle``) and sleep/wake.
 
 Every ``poll`` seconds it asks the policy which models have idled past their limit and
 stops them (the model's one stop task) or puts their engines to sleep (level 1). The next
@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from router.errors import APIError
-from router.policy import idle
+from router.lifecycle.policy import idle
 from router.registry import ModelEntry
 from shared.config import ServerConfig
 

@@ -7,8 +7,8 @@ import abc
 from collections.abc import Callable
 from pathlib import Path
 
-from router.placement import Placer
 from router.registry import ModelEntry
+from router.workers.placement import Placer
 
 BootFor = Callable[[str], bytes]
 """The worker's ``WorkerBoot`` (JSON) given where it must send its own output ("": its

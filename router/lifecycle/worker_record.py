@@ -11,9 +11,9 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from router.backends import WorkerHandle
-from router.backends.local import LocalHandle
-from router.link import WorkerLink
+from router.workers.backends import WorkerHandle
+from router.workers.backends.local import LocalHandle
+from router.workers.link import WorkerLink
 from shared.config import ModelSpec
 
 LINK_GRACE = 0.3

@@ -1,6 +1,6 @@
 """``local``: each worker is a subprocess of the router on this host (a spare, if one
 fits), in a process group of its own, killed with its engine's processes, and with them
-when the router dies, however it dies (``worker.lifeline``)."""
+when the router dies, however it dies (``shared.lifeline``)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from pathlib import Path
 
 import psutil
 
-from router.backends.base import Backend, BootFor, WorkerHandle
-from router.processes import descendants, group_members, kill_tree, signal_all
 from router.registry import ModelEntry
-from router.spares import SparePool
-from worker.lifeline import dies_with
+from router.workers.backends.base import Backend, BootFor, WorkerHandle
+from router.workers.processes import descendants, group_members, kill_tree, signal_all
+from router.workers.spares import SparePool
+from shared.lifeline import dies_with
 
 
 class LocalHandle(WorkerHandle):
@@ -84,7 +84,7 @@ class LocalBackend(Backend):
                     *self.command(), stdin=asyncio.subprocess.PIPE,
                     stdout=log_file, stderr=asyncio.subprocess.STDOUT,
                     env={**self.base_env(), **env}, start_new_session=True,
-                    preexec_fn=dies_with(os.getpid()))  # worker.lifeline
+                    preexec_fn=dies_with(os.getpid()))  # shared.lifeline
             handle = LocalHandle(proc, log_path)
         stdin = handle.proc.stdin
         assert stdin is not None

@@ -1,5 +1,8 @@
 """How a worker, and every process it starts, ends when the router that started it dies.
 
+Both processes run a half of it (the router ``dies_with`` in the child it forks, the worker
+the rest), so it lives in ``shared/``: standard library only, no asyncio, no vLLM.
+
 A router killed with SIGKILL runs no code: nothing it started may outlive it, whatever
 that process is doing at the moment (a spare starting Python or importing vLLM, a spare
 the router holds with ``SIGSTOP``, a worker whose engine is loading, vLLM's EngineCore

@@ -41,10 +41,10 @@ from typing import Any
 
 import msgspec
 
-from router.admission import Keys
+from router.access.admission import Keys
 from router.errors import BadRequest
-from router.placement import check_budgets
-from router.supervisor import Supervisor
+from router.lifecycle.supervisor import Supervisor
+from router.workers.placement import check_budgets
 from shared.config import ConfigError, ModelSpec, Preset, ServerConfig, load_preset
 
 log = logging.getLogger("modelyard.router")

@@ -10,7 +10,7 @@ writes them, each once: a batch leaves the queue while it is written and comes b
 its front only if its write failed. A queue past ``QUEUE_MAX`` (the database away for
 minutes) drops its oldest rows, counted (``dropped``) and logged.
 
-Budgets (``router.budgets``) read the sums and see each row as it is recorded
+Budgets (``router.access.budgets``) read the sums and see each row as it is recorded
 (``on_record``).
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from router.database import Conn, Database
+from router.access.database import Conn, Database
 
 log = logging.getLogger("modelyard.router")
 
@@ -84,7 +84,7 @@ class Ledger:
         """Batches being written (out of the queue, not yet known to be committed)."""
         self.on_record: Callable[[float, str, str, int], None] | None = None
         """Called with each row's (time, key, model, prompt+completion tokens) as it is
-        queued (``router.budgets``)."""
+        queued (``router.access.budgets``)."""
 
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write(), name="ledger")

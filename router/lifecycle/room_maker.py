@@ -1,4 +1,4 @@
-"""``RoomMaker``: carries out the room policy (``router.policy.room``) for a load.
+"""``RoomMaker``: carries out the room policy (``router.lifecycle.policy.room``) for a load.
 
 A load that needs room waits in one line with the others; while it is first, it reads
 what sleeping models still hold on their GPUs (a thread), asks ``room.decide`` and acts:
@@ -16,11 +16,11 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from router.errors import ModelUnavailable
-from router.events import EventBus
-from router.placement import Placer
-from router.policy import room
+from router.lifecycle.policy import room
+from router.lifecycle.worker_record import WorkerRecord
+from router.observe.events import EventBus
 from router.registry import ModelEntry, ModelRegistry
-from router.worker_record import WorkerRecord
+from router.workers.placement import Placer
 from shared.config import ServerConfig
 
 log = logging.getLogger("modelyard.router")

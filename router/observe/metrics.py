@@ -30,8 +30,8 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from router.errors import APIError
-from router.link import Usage
 from router.registry import ModelRegistry
+from router.workers.link import Usage
 
 STATES = ("unloaded", "loading", "ready", "sleeping", "stopping", "failed")
 UNKNOWN_MODEL = "-"

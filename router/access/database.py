@@ -33,7 +33,7 @@ is a 500:
 What callers do with it: the named keys keep their last good snapshot for
 ``key_store.STALE_MAX`` seconds, then named keys open nothing until the store answers
 again (``key_store.follow``); ``/v1/keys`` and ``/v1/usage`` answer 503; the ledger
-keeps its rows queued and writes them when the database returns (``router.ledger``).
+keeps its rows queued and writes them when the database returns (``router.access.ledger``).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from router.errors import APIError
+from shared.config import default_cache_dir
 
 T = TypeVar("T")
 Row = tuple[Any, ...]
@@ -91,8 +92,6 @@ class DatabaseUnavailable(APIError):
 
 def default_url(cache_dir: str | None) -> str:
     """SQLite under the cache dir (``server.cache_dir``, else ``~/.cache/modelyard``)."""
-    from worker.materialize import default_cache_dir  # no vLLM import: a path helper
-
     base = Path(cache_dir) if cache_dir else default_cache_dir()
     return f"sqlite:///{base / 'modelyard.db'}"
 

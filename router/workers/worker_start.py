@@ -7,10 +7,10 @@ import sys
 
 import msgspec
 
-from router.admission import KEYS_VARIABLE
-from router.link import WorkerLink
-from router.placement import Placer
+from router.access.admission import KEYS_VARIABLE
 from router.registry import ModelEntry
+from router.workers.link import WorkerLink
+from router.workers.placement import Placer
 from shared.config import ServerConfig, WorkerBoot
 
 
