@@ -136,3 +136,22 @@ def test_readme_is_a_five_minute_read_whose_links_resolve() -> None:
 def test_the_site_home_page_is_readme_with_its_docs_links_made_relative() -> None:
     home = hooks().home_page(README.read_text())
     assert "](docs/" not in home and "](presets.md)" in home
+
+
+def test_readmes_tool_call_figures_are_the_results_files() -> None:
+    """README's sentence on ``auto`` tool calls quotes ``bench/results/toolcalls.json``."""
+    r = json.loads((ROOT / "bench/results/toolcalls.json").read_text())
+    runs = r["runs"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    ours = runs["modelyard, default preset (tool_strict_level parameter)"]
+    hot = runs["modelyard, default preset (tool_strict_level parameter), temperature 1.0"]
+    before = runs["modelyard, tool_strict_level auto (no tag, as before), temperature 1.0"]
+    peer = runs["vllm serve, defaults"]
+    strict = runs["vllm serve --tool-strict-level parameter"]
+    n = r["requests_each"]
+    for said in [f"{ours['broken']} of {n} broken on `configs/default.yaml`",
+                 f"({hot['broken']} of {n} at temperature 1.0, against {before['broken']} of {n}",
+                 (f"{peer['broken']} of {n} broken from `vllm serve` with its defaults, "
+                 f"{strict['broken']} with `--tool-strict-level parameter`"),
+                 f"run of {r['when']}"]:
+        assert said in readme, said
