@@ -278,6 +278,7 @@ models:
   m: {model: /synthetic, engine: synthetic, aliases: [smol]}
   slow: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 20}}
   tight: {model: /synthetic, engine: synthetic, max_model_len: 64}
+  cold: {model: /synthetic, engine: synthetic, engine_args: {start_seconds: 2}}
 """
 HI_CHAT = [{"role": "user", "content": "hi"}]  # 5 prompt tokens (synthetic)
 
@@ -387,3 +388,29 @@ def test_a_hold_is_given_back_however_the_request_ends(router: RouterProcess) ->
                     "the hold of a stream its client left is still kept"
             time.sleep(0.2)
     assert spent(router, fay) <= 200
+
+
+@pytest.mark.integration
+def test_a_cold_stream_its_client_leaves_gives_its_hold_back(router: RouterProcess) -> None:
+    """A stream that began with loading progress while its model loads, left by its
+    client: its hold goes back and the same request fits again. On 8448a60 the relay's
+    cleanup awaited inside the cancel scope Starlette ends such a stream with: the await
+    was cancelled too, the request never logged and its hold kept until a restart."""
+    gus = key_with(router, "gus", {"tokens": 200, "period": "day"})
+    body = {"model": "cold", "messages": HI_CHAT, "max_tokens": 100, "stream": True}
+    headers = {"Authorization": f"Bearer {gus}", "X-Modelyard-Loading-Progress": "comments"}
+    for _ in range(3):  # each holds 118 of 200: the next fits once the last gave it back
+        unloaded = call(router, ADMIN, "POST", "/v1/models/unload", {"model": "cold"})
+        assert unloaded.status_code == 200, unloaded.text
+        deadline = time.monotonic() + 15
+        while True:
+            with router.client.stream("POST", router.url + "/v1/chat/completions", json=body,
+                                      headers=headers) as stream:
+                if stream.status_code == 200:
+                    first = next(stream.iter_lines())
+                    assert first.startswith(": modelyard "), first  # gone while it loads
+                    break
+                assert stream.status_code == 429 and time.monotonic() < deadline, \
+                    "the hold of a cold stream its client left is still kept"
+            time.sleep(0.2)
+    assert spent(router, gus) <= 200

@@ -255,10 +255,12 @@ class Relay:
                 if not waiting.done():
                     yield beat()
         except BaseException as err:  # gone, or too slow to read a keep-alive
+            # Nothing awaited here: Starlette cancels a stream whose client left by an anyio
+            # cancel scope, which cancels every await after it too (this log line and the
+            # budget hold it settles were lost). The wait ends by the cancel, or it got in
+            # first: then its lease goes back.
             waiting.cancel()
-            await asyncio.wait((waiting,))  # awaited: it ends by the cancel, or it got in first
-            if not waiting.cancelled() and waiting.exception() is None:
-                waiting.result()[0].release()  # the lease came as the client left
+            waiting.add_done_callback(_release_if_acquired)
             self._log(endpoint, model_id, True,
                       err.status if isinstance(err, APIError) else 499, usage)
             if isinstance(err, ClientTooSlow):
@@ -479,6 +481,12 @@ class Relay:
 
 def _release(acquired: tuple[Lease, WorkerLink]) -> None:
     acquired[0].release()
+
+
+def _release_if_acquired(waited: asyncio.Future[tuple[Lease, WorkerLink]]) -> None:
+    """A wait for a lease, cancelled: the lease, if it came all the same, goes back."""
+    if not waited.cancelled() and waited.exception() is None:
+        _release(waited.result())
 
 
 def _timings(usage: Usage, now: float) -> tuple[float, float, float]:
