@@ -258,7 +258,8 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``tool_parser`` has a structural tag, ``STRUCTURAL_TAG_PARSERS``) names a declared tool
     and pins its arguments to the tool's schema; ``function`` names a declared tool;
     ``auto`` constrains only requests with a ``strict: true`` tool. A tool's own
-    ``strict`` wins over the level. Parsers without a structural tag: leave it out."""
+    ``strict`` wins over the level. Parsers without a structural tag, and models with a
+    ``reasoning_parser`` (not yet): leave it out."""
     reasoning_parser: str | None = None
     """vLLM's reasoning parser name (``deepseek_r1``, ``qwen3``, ``olmo3`` ...)."""
     max_tokens_overflow: (Literal["clamp", "reject"]
@@ -293,10 +294,13 @@ vLLM's own list."""
 def auto_tool_calls(spec: ModelSpec) -> str | None:
     """What a ``tool_choice: auto`` call of ``spec``'s model is held to: ``parameter``,
     ``function`` or ``auto`` (``tool_strict_level``), ``unconstrained`` (a parser without
-    a structural tag), or None (no ``tool_parser``: the model cannot choose tools)."""
+    a structural tag, or a model with a reasoning parser), or None (no ``tool_parser``:
+    the model cannot choose tools)."""
     if spec.tool_parser is None:
         return None
-    if spec.tool_parser not in STRUCTURAL_TAG_PARSERS:
+    if spec.tool_parser not in STRUCTURAL_TAG_PARSERS or spec.reasoning_parser is not None:
+        # With a reasoning parser the tag would hold the thinking too (a call begun there
+        # could never close it): vLLM's engine would need the reasoning parser as well.
         return "unconstrained"
     return spec.tool_strict_level or "parameter"
 
@@ -469,9 +473,12 @@ def _check_names(models: dict[str, ModelSpec], server: ServerConfig, source: str
         if spec.tensor_parallel_size < 1:
             raise ConfigError(f"{source}: model '{spec.id}': key 'tensor_parallel_size': must be >= 1")
         if spec.tool_strict_level is not None and auto_tool_calls(spec) == "unconstrained":
-            raise ConfigError(f"{source}: model '{spec.id}': key 'tool_strict_level': tool "
-                              f"parser '{spec.tool_parser}' has no structural tag in vLLM, so "
-                              "its calls cannot be constrained; leave the key out")
+            raise ConfigError(f"{source}: model '{spec.id}': key 'tool_strict_level': "
+                              + (f"tool parser '{spec.tool_parser}' has no structural tag in "
+                                 "vLLM, so its calls cannot be constrained"
+                                 if spec.reasoning_parser is None else
+                                 "not with a 'reasoning_parser' (the tag would hold the "
+                                 "thinking too)") + "; leave the key out")
         if spec.tool_strict_level is not None and spec.tool_parser is None:
             raise ConfigError(f"{source}: model '{spec.id}': key 'tool_strict_level': needs "
                               "'tool_parser'")

@@ -162,6 +162,10 @@ def test_the_preset_key(tmp_path: Any) -> None:
     spec = load_preset(_preset(tmp_path, "    tool_parser: pythonic\n")).models["m"]
     assert auto_tool_calls(spec) == "unconstrained"
     assert auto_tool_calls(load_preset(_preset(tmp_path, "")).models["m"]) is None
+    # The tag would hold a reasoning model's thinking too: not yet.
+    spec = load_preset(_preset(tmp_path, "    tool_parser: hermes\n"
+                                         "    reasoning_parser: qwen3\n")).models["m"]
+    assert auto_tool_calls(spec) == "unconstrained"
     ini = tmp_path / "p.ini"
     ini.write_text("[m]\nmodel = /x\ntool_parser = hermes\ntool_strict_level = auto\n")
     assert auto_tool_calls(load_preset(ini).models["m"]) == "auto"
@@ -169,6 +173,8 @@ def test_the_preset_key(tmp_path: Any) -> None:
             ("    tool_parser: pythonic\n    tool_strict_level: parameter\n",
              "tool parser 'pythonic' has no structural tag"),
             ("    tool_strict_level: function\n", "needs 'tool_parser'"),
+            (("    tool_parser: hermes\n    reasoning_parser: qwen3\n"
+             "    tool_strict_level: parameter\n"), "not with a 'reasoning_parser'"),
             ("    tool_parser: hermes\n    tool_strict_level: everything\n",
              "tool_strict_level")]:
         with pytest.raises(ConfigError, match=words):

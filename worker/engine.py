@@ -433,11 +433,15 @@ class VllmEngine:
         # admission limits are refusals the client can act on, not engine failures.
         except VLLMClientError as err:
             param = getattr(err, "parameter", None)
-            if param is None and (gen.constraint or gen.tool_choice in ("required", "function")):
+            if param is None and (gen.constraint or auto_calls is not None
+                                  or gen.tool_choice in ("required", "function")):
                 # vLLM compiles the constraint when the request is added: a schema,
                 # regex or grammar it cannot compile is the likeliest refusal.
                 param = gen.constraint.param if gen.constraint else "tools"
-            raise RequestError(str(err), param=param) from None
+            # vLLM's own words may only say "Invalid structural tag specification.":
+            # xgrammar's reason (say, an unsupported schema type) is in the cause.
+            cause = f": {err.__cause__}" if err.__cause__ is not None else ""
+            raise RequestError(str(err) + cause, param=param) from None
         except GracefulHTTPError as err:
             raise RequestError(err.message, status=int(err.http_status),
                                code="engine_busy") from None
