@@ -216,7 +216,7 @@ def test_auto_calls_name_declared_tools_with_valid_arguments(aclient) -> None:  
     ``logit_bias`` pushing ``<`` (the first token of ``<tool_call>``), so that the model
     starts calls and writes markup everywhere: with the default ``tool_strict_level``
     (``parameter``: hermes has a structural tag) every answer is a text or a call of a
-    declared tool with valid arguments (14 of 20 calls here). With the tag off
+    declared tool with valid arguments (7 of 10 unstreamed ones here). With the tag off
     (``tool_strict_level: auto``, as every request was on 0d84075) 8 of 10 such answers
     left ``<tool_call>`` markup in ``content``. One call each
     (``parallel_tool_calls: false``), so ``max_tokens`` never cuts one short."""
