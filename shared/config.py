@@ -180,6 +180,10 @@ class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, omit_defaults
     presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Tokens an answer may have when the request names no limit (a request's own
+    ``max_tokens``, larger or smaller, wins; the context still bounds it): a small model
+    that never stops otherwise writes to the end of its context, minutes on a CPU."""
 
 
 class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

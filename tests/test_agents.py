@@ -8,13 +8,16 @@ a tool round trip with ``tool_choice`` left to ``auto`` was a 400 ("no tool_pars
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from tests.conformance import validate
@@ -26,6 +29,8 @@ CLIENTS = ROOT / "tests" / "clients" / "node_modules" / ".bin"
 WEATHER_TOOL = {"name": "get_weather", "description": "The current weather in a city",
                 "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
                                  "required": ["city"]}}
+WEATHER_TOOL_OPENAI = {"name": WEATHER_TOOL["name"], "description": WEATHER_TOOL["description"],
+                       "parameters": WEATHER_TOOL["input_schema"]}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +64,32 @@ def test_readmes_first_question_is_answered_right(default_router: RouterProcess)
         answers.append(scope["reply"].choices[0].message.content)  # type: ignore[attr-defined]
     named = sum("Paris" in a for a in answers)
     assert named >= 18, answers
+
+
+def test_an_answer_without_a_limit_stops_at_the_presets_max_tokens(
+        default_router: RouterProcess) -> None:
+    """The docs' tool example, sent without ``max_tokens``, wrote text to the end of the
+    8 192-token context on 4ec1f30: 8 022 tokens in 324 s here. The default preset's
+    ``sampling_defaults.max_tokens`` (512) now ends such an answer; a request's own
+    limit, even a larger one, wins. ``ignore_eos`` makes the model write to the limit."""
+    async def ask(limit: int | None) -> Any:
+        async with httpx.AsyncClient(base_url=default_router.url, timeout=300) as http:
+            body: dict[str, Any] = {"model": "smollm2", "ignore_eos": True, "tools": [
+                {"type": "function", "function": WEATHER_TOOL_OPENAI}], "messages": [
+                {"role": "user", "content": "What is the weather in Paris?"}]}
+            if limit is not None:
+                body["max_tokens"] = limit
+            r = await http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+    async def both() -> list[Any]:
+        return list(await asyncio.gather(ask(None), ask(520)))
+
+    unbounded, asked = asyncio.run(both())
+    assert unbounded["usage"]["completion_tokens"] == 512, unbounded["usage"]
+    assert unbounded["choices"][0]["finish_reason"] == "length"
+    assert asked["usage"]["completion_tokens"] == 520, asked["usage"]
 
 
 def test_the_anthropic_sdks_tool_round_trip_with_auto_on_the_default_preset(

@@ -41,11 +41,13 @@ def test_default_preset_is_the_embedded_cpu_model() -> None:
 
 def test_sampling_defaults_in_yaml_and_ini() -> None:
     ini = build_preset(parse_ini("[m]\nmodel = /x\nsampling_defaults.temperature = 0.3\n"
-                                 "sampling_defaults.top_k = 20\n", "t.ini"), "t.ini")
+                                 "sampling_defaults.top_k = 20\n"
+                                 "sampling_defaults.max_tokens = 512\n", "t.ini"), "t.ini")
     spec = ini.models["m"].sampling_defaults
-    assert (spec.temperature, spec.top_k, spec.top_p) == (0.3, 20, None)
+    assert (spec.temperature, spec.top_k, spec.top_p, spec.max_tokens) == (0.3, 20, None, 512)
     yaml = build_preset(parse_yaml("models:\n  m: {model: /x, sampling_defaults: "
-                                   "{temperature: 0.3, top_k: 20}}\n", "t.yaml"), "t.yaml")
+                                   "{temperature: 0.3, top_k: 20, max_tokens: 512}}\n",
+                                   "t.yaml"), "t.yaml")
     assert yaml.models["m"].sampling_defaults == ini.models["m"].sampling_defaults
 
 
@@ -68,6 +70,8 @@ def test_ini_env_engine_args_and_star_defaults() -> None:
     ("models:\n  m: {model: /x, device: tpu}\n", "key 'device'"),
     ("models:\n  m: {model: /x, sampling_defaults: {top_p: 2}}\n",
      "model 'm': key 'sampling_defaults.top_p'"),
+    ("models:\n  m: {model: /x, sampling_defaults: {max_tokens: 0}}\n",
+     "model 'm': key 'sampling_defaults.max_tokens'"),
     ("models:\n  m: {model: /x, sampling_defaults: {temp: 1}}\n",
      "key 'sampling_defaults.temp': unknown key"),
     ("modls:\n  m: {model: /x}\n", "unknown top-level key 'modls'"),

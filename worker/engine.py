@@ -108,7 +108,10 @@ class VllmEngine:
         self._defaults: dict[str, Any] = ({
             **llm.model_config.get_diff_sampling_param(),
             **{k: v for k, v in msgspec.structs.asdict(spec.sampling_defaults).items()
-               if v is not None}} if spec.task == "generate" else {})
+               if v is not None and k != "max_tokens"}} if spec.task == "generate" else {})
+        # Unlike generation_config's max_new_tokens (a cap, as in `vllm serve`), the
+        # preset's fills only a request that names no limit.
+        self._default_max_tokens = spec.sampling_defaults.max_tokens
         self._chat_template = spec.chat_template
         self._tool_parser = _tool_parser_class(spec.tool_parser)
         self._auto_calls = auto_tool_calls(spec)
@@ -269,8 +272,8 @@ class VllmEngine:
         chosen = {k: v for k, v in msgspec.structs.asdict(spec).items()
                   if v is not None and k in _OPTIONAL_SAMPLING}
         kwargs = {**self._defaults, **chosen}
-        kwargs["max_tokens"] = min(v for v in (room, spec.max_tokens,
-                                                self._defaults.get("max_tokens")) if v)
+        asked = spec.max_tokens if spec.max_tokens is not None else self._default_max_tokens
+        kwargs["max_tokens"] = min(v for v in (room, asked, self._defaults.get("max_tokens")) if v)
         kwargs.update(
             n=spec.n, stop=spec.stop or None, stop_token_ids=spec.stop_token_ids or None,
             ignore_eos=spec.ignore_eos, min_tokens=spec.min_tokens,
