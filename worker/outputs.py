@@ -42,6 +42,7 @@ class OutputParser:
         self.call_ends = call_ends
         """What closes one ``auto`` call, where its grammar says (else no repeat check)."""
         self.closed = 0
+        self._ends_seen_to = 0  # content before it was searched for call ends already
         self.repeated = False
         """The last closed call repeats an earlier one of this answer, name and arguments:
         the engine ends the turn there."""
@@ -121,7 +122,11 @@ class OutputParser:
 
     def _check_repeat(self) -> None:
         """Whether the calls closed so far hold one twice (``repeated``)."""
-        closed = sum(self.content.count(end) for end in self.call_ends)
+        # Only what the last delta may have completed is searched: an end that lies
+        # wholly in the content searched before was counted then.
+        searched, self._ends_seen_to = self._ends_seen_to, len(self.content)
+        closed = self.closed + sum(self.content.count(end, max(0, searched - len(end) + 1))
+                                   for end in self.call_ends)
         if closed <= self.closed:
             return
         self.closed = closed
