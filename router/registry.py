@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
+import msgspec
+
 from router.errors import ModelNotFound
+from shared.adapters import AdapterError, folder_in, read_adapter
 from shared.config import ModelSpec, Preset
+from shared.protocol import AdapterState, LoraRef
 
 if TYPE_CHECKING:
     from router.workers.link import WorkerLink
@@ -134,6 +139,16 @@ class ModelEntry:
     """``max_concurrent`` requests served at once; ``None``: no cap."""
     removed: bool = False
     """A reload took it out of the preset: it drains and stops, and never loads again."""
+    lora: LoraRef | None = None
+    """An adapter model's adapter (``spec.base`` names the model that serves it): what its
+    requests carry to the base's worker. Its entry holds no worker: its state, leases
+    and slots are its base's, and only its name, demand and use are its own."""
+    found: bool = False
+    """An adapter found in its base's ``adapters_dir`` (not declared in the preset)."""
+    rank: int | None = None
+    """An adapter's LoRA rank (its ``adapter_config.json``; None: unreadable)."""
+    adapters_loaded: list[AdapterState] = field(default_factory=list)
+    """A base's adapters loaded in its engine, as its worker last said."""
 
     @property
     def names(self) -> list[str]:
@@ -168,30 +183,66 @@ class ModelEntry:
 
 
 class ModelRegistry:
+    """Every model by name: ``entries`` (models with workers: iterating the registry
+    gives these) and ``adapters`` (LoRA adapter models, served by their base's worker)."""
+
     def __init__(self, preset: Preset) -> None:
-        self.entries: dict[str, ModelEntry] = {
-            name: ModelEntry(spec=spec) for name, spec in preset.models.items()}
-        self._index(preset.server.default_model)
+        self._numbers = itertools.count(1)
+        self._numbered: dict[tuple[str, str], int] = {}
+        self.entries: dict[str, ModelEntry] = {}
+        self.adapters: dict[str, ModelEntry] = {}
+        self.reconfigure(preset)
 
     def _index(self, default_model: str | None) -> None:
-        self._aliases = {alias: e.id for e in self.entries.values() for alias in e.spec.aliases}
+        self._every = {**self.entries, **self.adapters}
+        self._aliases = {alias: e.id for e in self._every.values() for alias in e.spec.aliases}
         self._folded: dict[str, str] = {}
-        for entry in self.entries.values():
+        for entry in self._every.values():
             for name in entry.names:
                 self._folded[name.lower()] = entry.id
         self.default_model = default_model
 
+    def _adapter(self, spec: ModelSpec, old: ModelEntry | None, found: bool = False
+                 ) -> ModelEntry:
+        """The entry of adapter model ``spec``: ``old`` kept where it is the same adapter,
+        its number kept while its name and folder are (the engine caches by number)."""
+        assert spec.adapter is not None
+        key = (spec.id, spec.adapter)
+        number = self._numbered.get(key) or self._numbered.setdefault(key, next(self._numbers))
+        lora = LoraRef(name=spec.id, number=number, path=spec.adapter, pinned=spec.pinned)
+        if old is not None and old.lora == lora:
+            old.spec = spec
+            return old
+        try:
+            rank: int | None = read_adapter(spec.adapter).rank
+        except AdapterError:
+            rank = None  # its requests are refused with the reason
+        return ModelEntry(spec=spec, lora=lora, found=found, rank=rank)
+
     def reconfigure(self, preset: Preset) -> tuple[list[ModelEntry], list[ModelEntry]]:
         """Serve ``preset``'s models from now on: entries of models it keeps take its specs
         (``ModelEntry.respec``), others are made or dropped, names resolve by its aliases
-        and default. Returns the (added, removed) entries; the caller stops the removed
-        ones' workers and restarts those whose spec needs it."""
-        old = self.entries
+        and default; adapters found in an ``adapters_dir`` stay while their base keeps
+        that folder. Returns the (added, removed) entries with workers; the caller stops
+        the removed ones' workers and restarts those whose spec needs it."""
+        old, old_adapters = self.entries, self.adapters
         self.entries = {name: old.get(name) or ModelEntry(spec=spec)
-                        for name, spec in preset.models.items()}
+                        for name, spec in preset.models.items() if spec.base is None}
         for name, spec in preset.models.items():
-            if name in old and old[name].spec != spec:
+            if name in old and spec.base is None and old[name].spec != spec:
                 old[name].respec(spec)
+        self.adapters = {name: self._adapter(spec, old_adapters.get(name))
+                         for name, spec in preset.models.items() if spec.base is not None}
+        self._index(preset.server.default_model)
+        for name, entry in old_adapters.items():  # found ones stay while their folder does
+            if entry.found and name not in self.adapters:
+                again = self._find(name)
+                if again is not None and again.lora == entry.lora:
+                    entry.spec = again.spec
+                    self.adapters[name] = entry
+        for name, entry in old_adapters.items():
+            if self.adapters.get(name) is not entry:
+                entry.removed = True
         removed = [e for name, e in old.items() if name not in self.entries]
         for entry in removed:
             entry.removed = True
@@ -201,16 +252,53 @@ class ModelRegistry:
     def __iter__(self) -> Iterator[ModelEntry]:
         return iter(self.entries.values())
 
+    def serving(self, entry: ModelEntry) -> ModelEntry:
+        """The model whose worker serves ``entry``'s requests: an adapter's base, else
+        itself."""
+        return self.entries[entry.spec.base] if entry.spec.base is not None else entry
+
+    def adapters_of(self, base: ModelEntry) -> list[ModelEntry]:
+        return [a for a in self.adapters.values() if a.spec.base == base.id]
+
     def named(self, name: str) -> ModelEntry:
         """The model whose id or alias is exactly ``name`` (load, unload, preload: a name
         that only resembles a model's, or the default, must never unload it); else
         ``ModelNotFound`` (404)."""
-        found = self.entries.get(name) or self.entries.get(self._aliases.get(name, ""))
+        found = (self._every.get(name) or self._every.get(self._aliases.get(name, ""))
+                 or self._find(name))
         if found is None:
             raise ModelNotFound(f"The model '{name}' does not exist (give its exact id or an "
-                                f"alias). Available: {', '.join(sorted(self.entries))}",
+                                f"alias). Available: {', '.join(sorted(self._every))}",
                                 param="model")
         return found
+
+    def _found_spec(self, base: ModelEntry, name: str) -> ModelSpec:
+        folder = name.rpartition("/")[2]
+        path = folder_in(str(base.spec.adapters_dir), folder)
+        assert path is not None
+        taken = folder.lower() in self._folded
+        return msgspec.structs.replace(
+            base.spec, id=name, aliases=[] if taken else [folder], base=base.id,
+            adapter=str(path), adapters_dir=None, load_on_startup=False, pinned=False,
+            priority=base.spec.priority)
+
+    def _find(self, name: str, shown: Callable[[list[str]], bool] | None = None
+              ) -> ModelEntry | None:
+        """An adapter folder ``name`` names in a base's ``adapters_dir`` (``<base>/<folder>``,
+        or ``<folder>`` alone where one base has it), made a model now (vLLM's
+        filesystem resolver); None if there is none."""
+        base_id, _, folder = name.rpartition("/")
+        bases = [e for e in self.entries.values() if e.spec.adapters_dir is not None
+                 and (e.id == base_id if base_id else True) and not e.removed
+                 and folder_in(e.spec.adapters_dir, folder) is not None]
+        if len(bases) != 1:
+            return None
+        spec = self._found_spec(bases[0], f"{bases[0].id}/{folder}")
+        if spec.id in self._every or (shown is not None and not shown([spec.id, *spec.aliases])):
+            return None
+        entry = self.adapters[spec.id] = self._adapter(spec, None, found=True)
+        self._index(self.default_model)
+        return entry
 
     def resolve(self, name: str | None,
                 shown: Callable[[list[str]], bool] | None = None) -> ModelEntry:
@@ -222,29 +310,32 @@ class ModelRegistry:
         if name:
             found = self._match(name, shown)
             if found is not None:
-                return self.entries[found]
+                return self._every[found]
         if self.default_model:
             default = self._match(self.default_model, shown)
             if default is not None:
-                return self.entries[default]
+                return self._every[default]
         if not name:
             raise ModelNotFound("no model named and no default_model configured",
                                 param="model")
-        listed = sorted(e.id for e in self.entries.values() if shown is None or shown(e.names))
+        listed = sorted(e.id for e in self._every.values() if shown is None or shown(e.names))
         raise ModelNotFound(f"The model '{name}' does not exist. Available: "
                             f"{', '.join(listed)}", param="model")
 
     def _match(self, name: str, shown: Callable[[list[str]], bool] | None = None) -> str | None:
         def known(owner: str) -> bool:
-            return shown is None or shown(self.entries[owner].names)
+            return shown is None or shown(self._every[owner].names)
 
-        if name in self.entries and known(name):
+        if name in self._every and known(name):
             return name
         if name in self._aliases and known(self._aliases[name]):
             return self._aliases[name]
         folded = name.lower()
         if folded in self._folded and known(self._folded[folded]):
             return self._folded[folded]
+        found = self._find(name, shown)
+        if found is not None:
+            return found.id
         hits = {owner for key, owner in self._folded.items() if folded in key and known(owner)}
         if len(hits) == 1:
             return hits.pop()
@@ -253,8 +344,10 @@ class ModelRegistry:
                                 f"{', '.join(sorted(hits))}", param="model",
                                 code="model_ambiguous")
         if not hits:  # a versioned name (claude-sonnet-4-5-2025…) reaches its family's alias
+            # ... but ``<base>/<folder>`` names an adapter, never its base
             prefixes = [key for key, owner in self._folded.items()
-                        if folded.startswith(key) and known(owner)]
+                        if folded.startswith(key) and known(owner)
+                        and not folded[len(key):].startswith("/")]
             if prefixes:
                 return self._folded[max(prefixes, key=len)]
         return None
@@ -268,10 +361,16 @@ class Lease:
     response can release in its generator's ``finally`` whatever path it ends by.
     """
 
-    __slots__ = ("_held", "entry", "keep_for", "slot")
+    __slots__ = ("_held", "adapter", "entry", "keep_for", "slot")
 
-    def __init__(self, entry: ModelEntry) -> None:
+    def __init__(self, entry: ModelEntry, adapter: ModelEntry | None = None) -> None:
         self.entry = entry
+        """The model whose worker serves the request (an adapter's base)."""
+        self.adapter = adapter
+        """The adapter model the request named, if it named one."""
+        if adapter is not None:
+            adapter.last_used = time.monotonic()
+            adapter.note_request(adapter.last_used)
         self._held = True
         self.keep_for = 0.0
         """Seconds the model stays loaded after this request, whatever its idle limit (a
@@ -281,6 +380,11 @@ class Lease:
         entry.leases += 1
         entry.last_used = time.monotonic()
         entry.note_request(entry.last_used)
+
+    @property
+    def name(self) -> str:
+        """The model the request is served as (its log line, usage row and response)."""
+        return self.adapter.id if self.adapter is not None else self.entry.id
 
     def release(self) -> None:
         if self._held:

@@ -30,6 +30,15 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from shared.adapters import (
+    DEFAULT_MAX_CPU_LORAS,
+    DEFAULT_MAX_LORAS,
+    AdapterError,
+    AdapterInfo,
+    rank_cap,
+    read_adapter,
+)
+
 
 def parse_cores(text: str) -> set[int]:
     """``"0-3,6"`` → ``{0, 1, 2, 3, 6}``."""
@@ -222,7 +231,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     enforce_eager: bool | None = None
     """Default: true on CPU (torch.compile there takes minutes), false on GPU."""
     pinned: bool = False
-    """Never evicted for another model and never stopped for idling."""
+    """Never evicted for another model and never stopped for idling. An adapter model:
+    loaded with its base and never out of its engine's batch slots (so a base's pinned
+    adapters must be fewer than its ``max_loras``)."""
     priority: int = 0
     """Among models waiting for room, the higher loads first; a busy model yields its room
     (``swap_wait``) only to a model of at least its priority."""
@@ -280,6 +291,25 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Comment lines to a stream that waits for this model's load (the server's
     ``loading_progress``); default: the server's."""
     owned_by: str = "modelyard"
+    base: str | None = None
+    """An adapter model: the id of the model whose engine serves it, with the LoRA
+    ``adapter`` on top. It takes only ``ADAPTER_KEYS``; the rest is its base's."""
+    adapter: str | None = None
+    """An adapter model's LoRA folder (peft's ``save_pretrained``: ``adapter_config.json``
+    and ``adapter_model.safetensors``), relative to the preset's folder."""
+    adapters_dir: str | None = None
+    """A base's folder of LoRA adapter folders: each is the model ``<base>/<folder>`` (and
+    ``<folder>`` where no other model has that name), found when a request names it."""
+    max_loras: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Adapters one engine step mixes (vLLM's ``max_loras``); a base with adapters: 4.
+    Set on a base without adapters, it readies the engine for adapters registered later."""
+    max_cpu_loras: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Adapters the engine keeps loaded, least recently used out; with adapters: 32."""
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] | None = None
+    """The largest adapter rank the engine takes; with adapters: the smallest of vLLM's
+    ranks that holds every declared adapter, at least 16. What lies in ``adapters_dir``
+    never changes it (nor restarts the base at a reload): a folder of a higher rank is
+    refused, naming this key."""
     engine_args: dict[str, Any] = {}
     """Extra ``AsyncEngineArgs`` keyword arguments, passed through unchanged."""
     env: dict[str, str] = {}
@@ -307,6 +337,16 @@ def auto_tool_calls(spec: ModelSpec) -> str | None:
         # could never close it): vLLM's engine would need the reasoning parser as well.
         return "unconstrained"
     return spec.tool_strict_level or "parameter"
+
+
+ADAPTER_KEYS = frozenset({"base", "adapter", "aliases", "pinned", "priority", "owned_by"})
+"""What an adapter model's own preset entry may set."""
+
+
+def serves_adapters(spec: ModelSpec) -> bool:
+    """Whether ``spec``'s engine starts ready for LoRA adapters (``max_loras`` is filled
+    in at load for a base with adapters)."""
+    return spec.base is None and spec.max_loras is not None
 
 
 ROUTER_ONLY_FIELDS = frozenset({"aliases", "ttl", "pinned", "priority", "min_resident",
@@ -413,11 +453,15 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
     if not isinstance(models_raw, dict) or not models_raw:
         raise ConfigError(f"{source}: 'models' must name at least one model")
     models: dict[str, ModelSpec] = {}
+    adapters: dict[str, dict[str, Any]] = {}
     read_files: list[str] = []
     for name, body in models_raw.items():
         name = str(name)
         if not isinstance(body, dict):
             raise ConfigError(f"{source}: model '{name}': must be a mapping of keys")
+        if "base" in body:  # an adapter model: made from its base's spec below
+            adapters[name] = body
+            continue
         merged = _off_word({**defaults, **body, "id": name}, f"{source}: model '{name}'")
         models[name] = _convert(merged, ModelSpec, f"{source}: model '{name}'")
         if models[name].backend is None:
@@ -425,8 +469,86 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
         template = _read_template(models[name], source)
         if template is not None and template not in read_files:
             read_files.append(template)
+    _add_adapters(models, adapters, source)
     _check_names(models, server, source)
     return Preset(server=server, models=models, source=source, read_files=read_files)
+
+
+def _preset_path(value: str, source: str) -> Path:
+    """A path a preset names: relative ones from the preset's folder."""
+    base = Path(source).parent if source and not source.startswith("<") else Path.cwd()
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def _add_adapters(models: dict[str, ModelSpec], adapters: dict[str, dict[str, Any]],
+                  source: str) -> None:
+    """Each adapter model's spec (its base's, with its own ``ADAPTER_KEYS``) into
+    ``models``, and every base that serves adapters sized for them (``max_loras``,
+    ``max_cpu_loras``, ``max_lora_rank``)."""
+    ranks: dict[str, list[int]] = {}
+    own: dict[str, tuple[ModelSpec, AdapterInfo]] = {}
+    for name, body in adapters.items():
+        where = f"{source}: model '{name}'"
+        extra = sorted(set(body) - ADAPTER_KEYS)
+        if extra:
+            raise ConfigError(f"{where}: key '{extra[0]}': an adapter model takes only "
+                              f"{', '.join(sorted(ADAPTER_KEYS))}; the rest is its base's")
+        spec = _convert({**body, "id": name, "model": ""}, ModelSpec, where)
+        base = models.get(str(spec.base))
+        if base is None:
+            raise ConfigError(f"{where}: key 'base': no model named '{spec.base}'"
+                              + (" (an adapter's base cannot be another adapter)"
+                                 if spec.base in adapters else ""))
+        if spec.adapter is None:
+            raise ConfigError(f"{where}: key 'adapter': an adapter model needs its folder")
+        path = _preset_path(spec.adapter, source)
+        try:
+            info = read_adapter(path)
+        except AdapterError as err:
+            raise ConfigError(f"{where}: key 'adapter': {err}") from None
+        spec.adapter = str(path.resolve())
+        ranks.setdefault(base.id, []).append(info.rank)
+        own[name] = spec, info
+    for base in models.values():
+        if base.adapters_dir is not None:
+            folder = _preset_path(base.adapters_dir, source)
+            if not folder.is_dir():
+                raise ConfigError(f"{source}: model '{base.id}': key 'adapters_dir': no "
+                                  f"folder at {folder}")
+            base.adapters_dir = str(folder.resolve())
+        if base.id not in ranks and base.max_loras is None and base.adapters_dir is None:
+            continue
+        where = f"{source}: model '{base.id}'"
+        try:
+            cap = rank_cap(ranks.get(base.id, []))
+        except AdapterError as err:
+            raise ConfigError(f"{where}: key 'max_lora_rank': {err}") from None
+        base.max_lora_rank = base.max_lora_rank or cap  # type: ignore[assignment]
+        base.max_loras = base.max_loras or DEFAULT_MAX_LORAS
+        base.max_cpu_loras = base.max_cpu_loras or max(DEFAULT_MAX_CPU_LORAS, base.max_loras)
+        if base.max_cpu_loras < base.max_loras:
+            raise ConfigError(f"{where}: key 'max_cpu_loras': must be at least max_loras "
+                              f"({base.max_loras})")
+    pinned: dict[str, int] = {}
+    for name, (spec, info) in own.items():
+        base = models[str(spec.base)]
+        assert base.max_lora_rank is not None and base.max_loras is not None  # sized above
+        pinned[base.id] = pinned.get(base.id, 0) + spec.pinned
+        if pinned[base.id] >= base.max_loras:
+            # vLLM keeps a pinned adapter in a batch slot for good: with every slot pinned,
+            # the first request for another adapter kills the engine (measured, 0.32).
+            raise ConfigError(f"{source}: model '{name}': key 'pinned': {pinned[base.id]} "
+                              f"pinned adapters need max_loras above that on their base "
+                              f"'{base.id}' (it is {base.max_loras}), so a batch has a slot "
+                              "for the others")
+        if info.rank > base.max_lora_rank:
+            raise ConfigError(f"{source}: model '{name}': key 'adapter': rank {info.rank} is "
+                              f"above its base's max_lora_rank ({base.max_lora_rank})")
+        models[name] = msgspec.structs.replace(
+            base, id=name, aliases=spec.aliases, pinned=spec.pinned, priority=spec.priority,
+            owned_by=spec.owned_by if "owned_by" in adapters[name] else base.owned_by,
+            base=base.id, adapter=spec.adapter, adapters_dir=None, load_on_startup=False)
 
 
 def _off_word(body: Any, where: str) -> Any:
@@ -449,12 +571,10 @@ def _read_template(spec: ModelSpec, source: str) -> str | None:
     value = spec.chat_template
     if value is None or "{{" in value or "{%" in value:
         return None
-    base = Path(source).parent if source and not source.startswith("<") else Path.cwd()
     if value.startswith(BUILTIN_TEMPLATE):  # shipped with modelyard: a preset copied
         path = TEMPLATES / f"{value.removeprefix(BUILTIN_TEMPLATE)}.jinja"  # anywhere finds it
     else:
-        path = Path(value).expanduser()
-        path = path if path.is_absolute() else base / path
+        path = _preset_path(value, source)
     try:
         spec.chat_template = path.read_text(encoding="utf-8")
     except OSError as err:

@@ -1,9 +1,9 @@
 """Messages between the router and a worker, encoded as msgpack with msgspec.
 
-Router → worker: ``Generate``, ``Cancel``, ``Tokenize``, ``Detokenize``, ``Embed``, ``Ping``,
-``Shutdown``, ``Sleep``, ``Wake``.
+Router → worker: ``Generate``, ``Cancel``, ``Tokenize``, ``Detokenize``, ``Embed``,
+``Score``, ``Ping``, ``Shutdown``, ``Sleep``, ``Wake``, ``Adapters``.
 Worker → router: ``Ready``, ``Deltas``, ``TokenizeResult``, ``DetokenizeResult``,
-``Embeddings``, ``Error``, ``Pong``.
+``Embeddings``, ``Scores``, ``Error``, ``Pong``, ``AdapterStates``.
 
 Nothing here is shaped like any public protocol: the router's protocol modules (OpenAI,
 and the next ones) translate to and from these.
@@ -112,6 +112,18 @@ class Constraint(msgspec.Struct, omit_defaults=True, gc=False):
     """The request field it came from, named by errors (it is protocol-specific)."""
 
 
+class LoraRef(msgspec.Struct, **_WIRE):
+    """A LoRA adapter a request runs with: its model name, the router's number for it
+    (stable while the router lives; a new folder under one name gets a new number) and
+    its folder."""
+
+    name: str
+    number: int
+    path: str
+    pinned: bool = False
+    """Never leaves the engine's pool of loaded adapters."""
+
+
 class Generate(msgspec.Struct, tag="generate", **_MSG):
     """Start a generation. Exactly one of ``messages``, ``prompt``, ``prompt_token_ids``."""
 
@@ -131,6 +143,8 @@ class Generate(msgspec.Struct, tag="generate", **_MSG):
     constraint: Constraint | None = None
     template_kwargs: dict[str, Any] | None = None
     """Extra chat-template variables (``enable_thinking``, ``reasoning_effort`` ...)."""
+    lora: LoraRef | None = None
+    """The adapter on top of the base model; loaded into the engine on its first use."""
 
 
 class Cancel(msgspec.Struct, tag="cancel", **_MSG):
@@ -199,8 +213,18 @@ class Wake(msgspec.Struct, tag="wake", **_MSG):
     id: str
 
 
+class Adapters(msgspec.Struct, tag="adapters", **_MSG):
+    """Load ``load`` into the engine (checked against the model first), then unload the
+    adapters numbered ``unload``; answered with ``AdapterStates`` (nothing to do: a
+    listing)."""
+
+    id: str
+    load: list[LoraRef] = []
+    unload: list[int] = []
+
+
 ToWorker = (Generate | Cancel | Tokenize | Detokenize | Embed | Score | Ping | Shutdown | Sleep
-            | Wake)
+            | Wake | Adapters)
 
 
 class TopLogprob(msgspec.Struct, **_WIRE):
@@ -319,8 +343,25 @@ class Pong(msgspec.Struct, tag="pong", **_MSG):
     in_flight: int = 0
 
 
+class AdapterState(msgspec.Struct, **_WIRE):
+    number: int
+    name: str
+    load_seconds: float
+    """Its last load: checked against the model and loaded into the engine."""
+    pinned: bool = False
+    loads: int = 1
+    """Loads since the engine started (one per time it entered the engine's pool)."""
+
+
+class AdapterStates(msgspec.Struct, tag="adapter_states", **_MSG):
+    """The adapters loaded in the engine now, least recently used first."""
+
+    id: str
+    loaded: list[AdapterState] = []
+
+
 ToRouter = (Ready | Deltas | TokenizeResult | DetokenizeResult | Embeddings | Scores | Error
-            | Pong)
+            | Pong | AdapterStates)
 
 
 class Codec:

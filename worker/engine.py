@@ -17,19 +17,23 @@ from typing import Any
 
 import msgspec
 
-from shared.config import ModelSpec, auto_tool_calls
+from shared.adapters import AdapterError
+from shared.config import ModelSpec, auto_tool_calls, serves_adapters
 from shared.protocol import (
+    AdapterState,
     ChatMessage,
     ContentPart,
     Delta,
     Detokenize,
     Embed,
     Generate,
+    LoraRef,
     Score,
     Tokenize,
     TokenLogprob,
     TopLogprob,
 )
+from worker.adapters import AdapterPool, ModelShape, adapter_error, check_adapter
 from worker.engine_args import engine_args_for
 from worker.outputs import OutputParser
 from worker.tools import named_call_schema, required_calls_schema
@@ -90,6 +94,26 @@ def fork_engine_processes() -> None:
         module.get_mp_context = lambda: context  # type: ignore[attr-defined]
 
 
+def fix_cpu_lora_ops() -> None:
+    """Put ``worker.lora_ops`` in place of vLLM's CPU LoRA ops, which give a base-model
+    request in a batch with adapters the last adapter's weights. Called in the worker
+    (a forked engine inherits it) and, as a ``vllm.general_plugins`` entry point
+    (pyproject.toml), in every process vLLM starts."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.lora.ops.torch_ops.lora_ops as torch_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    from worker.lora_ops import OPS
+
+    for module in (torch_ops, punica_cpu):
+        for name, op in OPS.items():
+            if hasattr(module, name):
+                setattr(module, name, op)
+
+
 class VllmEngine:
     """One vLLM ``AsyncLLM`` serving one model (generation, or embeddings for ``task: embed``)."""
 
@@ -126,6 +150,17 @@ class VllmEngine:
         # so a text needs at least len(text) / _max_token_chars tokens.
         self._max_token_chars = max(len(t) for t in self.tokenizer.get_vocab()) * 4
         self.max_prompt_chars = self.max_model_len * self._max_token_chars
+        self.adapters: AdapterPool | None = None
+        if serves_adapters(spec):
+            self.adapters = AdapterPool(self._check_adapter, self._load_adapter,
+                                        self._unload_adapter, self._listed_adapters)
+            config = llm.model_config.hf_config
+            heads = config.num_attention_heads
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            self._shape = ModelShape(layers=config.num_hidden_layers, sizes=frozenset({
+                config.hidden_size, getattr(config, "intermediate_size", 0),
+                heads * head_dim, getattr(config, "num_key_value_heads", heads) * head_dim,
+                config.vocab_size}))
 
     @classmethod
     def start(cls, spec: ModelSpec, model_path: str) -> VllmEngine:
@@ -140,6 +175,8 @@ class VllmEngine:
         args = AsyncEngineArgs(**kwargs)
         if spec.device == "cpu" and spec.fork_engine:
             fork_engine_processes()
+        if serves_adapters(spec):
+            fix_cpu_lora_ops()
         llm = AsyncLLM.from_engine_args(args)
         return cls(llm, spec)
 
@@ -367,6 +404,7 @@ class VllmEngine:
                                f"'{self.task}'); it does not generate", param="model",
                                code="wrong_model_task")
         ids, media = await self._off_loop(self.prompt, gen)
+        lora = await self._lora_request(gen)
         auto_calls, call_ends = self.auto_call_constraint(gen)
         make_parser = self._output_parser(gen, call_ends)
         # Tool markup may be a special token; the parser must see it to cut it out.
@@ -378,7 +416,8 @@ class VllmEngine:
         # With media, vLLM's input processor expands the placeholders it finds in ids.
         prompt = (tokens_input(ids) if media is None else
                   TokensPrompt(prompt_token_ids=ids, multi_modal_data=media))
-        outputs = self._llm.generate(prompt, params, gen.id, priority=gen.priority)
+        outputs = self._llm.generate(prompt, params, gen.id, priority=gen.priority,
+                                     lora_request=lora)
         counted: set[int] = set()  # choices whose first delta told the prompt's size
         clamped = (params.max_tokens if gen.sampling.max_tokens is not None
                    and params.max_tokens < gen.sampling.max_tokens else 0)
@@ -604,6 +643,55 @@ class VllmEngine:
 
     async def wake(self) -> None:
         await self._llm.wake_up()
+        if self.adapters is not None:
+            await self.adapters.reload_all()
+
+    # -- LoRA adapters -------------------------------------------------------------------
+    async def _check_adapter(self, ref: LoraRef) -> None:
+        assert self._spec.max_lora_rank is not None  # set with max_loras (serves_adapters)
+        try:
+            await asyncio.to_thread(check_adapter, ref.path, self._spec.max_lora_rank,
+                                    self._shape)
+        except AdapterError as err:
+            message, status, code = adapter_error(ref, err)
+            raise RequestError(message, status=status, param="model", code=code) from None
+
+    async def _load_adapter(self, ref: LoraRef) -> None:
+        from vllm.lora.request import LoRARequest
+
+        try:
+            await self._llm.add_lora(LoRARequest(ref.name, ref.number, ref.path))
+            if ref.pinned:
+                await self._llm.pin_lora(ref.number)
+        except (ValueError, RuntimeError, OSError) as err:  # vLLM's own refusal of the files
+            raise RequestError(f"adapter '{ref.name}': {err}", param="model",
+                               code="adapter_invalid") from None
+
+    async def _unload_adapter(self, number: int) -> None:
+        await self._llm.remove_lora(number)
+
+    async def _listed_adapters(self) -> set[int]:
+        return set(await self._llm.list_loras())
+
+    async def adapters_apply(self, load: list[LoraRef], unload: list[int]
+                             ) -> list[AdapterState]:
+        if self.adapters is None:
+            if load:
+                raise RequestError(f"model '{self._spec.id}' serves no adapters (set "
+                                   "max_loras on it)", param="model", code="adapter_invalid")
+            return []
+        return await self.adapters.apply(load, unload)
+
+    async def _lora_request(self, gen: Generate) -> Any:
+        if gen.lora is None:
+            return None
+        if self.adapters is None:
+            raise RequestError(f"model '{self._spec.id}' serves no adapters", param="model",
+                               code="adapter_invalid")
+        from vllm.lora.request import LoRARequest
+
+        await self.adapters.ensure(gen.lora)
+        return LoRARequest(gen.lora.name, gen.lora.number, gen.lora.path)
 
     def shutdown(self) -> None:
         self._llm.shutdown()

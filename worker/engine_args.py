@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.config import ModelSpec
+from shared.config import ModelSpec, serves_adapters
 
 
 def cpu_flags() -> set[str]:
@@ -67,6 +67,9 @@ def engine_args_for(spec: ModelSpec, model_path: str,
     elif spec.task in ("score", "classify"):  # a sequence classifier; a decoder converted
         args["runner"] = "pooling"
         args["convert"] = "classify"
+    if serves_adapters(spec):  # LoRA adapters on top (ModelSpec.base names this model)
+        args.update(enable_lora=True, max_loras=spec.max_loras,
+                    max_cpu_loras=spec.max_cpu_loras, max_lora_rank=spec.max_lora_rank)
     if spec.device == "cuda":
         if spec.idle_action == "sleep":
             args["enable_sleep_mode"] = True

@@ -15,6 +15,9 @@ from typing import Any, Protocol, cast
 import zmq
 
 from shared.protocol import (
+    Adapters,
+    AdapterState,
+    AdapterStates,
     Cancel,
     Delta,
     Deltas,
@@ -55,6 +58,8 @@ class Engine(Protocol):
     def in_flight(self) -> int: ...
     async def sleep(self, level: int) -> None: ...
     async def wake(self) -> None: ...
+    async def adapters_apply(self, load: list[Any], unload: list[int]
+                             ) -> list[AdapterState]: ...
     def shutdown(self) -> None: ...
 
 
@@ -125,7 +130,7 @@ class WorkerServer:
         finally:
             self._tasks.pop(gen.id, None)
 
-    async def _answer(self, req: Tokenize | Detokenize | Embed | Score) -> None:
+    async def _answer(self, req: Tokenize | Detokenize | Embed | Score | Adapters) -> None:
         """Run a one-shot request (no stream) and send its result or its error."""
         reply: Any
         try:
@@ -135,6 +140,9 @@ class WorkerServer:
                                        max_model_len=self._engine.max_model_len)
             elif isinstance(req, Detokenize):
                 reply = DetokenizeResult(id=req.id, text=await self._engine.detokenize(req))
+            elif isinstance(req, Adapters):
+                reply = AdapterStates(id=req.id, loaded=await self._engine.adapters_apply(
+                    req.load, req.unload))
             elif isinstance(req, Embed):
                 vectors, tokens = await self._engine.embed(req)
                 reply = Embeddings(id=req.id, vectors=vectors, prompt_tokens=tokens)
@@ -162,7 +170,7 @@ class WorkerServer:
             task = self._tasks.pop(message.id, None)
             if task is not None:
                 task.cancel()
-        elif isinstance(message, (Tokenize, Detokenize, Embed, Score)):
+        elif isinstance(message, (Tokenize, Detokenize, Embed, Score, Adapters)):
             self._tasks[message.id] = asyncio.create_task(self._answer(message))
         elif isinstance(message, Ping):
             self._send(Pong(id=message.id, in_flight=self._engine.in_flight()))

@@ -9,6 +9,8 @@ token is the ``time.monotonic_ns()`` of its creation instead, so a client can me
 relay's added latency (the clock is shared by all processes of the machine). A
 ``cpu_cores`` placement pins the process (a vLLM worker leaves that to vLLM).
 
+A request for a LoRA adapter emits the adapter's name instead of ``tok``.
+
 It embeds texts by hashing their words and scores pairs (``/v1/rerank``, ``/v1/score``)
 by the words they share.
 With ``engine_args.script`` (a list of turns) it answers the i-th request with the i-th
@@ -27,8 +29,20 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from shared.config import ModelSpec, parse_cores
-from shared.protocol import Delta, Detokenize, Embed, Generate, Score, Tokenize, ToolCallDelta
+from shared.adapters import AdapterError, read_adapter
+from shared.config import ModelSpec, parse_cores, serves_adapters
+from shared.protocol import (
+    AdapterState,
+    Delta,
+    Detokenize,
+    Embed,
+    Generate,
+    LoraRef,
+    Score,
+    Tokenize,
+    ToolCallDelta,
+)
+from worker.adapters import AdapterPool, adapter_error
 
 
 class SyntheticError(Exception):
@@ -56,6 +70,49 @@ class SyntheticEngine:
         time.sleep(float(spec.engine_args.get("start_seconds", 0)))
         if spec.cpu_cores:
             os.sched_setaffinity(0, parse_cores(spec.cpu_cores))
+        self._spec = spec
+        self._adapter_load = float(spec.engine_args.get("adapter_load_seconds", 0))
+        self.adapters_loaded: dict[int, LoraRef] = {}
+        self.adapters = (AdapterPool(self._check_adapter, self._load_adapter,
+                                     self._unload_adapter, self._listed)
+                         if serves_adapters(spec) else None)
+
+    # Adapters: checked by their adapter_config.json only; a load takes
+    # ``engine_args.adapter_load_seconds``; the engine keeps ``max_cpu_loras``, LRU.
+    async def _check_adapter(self, ref: LoraRef) -> None:
+        try:
+            rank = read_adapter(ref.path).rank
+            if rank > (self._spec.max_lora_rank or 0):
+                raise AdapterError(f"rank {rank} is above the base's max_lora_rank "
+                                   f"({self._spec.max_lora_rank})")
+        except AdapterError as err:
+            message, status, code = adapter_error(ref, err)
+            raise SyntheticError(message, status=status, param="model", code=code) from None
+
+    async def _load_adapter(self, ref: LoraRef) -> None:
+        await asyncio.sleep(self._adapter_load)
+        self.adapters_loaded.pop(ref.number, None)
+        self.adapters_loaded[ref.number] = ref
+        while len(self.adapters_loaded) > (self._spec.max_cpu_loras or 1):
+            unpinned = [n for n, r in self.adapters_loaded.items() if not r.pinned]
+            if not unpinned:
+                break
+            del self.adapters_loaded[unpinned[0]]
+
+    async def _unload_adapter(self, number: int) -> None:
+        self.adapters_loaded.pop(number, None)
+
+    async def _listed(self) -> set[int]:
+        return set(self.adapters_loaded)
+
+    async def adapters_apply(self, load: list[LoraRef], unload: list[int]
+                             ) -> list[AdapterState]:
+        if self.adapters is None:
+            if load:
+                raise SyntheticError("this model serves no adapters", param="model",
+                                     code="adapter_invalid")
+            return []
+        return await self.adapters.apply(load, unload)
 
     def _prompt_len(self, req: Generate | Tokenize) -> int:
         if req.messages is not None:
@@ -118,6 +175,16 @@ class SyntheticEngine:
 
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
         prompt_len = self._prompt_len(gen)
+        word = "tok"
+        if gen.lora is not None:  # an adapter's request says the adapter's name
+            if self.adapters is None:
+                raise SyntheticError("this model serves no adapters", param="model",
+                                     code="adapter_invalid")
+            await self.adapters.ensure(gen.lora)
+            # used: the most recent (loaded again from its folder if the LRU let it go)
+            self.adapters_loaded.pop(gen.lora.number, None)
+            self.adapters_loaded[gen.lora.number] = gen.lora
+            word = gen.lora.name
         if self._script:
             async for batch in self._scripted(gen, prompt_len):
                 yield batch
@@ -143,7 +210,7 @@ class SyntheticEngine:
                 step = min(self._per_step, total - sent)
                 sent += step
                 done = sent == total
-                text = f"{time.monotonic_ns()} " if self._timestamps else "tok " * step
+                text = f"{time.monotonic_ns()} " if self._timestamps else f"{word} " * step
                 yield [Delta(id=gen.id, index=i, text=text, tokens=step,
                              finish_reason="length" if done else None,
                              prompt_tokens=prompt_len if done or sent == step else 0,

@@ -24,7 +24,7 @@ from router.lifecycle.policy import idle
 from router.lifecycle.reload import Reloader
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry
-from shared.config import auto_tool_calls
+from shared.config import auto_tool_calls, serves_adapters
 
 
 class ModelAction(msgspec.Struct, kw_only=True):
@@ -57,6 +57,8 @@ class AdminAPI:
     def model_object(self, entry: ModelEntry, principal: Principal) -> dict[str, Any]:
         """OpenAI's model object plus modelyard's fields (None values left out); for a key
         that is not an admin's, a failure's reason without its worker's log tail."""
+        if entry.lora is not None:
+            return self.adapter_object(entry, principal)
         now = time.monotonic()
         extra: dict[str, Any] = {
             "state": entry.state, "aliases": entry.spec.aliases,
@@ -83,11 +85,68 @@ class AdminAPI:
                 "owned_by": entry.spec.owned_by,
                 **{k: v for k, v in extra.items() if v is not None}}
 
+    def adapter_object(self, entry: ModelEntry, principal: Principal) -> dict[str, Any]:
+        """An adapter model as ``vllm serve`` lists one (``parent``: its base) with its
+        ``state`` in its base's engine: ``resident`` (pinned, or among the most recently
+        used that fill the ``max_loras`` batch slots: vLLM 0.32 tells no more), ``cpu``
+        (loaded, further back in the engine's LRU), ``known`` (not loaded). Its folder
+        only for an admin."""
+        base = self.registry.serving(entry)
+        loaded = base.adapters_loaded if base.state == "ready" else []
+        assert entry.lora is not None
+        pinned = {a.number for a in loaded if a.pinned}  # in a batch slot for good
+        others = [a.number for a in loaded if not a.pinned]
+        slots = max(0, (base.spec.max_loras or 1) - len(pinned))
+        state = "known"
+        if entry.lora.number in pinned or entry.lora.number in others[len(others) - slots:]:
+            state = "resident"
+        elif entry.lora.number in others:
+            state = "cpu"
+        mine = next((a for a in loaded if a.number == entry.lora.number), None)
+        extra: dict[str, Any] = {
+            "parent": base.id, "state": state, "aliases": entry.spec.aliases,
+            "rank": entry.rank, "pinned": entry.spec.pinned or None,
+            "adapter_loads": mine.loads if mine else None,
+            "found": entry.found or None,
+            "load_seconds": round(mine.load_seconds, 3) if mine else entry.load_seconds,
+            "idle_seconds": round(time.monotonic() - entry.last_used, 3)
+            if entry.last_used else None,
+            "root": entry.lora.path if principal.sees_all else None,
+        }
+        if mine is not None:
+            entry.load_seconds = extra["load_seconds"]  # kept for when it is unloaded
+        return {"id": entry.id, "object": "model", "created": self.created,
+                "owned_by": entry.spec.owned_by,
+                **{k: v for k, v in extra.items() if v is not None}}
+
+    async def _refresh_adapters(self, bases: list[ModelEntry]) -> None:
+        """Ask each running base which adapters its engine holds (at most 2 s)."""
+        async def ask(base: ModelEntry) -> None:
+            if base.link is None:
+                return
+            try:
+                base.adapters_loaded = await asyncio.wait_for(base.link.adapters(), 2)
+            except (APIError, TimeoutError):
+                pass  # busy or gone: the last answer stands
+
+        await asyncio.gather(*(ask(b) for b in bases if b.state == "ready"
+                               and serves_adapters(b.spec)))
+
+    def _shown(self, principal: Principal) -> list[ModelEntry]:
+        """The models ``principal`` may see, each base followed by its adapters."""
+        shown: list[ModelEntry] = []
+        for entry in self.registry:
+            if _visible(entry, principal):
+                shown.append(entry)
+            shown += [a for a in self.registry.adapters_of(entry) if _visible(a, principal)]
+        return shown
+
     async def list_models(self, request: Request) -> Response:
         """OpenAI's list; asked with Codex's ``client_version``, Codex's catalog of the
         same models beside it (``router.api.codex_catalog``)."""
         principal = principal_of(request.scope)
-        shown = [e for e in self.registry if _visible(e, principal)]
+        shown = self._shown(principal)
+        await self._refresh_adapters(list(self.registry))
         body: dict[str, Any] = {"object": "list",
                                 "data": [self.model_object(e, principal) for e in shown]}
         if "client_version" in request.query_params:
@@ -96,10 +155,13 @@ class AdminAPI:
 
     async def get_model(self, request: Request) -> Response:
         name = request.path_params["model_id"]
-        entry = self.registry.entries.get(name)
+        entry = self.registry.entries.get(name) or self.registry.adapters.get(name)
         principal = principal_of(request.scope)
         if entry is None or not _visible(entry, principal):  # exact ids only
             raise ModelNotFound(f"The model '{name}' does not exist", param="model")
+        if entry.lora is not None:
+            await self._refresh_adapters([self.registry.serving(entry)])
+            return JSONResponse(self.model_object(entry, principal))
         body = self.model_object(entry, principal)
         if entry.state == "ready" and entry.link is not None:
             try:  # the engine's own count: shows that cancelled requests really ended
@@ -129,21 +191,34 @@ class AdminAPI:
         they do not fit together); ``"wait": false`` answers 202 at once."""
         body = await read_body(request, ModelAction, self.max_body_bytes)
         entries = self._entries(body)
-        if not body.wait and any(e.state != "ready" for e in entries):
-            for entry in entries:
+        served = [self.registry.serving(e) for e in entries]  # an adapter's base
+        if not body.wait and any(e.state != "ready" for e in served):
+            for entry in served:
                 if entry.state != "ready":
                     self.supervisor.start_loading(entry)
             return self._answer(request, body, entries, 202)
         for entry in entries:
-            lease, _ = await self.supervisor.acquire(entry.id)
-            lease.release()
+            lease, link = await self.supervisor.acquire(entry.id)
+            try:
+                if entry.lora is not None:  # into its running base's engine
+                    lease.entry.adapters_loaded = await link.adapters([entry.lora])
+            finally:
+                lease.release()
         return self._answer(request, body, entries)
 
     async def unload(self, request: Request) -> Response:
+        """Stop models; an adapter leaves its base's engine (the base serves on)."""
         body = await read_body(request, ModelAction, self.max_body_bytes)
         entries = self._entries(body)
-        await asyncio.gather(*(self.supervisor.stop(e, force=body.force) for e in entries))
+        await asyncio.gather(*(self._unload_adapter(e) if e.lora is not None
+                               else self.supervisor.stop(e, force=body.force)
+                               for e in entries))
         return self._answer(request, body, entries)
+
+    async def _unload_adapter(self, adapter: ModelEntry) -> None:
+        base = self.registry.serving(adapter)
+        if base.state == "ready" and base.link is not None and adapter.lora is not None:
+            base.adapters_loaded = await base.link.adapters(unload=[adapter.lora.number])
 
     async def reload(self, request: Request) -> Response:
         """Read the preset file again and apply it (``router/lifecycle/reload.py``); a file that does

@@ -135,7 +135,8 @@ class Relay:
             else:  # not ready, or no free slot: only here are the preset and header read
                 beat = self._beat(request, now, keepalive)
                 if beat is not None:
-                    body = self._cold_stream(now.id, model, gens, shaper_for(now.id), *beat,
+                    name = self._model_id(model)  # an adapter's, where ``now`` is its base
+                    body = self._cold_stream(name, model, gens, shaper_for(name), *beat,
                                              usage, endpoint, keep_alive, principal)
                     return EventStream(body, self.supervisor.server.send_timeout)
                 lease, link = await self._wait(request, endpoint, model, "generate", True,
@@ -145,7 +146,7 @@ class Relay:
                                               usage)
         self._keep_alive(lease, keep_alive, principal)
         stream, first = await self._start(lease, link, gens, usage, endpoint, streaming, request)
-        shaper = shaper_for(lease.entry.id)
+        shaper = shaper_for(lease.name)
         # A clamp is known by the first batch, before any header is sent.
         extra = {CLAMPED_HEADER: str(usage.clamped)} if usage.clamped else None
         if streaming:
@@ -164,10 +165,10 @@ class Relay:
             lease.release()
             if status == 200:  # counted and logged once the answer is written
                 asyncio.get_running_loop().call_soon(
-                    self._log, endpoint, lease.entry.id, False, status, usage,
+                    self._log, endpoint, lease.name, False, status, usage,
                     time.perf_counter())
             else:  # before the answer: ``HotPath`` asks whether it was counted
-                self._log(endpoint, lease.entry.id, False, status, usage)
+                self._log(endpoint, lease.name, False, status, usage)
         return JSONResponse(shaper.body(usage), headers=extra)
 
     def _refuse_known_oversized(self, model: str | None, gens: list[Generate], endpoint: str,
@@ -180,7 +181,7 @@ class Relay:
         except APIError:
             return  # ``_acquire`` says so, with its log line
         try:
-            _refuse_oversized(entry, gens)
+            _refuse_oversized(entry, gens)  # an adapter's bound is its base's
         except APIError as err:
             self._log(endpoint, entry.id, streaming, err.status, usage)
             raise
@@ -210,6 +211,9 @@ class Relay:
         if clamps_max_tokens(lease.entry.spec, PROTOCOLS.get(endpoint, "openai")):
             for gen in gens:
                 gen.sampling.clamp_max_tokens = True
+        if lease.adapter is not None:
+            for gen in gens:
+                gen.lora = lease.adapter.lora
         try:
             _refuse_oversized(lease.entry, gens)
             stream = link.submit(gens, usage)
@@ -221,7 +225,7 @@ class Relay:
                 stream.close()
             lease.release()
             if isinstance(err, APIError):  # ClientGone too: a 499 nobody reads
-                self._log(endpoint, lease.entry.id, streaming, err.status, usage)
+                self._log(endpoint, lease.name, streaming, err.status, usage)
             raise
 
     def _beat(self, request: Request, entry: ModelEntry, keepalive: bytes
@@ -416,7 +420,7 @@ class Relay:
         finally:
             stream.close()
             lease.release()
-            self._log(endpoint, lease.entry.id, True, status, usage)
+            self._log(endpoint, lease.name, True, status, usage)
 
     def _log(self, endpoint: str, model: str, streaming: bool, status: int,
              usage: Usage, now: float = 0.0) -> None:
@@ -471,12 +475,12 @@ class Relay:
                 result = await work(link)
                 if prompt_tokens is not None:
                     usage.prompt[endpoint] = prompt_tokens(result)
-                return lease.entry, result
+                return lease.adapter or lease.entry, result
         except APIError as err:
             status = err.status
             raise
         finally:
-            self._log(endpoint, lease.entry.id, False, status, usage)
+            self._log(endpoint, lease.name, False, status, usage)
 
 
 def _release(acquired: tuple[Lease, WorkerLink]) -> None:

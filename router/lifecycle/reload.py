@@ -180,7 +180,9 @@ class Reloader:
             if entry.spec.load_on_startup or entry.id in preload:
                 self.supervisor.start_loading(entry)
         for name in diff.changed:
-            entry = registry.entries[name]
+            entry = registry.entries.get(name)
+            if entry is None:
+                continue  # an adapter model: its new folder has a new number already
             self.supervisor.refresh(entry, load=entry.spec.load_on_startup or name in preload)
         return diff
 

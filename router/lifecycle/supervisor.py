@@ -166,6 +166,7 @@ class Supervisor:
         now = self.acquire_now(name, task)
         if isinstance(now, tuple):
             return now
+        named = self.registry.resolve(name)  # an adapter's name: its base is ``now``
         if now.yield_to is not None:  # it makes room for another: wait, unleased
             try:
                 async with asyncio.timeout(self.server.load_timeout):
@@ -174,7 +175,8 @@ class Supervisor:
             except TimeoutError:
                 raise ModelUnavailable(f"model '{now.id}' was making room for another model "
                                        f"for {self.server.load_timeout:g} s") from None
-        lease = Lease(now)  # before any await: from here on nothing reaps this model
+        # before any await: from here on nothing reaps this model
+        lease = Lease(now, named if named is not now else None)
         try:
             await self._take_slot(lease)
             return lease, await self.ensure_ready(now)
@@ -186,14 +188,18 @@ class Supervisor:
                     task: str = "any") -> tuple[Lease, WorkerLink] | ModelEntry:
         """``acquire`` without waiting: the lease and link of a ready model with a free
         slot, else the resolved entry for ``acquire`` to wait on."""
-        entry = self.registry.resolve(name)
+        named = self.registry.resolve(name)
+        entry = self.registry.serving(named)  # an adapter is served by its base's worker
         if task != "any" and entry.spec.task != task and entry.spec.task not in SERVED_BY[task]:
-            raise BadRequest(f"model '{entry.id}' is {TASK_NAMES[entry.spec.task]}; it cannot "
+            raise BadRequest(f"model '{named.id}' is {TASK_NAMES[entry.spec.task]}; it cannot "
                              "serve this endpoint", param="model", code="wrong_model_task")
+        if named is not entry and task in ("embed", "score"):
+            raise BadRequest(f"model '{named.id}' is a LoRA adapter: adapters serve "
+                             "generation only", param="model", code="wrong_model_task")
         slots = entry.slots
         if (entry.state == "ready" and entry.link is not None and entry.yield_to is None
                 and (slots is None or slots.try_take())):
-            lease = Lease(entry)
+            lease = Lease(entry, named if named is not entry else None)
             lease.slot = slots
             return lease, entry.link
         return entry
@@ -372,9 +378,11 @@ class Supervisor:
         if started_ok:
             exited.cancel()
             info = ready.result()
+            await self._restore_adapters(entry, link)
             entry.state, entry.link = "ready", link
-            entry.max_model_len = info.max_model_len
-            entry.max_prompt_chars = info.max_prompt_chars
+            for served in (entry, *self.registry.adapters_of(entry)):
+                served.max_model_len = info.max_model_len
+                served.max_prompt_chars = info.max_prompt_chars
             entry.loaded_at = time.time()
             entry.last_used = time.monotonic()
             entry.load_seconds = round(entry.last_used - started, 3)
@@ -403,6 +411,23 @@ class Supervisor:
         self._failed(entry, reason, tail, handle.returncode)  # after the reap: it has one
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
+
+    async def _restore_adapters(self, entry: ModelEntry, link: WorkerLink) -> None:
+        """A base's pinned adapters, and those its last worker served (the most recently
+        used, as many as its engine keeps), loaded before it serves: a restart (crash,
+        reload) keeps their first requests as fast as before. One that no longer loads
+        is left out: its requests get the reason."""
+        adapters = self.registry.adapters_of(entry)
+        used = sorted((a for a in adapters if a.last_used and not a.spec.pinned),
+                      key=lambda a: a.last_used, reverse=True)
+        keep = [a for a in adapters if a.spec.pinned] + used
+        for adapter in keep[: entry.spec.max_cpu_loras or 0]:
+            assert adapter.lora is not None
+            try:
+                entry.adapters_loaded = await link.adapters([adapter.lora])
+            except APIError as err:
+                log.warning("model %s: adapter %s not restored: %s", entry.id, adapter.id,
+                            err.message)
 
     def _log_ready(self, entry: ModelEntry, worker: WorkerRecord) -> None:
         """Publish and log a finished load with its phases."""

@@ -197,7 +197,7 @@ class Metrics:
 
     def label(self, model: str) -> str:
         """The model id for ``model`` as a request named it, or ``-`` if none fits."""
-        if model in self.models.entries:
+        if model in self.models.entries or model in self.models.adapters:
             return model  # the relay passes the id for every request that got a lease
         if model == UNKNOWN_MODEL:
             return model

@@ -18,6 +18,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from router.errors import APIError, BadRequest, ClientTooSlow, ModelUnavailable, WorkerLost
 from shared.protocol import (
+    Adapters,
+    AdapterState,
+    AdapterStates,
     Cancel,
     Delta,
     Deltas,
@@ -27,6 +30,7 @@ from shared.protocol import (
     Embeddings,
     Error,
     Generate,
+    LoraRef,
     Ping,
     Pong,
     Ready,
@@ -344,7 +348,7 @@ class WorkerLink:
             self.completed += 1
 
     async def _call(self, message: Tokenize | Detokenize | Embed | Score | Ping | Sleep | Wake
-                    ) -> object:
+                    | Adapters) -> object:
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self._calls[message.id] = future
         try:
@@ -372,6 +376,14 @@ class WorkerLink:
         result = await self._call(req)
         assert isinstance(result, Scores)
         return result
+
+    async def adapters(self, load: list[LoraRef] | None = None,
+                       unload: list[int] | None = None) -> list[AdapterState]:
+        """Load and unload LoRA adapters in the engine; the adapters loaded after."""
+        result = await self._call(Adapters(id=f"adapters-{next(_ids)}", load=load or [],
+                                           unload=unload or []))
+        assert isinstance(result, AdapterStates)
+        return result.loaded
 
     async def ping(self) -> Pong:
         self._probes += 1  # a look, not work: it keeps no model from its idle stop
@@ -419,7 +431,8 @@ class WorkerLink:
         elif isinstance(message, Ready):
             if not self._ready.done():
                 self._ready.set_result(message)
-        elif isinstance(message, (TokenizeResult, DetokenizeResult, Embeddings, Scores, Pong)):
+        elif isinstance(message, (TokenizeResult, DetokenizeResult, Embeddings, Scores, Pong,
+                                  AdapterStates)):
             future = self._calls.get(message.id)
             if future is not None and not future.done():
                 future.set_result(message)

@@ -1,0 +1,142 @@
+"""The LoRA adapters loaded in one engine: each checked against the model and loaded once,
+however many requests ask for it at once.
+
+Imports no vLLM: the engine hands ``AdapterPool`` its ``load``/``unload``/``pin``/``listed``
+calls (``worker.engine``), so the pool's bookkeeping is tested without an engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.adapters import AdapterError, read_adapter
+from shared.protocol import AdapterState, LoraRef
+
+log = logging.getLogger("modelyard.worker")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What an adapter's tensors must fit: the base's layer count and the sizes its
+    projections take in and give out."""
+
+    layers: int
+    sizes: frozenset[int]
+
+
+def check_adapter(path: str, max_rank: int, shape: ModelShape) -> None:
+    """Raise ``AdapterError`` unless the adapter at ``path`` fits a model of ``shape``
+    and an engine whose ``max_lora_rank`` is ``max_rank``."""
+    info = read_adapter(path)
+    if info.rank > max_rank:
+        raise AdapterError(f"rank {info.rank} is above the base's max_lora_rank ({max_rank}); "
+                           "raise it in the preset")
+    weights = Path(path) / "adapter_model.safetensors"
+    if not weights.is_file():
+        return  # a .bin (pickle) file: vLLM reads and checks it itself
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt") as tensors:
+            shapes = {name: tensors.get_slice(name).get_shape()
+                      for name in tensors.keys()}  # noqa: SIM118  # not iterable
+    except Exception as err:  # noqa: BLE001  # safetensors raises its own kinds for a bad file
+        raise AdapterError(f"cannot read {weights.name}: {err}") from None
+    lora = {name: dims for name, dims in shapes.items() if ".lora_A." in name or ".lora_B." in name}
+    if not lora:
+        raise AdapterError(f"{weights.name} holds no LoRA weights")
+    for name, dims in sorted(lora.items()):
+        layer = _LAYER.search(name)
+        if layer and int(layer.group(1)) >= shape.layers:
+            raise AdapterError(f"tensor {name} is for layer {layer.group(1)}, but the base "
+                               f"has {shape.layers} layers: made for another model")
+        if len(dims) != 2:
+            raise AdapterError(f"tensor {name} has shape {dims}, not a matrix")
+        size = dims[1] if ".lora_A." in name else dims[0]
+        if size not in shape.sizes:
+            raise AdapterError(f"tensor {name} has shape {dims}, which no projection of the "
+                               "base takes: made for another model")
+
+
+class AdapterPool:
+    """Adapters in the engine, least recently used first; ``ensure`` before a request."""
+
+    def __init__(self, check: Callable[[LoraRef], Awaitable[None]],
+                 load: Callable[[LoraRef], Awaitable[None]],
+                 unload: Callable[[int], Awaitable[None]],
+                 listed: Callable[[], Awaitable[set[int]]]) -> None:
+        self._check, self._load, self._unload, self._listed = check, load, unload, listed
+        self._loaded: collections.OrderedDict[int, AdapterState] = collections.OrderedDict()
+        self._loading: dict[int, asyncio.Task[None]] = {}
+        self._loads: dict[int, int] = {}
+        self.refs: dict[int, LoraRef] = {}
+        """Every adapter loaded since the engine started, by number (a wake reloads them)."""
+
+    async def ensure(self, ref: LoraRef) -> None:
+        """Load ``ref`` unless it is loaded; concurrent callers share one load, and all see
+        its ``AdapterError``."""
+        if ref.number in self._loaded:
+            self._loaded.move_to_end(ref.number)
+            return
+        task = self._loading.get(ref.number)
+        if task is None:
+            task = asyncio.ensure_future(self._load_one(ref))
+            self._loading[ref.number] = task
+            task.add_done_callback(lambda _: self._loading.pop(ref.number, None))
+        await asyncio.shield(task)  # a caller that leaves does not cancel the others' load
+
+    async def _load_one(self, ref: LoraRef) -> None:
+        started = time.perf_counter()
+        await self._check(ref)
+        await self._load(ref)
+        self.refs[ref.number] = ref
+        self._loads[ref.number] = self._loads.get(ref.number, 0) + 1
+        seconds = time.perf_counter() - started
+        self._loaded[ref.number] = AdapterState(
+            number=ref.number, name=ref.name, load_seconds=seconds, pinned=ref.pinned,
+            loads=self._loads[ref.number])
+        log.info("adapter %s (%d) loaded in %.2f s", ref.name, ref.number, seconds)
+        await self._sync()
+
+    async def _sync(self) -> None:
+        """Forget what the engine let go (its own LRU past ``max_cpu_loras``)."""
+        present = await self._listed()
+        for number in [n for n in self._loaded if n not in present]:
+            del self._loaded[number]
+
+    async def apply(self, load: list[LoraRef], unload: list[int]) -> list[AdapterState]:
+        """Load, then unload, as an admin asked; the adapters loaded after."""
+        for ref in load:
+            await self.ensure(ref)
+        for number in unload:
+            if self._loaded.pop(number, None) is not None:
+                await self._unload(number)
+        await self._sync()
+        return list(self._loaded.values())
+
+    async def reload_all(self) -> None:
+        """Load every loaded adapter again (after a sleep, whose wake may not restore
+        them: vLLM #53888)."""
+        for number in list(self._loaded):
+            await self._unload(number)
+            await self._load(self.refs[number])
+        await self._sync()
+
+    @property
+    def loaded(self) -> list[AdapterState]:
+        return list(self._loaded.values())
+
+
+def adapter_error(ref: LoraRef, err: AdapterError) -> tuple[str, int, str]:
+    """The message, status and code a request for a bad adapter gets."""
+    missing = str(err).startswith("no adapter folder")
+    return (f"adapter '{ref.name}': {err}", 404 if missing else 400,
+            "adapter_not_found" if missing else "adapter_invalid")
