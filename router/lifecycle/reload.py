@@ -180,10 +180,11 @@ class Reloader:
             if entry.spec.load_on_startup or entry.id in preload:
                 self.supervisor.start_loading(entry)
         for name in diff.changed:
-            entry = registry.entries.get(name)
-            if entry is None:
+            if name not in registry.entries:
                 continue  # an adapter model: its new folder has a new number already
-            self.supervisor.refresh(entry, load=entry.spec.load_on_startup or name in preload)
+            changed = registry.entries[name]
+            self.supervisor.refresh(changed, load=changed.spec.load_on_startup
+                                    or name in preload)
         return diff
 
     @staticmethod
