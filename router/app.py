@@ -27,6 +27,7 @@ from router.access.ledger import SCHEMA as LEDGER_TABLES
 from router.access.ledger import Ledger
 from router.access.limits import middleware_stack
 from router.access.rules import AccessRules
+from router.api.adapters import AdapterAPI
 from router.api.admin import AdminAPI
 from router.api.anthropic import AnthropicAPI
 from router.api.events import EventsAPI
@@ -154,7 +155,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
 
     routes = (metrics.counted(openai.routes() + anthropic.routes() + responses.routes()
                               + ScoringAPI(relay, server.max_body_bytes).routes())
-              + watch.routes() + admin.routes() + named.routes()
+              + watch.routes() + AdapterAPI(admin).routes() + admin.routes() + named.routes()
               + UsageAPI(ledger, registry).routes() + metrics.routes()
               + OpenAPIDocument(keys).routes() + StatusPage().routes())
     rules = AccessRules(routes)

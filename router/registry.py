@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Self
 
 import msgspec
 
-from router.errors import ModelNotFound
+from router.errors import APIError, BadRequest, ModelNotFound
 from shared.adapters import AdapterError, folder_in, read_adapter
-from shared.config import ModelSpec, Preset
+from shared.config import ModelSpec, Preset, serves_adapters
 from shared.protocol import AdapterState, LoraRef
 
 if TYPE_CHECKING:
@@ -145,6 +145,9 @@ class ModelEntry:
     and slots are its base's, and only its name, demand and use are its own."""
     found: bool = False
     """An adapter found in its base's ``adapters_dir`` (not declared in the preset)."""
+    registered: bool = False
+    """An adapter an admin registered by path at run time (``POST /v1/models/adapters``),
+    not declared in the preset."""
     rank: int | None = None
     """An adapter's LoRA rank (its ``adapter_config.json``; None: unreadable)."""
     adapters_loaded: list[AdapterState] = field(default_factory=list)
@@ -202,8 +205,8 @@ class ModelRegistry:
                 self._folded[name.lower()] = entry.id
         self.default_model = default_model
 
-    def _adapter(self, spec: ModelSpec, old: ModelEntry | None, found: bool = False
-                 ) -> ModelEntry:
+    def _adapter(self, spec: ModelSpec, old: ModelEntry | None, found: bool = False,
+                 registered: bool = False) -> ModelEntry:
         """The entry of adapter model ``spec``: ``old`` kept where it is the same adapter,
         its number kept while its name and folder are (the engine caches by number)."""
         assert spec.adapter is not None
@@ -217,12 +220,13 @@ class ModelRegistry:
             rank: int | None = read_adapter(spec.adapter).rank
         except AdapterError:
             rank = None  # its requests are refused with the reason
-        return ModelEntry(spec=spec, lora=lora, found=found, rank=rank)
+        return ModelEntry(spec=spec, lora=lora, found=found, registered=registered, rank=rank)
 
     def reconfigure(self, preset: Preset) -> tuple[list[ModelEntry], list[ModelEntry]]:
         """Serve ``preset``'s models from now on: entries of models it keeps take its specs
         (``ModelEntry.respec``), others are made or dropped, names resolve by its aliases
-        and default; adapters found in an ``adapters_dir`` stay while their base keeps
+        and default; adapters registered at run time stay while their base serves them and
+        their names are free, and those found in an ``adapters_dir`` while their base keeps
         that folder. Returns the (added, removed) entries with workers; the caller stops
         the removed ones' workers and restarts those whose spec needs it."""
         old, old_adapters = self.entries, self.adapters
@@ -234,6 +238,11 @@ class ModelRegistry:
         self.adapters = {name: self._adapter(spec, old_adapters.get(name))
                          for name, spec in preset.models.items() if spec.base is not None}
         self._index(preset.server.default_model)
+        # Registered ones before found ones: a folder's alias must not take their names.
+        for name, entry in old_adapters.items():
+            if entry.registered and self._keeps(entry):
+                self.adapters[name] = entry
+                self._index(preset.server.default_model)
         for name, entry in old_adapters.items():  # found ones stay while their folder does
             if entry.found and name not in self.adapters:
                 again = self._find(name)
@@ -248,6 +257,109 @@ class ModelRegistry:
             entry.removed = True
         self._index(preset.server.default_model)
         return [e for name, e in self.entries.items() if name not in old], removed
+
+    def _keeps(self, entry: ModelEntry) -> bool:
+        """Whether a reloaded preset keeps registered adapter ``entry`` (its spec then made
+        anew from its base's): its base still serves adapters of its rank with a batch
+        slot left for unpinned ones, and the preset took none of its names."""
+        assert entry.lora is not None and entry.spec.base is not None
+        base = self.entries.get(entry.spec.base)
+        try:
+            self.check_adapter(entry.id, entry.spec.base, entry.spec.aliases,
+                               entry.spec.pinned, entry.rank, folders=False)
+        except APIError:
+            return False
+        assert base is not None
+        entry.spec = self._registered_spec(base, entry.id, entry.lora.path,
+                                           entry.spec.aliases, entry.spec.pinned)
+        return True
+
+    def check_adapter(self, name: str, base_id: str, aliases: list[str], pinned: bool,
+                      rank: int | None = None, folders: bool = True) -> ModelEntry:
+        """The base ``base_id`` (an exact id) if it may serve a new adapter model ``name``
+        of ``rank``: it serves adapters, its batch keeps a slot free of pinned adapters,
+        and no model is known by ``name`` or an alias in any case (409), nor, with
+        ``folders``, would be found by it in an ``adapters_dir``. Raises the ``APIError``
+        that names the adapter and the reason."""
+        where = f"adapter '{name}'"
+        names = [name, *aliases]
+        folded = [n.lower() for n in names]
+        if len(set(folded)) < len(folded):
+            raise BadRequest(f"{where}: its aliases repeat a name", param="aliases",
+                             code="invalid_value")
+        taken = [n for n in names if n.lower() in self._folded
+                 or (folders and self._holding(n))]
+        if taken:
+            raise APIError(f"{where}: a model is already known as '{taken[0]}'", status=409,
+                           type="invalid_request_error",
+                           param="name" if taken[0] == name else "aliases",
+                           code="model_exists")
+        base = self.entries.get(base_id)
+        if base is None or base.removed:
+            raise BadRequest(f"{where}: no model '{base_id}' to serve it (give the exact "
+                             f"id of a base model: {', '.join(sorted(self.entries))})",
+                             param="base", code="adapter_invalid")
+        if not serves_adapters(base.spec):
+            raise BadRequest(f"{where}: model '{base_id}' serves no adapters (its preset "
+                             "entry needs max_loras or adapters_dir)", param="base",
+                             code="adapter_invalid")
+        assert base.spec.max_loras is not None and base.spec.max_lora_rank is not None
+        if rank is not None and rank > base.spec.max_lora_rank:
+            raise BadRequest(f"{where}: rank {rank} is above its base's max_lora_rank "
+                             f"({base.spec.max_lora_rank})", param="path",
+                             code="adapter_invalid")
+        held = sum(a.spec.pinned for a in self.adapters_of(base))
+        if pinned and held + 1 >= base.spec.max_loras:
+            # vLLM keeps a pinned adapter in a batch slot for good (shared.config).
+            raise BadRequest(f"{where}: {held + 1} pinned adapters need max_loras above "
+                             f"that on their base '{base.id}' (it is "
+                             f"{base.spec.max_loras}), so a batch has a slot for the "
+                             "others", param="pinned", code="adapter_invalid")
+        return base
+
+    def register(self, name: str, base_id: str, path: str, aliases: list[str],
+                 pinned: bool, rank: int) -> ModelEntry:
+        """Make the LoRA folder ``path`` (resolved, read: ``rank``) the adapter model
+        ``name`` that ``base_id`` serves, once ``check_adapter`` passes."""
+        base = self.check_adapter(name, base_id, aliases, pinned, rank)
+        # A fresh number: the engine caches by number, and the folder may have changed
+        # since an adapter of this name and path was dropped.
+        self._numbered.pop((name, path), None)
+        spec = self._registered_spec(base, name, path, aliases, pinned)
+        entry = self.adapters[name] = self._adapter(spec, None, registered=True)
+        self._index(self.default_model)
+        return entry
+
+    def unregister(self, name: str) -> ModelEntry:
+        """Drop registered adapter ``name`` (an exact id): 404 for an unknown name, 400
+        for a model the preset declares or an ``adapters_dir`` holds."""
+        entry = self.adapters.get(name) or self.entries.get(name)
+        if entry is None:
+            raise ModelNotFound(f"no adapter named '{name}' (give its exact id)",
+                                param="name")
+        if not entry.registered:
+            raise BadRequest(f"model '{name}' was not registered with POST "
+                             "/v1/models/adapters (" + ("the preset declares it"
+                             if not entry.found else "its base's adapters_dir holds it")
+                             + "): only such adapters are removed so", param="name",
+                             code="invalid_value")
+        self.drop(entry)
+        return entry
+
+    def drop(self, entry: ModelEntry) -> None:
+        """Forget adapter ``entry`` if the registry still holds it."""
+        if self.adapters.get(entry.id) is entry:
+            del self.adapters[entry.id]
+            entry.removed = True
+            self._index(self.default_model)
+
+    @staticmethod
+    def _registered_spec(base: ModelEntry, name: str, path: str, aliases: list[str],
+                         pinned: bool) -> ModelSpec:
+        return msgspec.structs.replace(
+            base.spec, id=name, aliases=list(aliases), base=base.id, adapter=path,
+            adapters_dir=None, load_on_startup=False, pinned=pinned,
+            priority=base.spec.priority)
 
     def __iter__(self) -> Iterator[ModelEntry]:
         return iter(self.entries.values())
@@ -287,18 +399,23 @@ class ModelRegistry:
         """An adapter folder ``name`` names in a base's ``adapters_dir`` (``<base>/<folder>``,
         or ``<folder>`` alone where one base has it), made a model now (vLLM's
         filesystem resolver); None if there is none."""
-        base_id, _, folder = name.rpartition("/")
-        bases = [e for e in self.entries.values() if e.spec.adapters_dir is not None
-                 and (e.id == base_id if base_id else True) and not e.removed
-                 and folder_in(e.spec.adapters_dir, folder) is not None]
+        bases = self._holding(name)
         if len(bases) != 1:
             return None
-        spec = self._found_spec(bases[0], f"{bases[0].id}/{folder}")
+        spec = self._found_spec(bases[0], f"{bases[0].id}/{name.rpartition('/')[2]}")
         if spec.id in self._every or (shown is not None and not shown([spec.id, *spec.aliases])):
             return None
         entry = self.adapters[spec.id] = self._adapter(spec, None, found=True)
         self._index(self.default_model)
         return entry
+
+    def _holding(self, name: str) -> list[ModelEntry]:
+        """The bases whose ``adapters_dir`` has the folder ``name`` names (``<base>/<folder>``
+        or ``<folder>``)."""
+        base_id, _, folder = name.rpartition("/")
+        return [e for e in self.entries.values() if e.spec.adapters_dir is not None
+                and (e.id == base_id if base_id else True) and not e.removed
+                and folder_in(e.spec.adapters_dir, folder) is not None]
 
     def resolve(self, name: str | None,
                 shown: Callable[[list[str]], bool] | None = None) -> ModelEntry:

@@ -174,6 +174,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ray_address: str | None = None
     """The Ray cluster to join (``ray.init(address=...)``, e.g. ``10.0.0.5:6379`` or
     ``auto``); default: a Ray instance started in the router's process for its lifetime."""
+    adapter_roots: list[str] = []
+    """Folders under which ``POST /v1/models/adapters`` may register a LoRA adapter by
+    path (links followed), beside every base's ``adapters_dir``; relative to the preset's
+    folder. With neither, every registration is refused."""
 
 
 class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,
@@ -411,7 +415,7 @@ class Preset(msgspec.Struct, kw_only=True):
 
 
 _LIST_KEYS = ("aliases", "gpus", "trusted_proxies", "preload", "api_keys",  # comma-separated
-              "admin_api_keys")                                          # in INI
+              "admin_api_keys", "adapter_roots")                         # in INI
 _ENV_RE = re.compile(r"\$(\$)?\{env:([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _AT_RE = re.compile(r"\s*- at `\$((?:\.\w+|\[\d+\])*)`")
 
@@ -446,6 +450,8 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
                           "(expected server, defaults, models)")
     server = _convert(_off_word(raw.get("server") or {}, f"{source}: [server]"), ServerConfig,
                       f"{source}: [server]")
+    server.adapter_roots = [str(_preset_path(root, source).resolve())
+                            for root in server.adapter_roots]
     defaults = raw.get("defaults") or raw.get("*") or {}
     if not isinstance(defaults, dict):
         raise ConfigError(f"{source}: 'defaults' must be a mapping")

@@ -96,6 +96,9 @@ TABLE: dict[tuple[str, str], Rule] = {
                                        "requests, a failure without its log tail"),
     ("POST", "/v1/models/load"): _rule(ADMIN, "everything"),
     ("POST", "/v1/models/unload"): _rule(ADMIN, "everything"),
+    ("POST", "/v1/models/adapters"): _rule(ADMIN, "everything (a folder inside adapter_roots)"),
+    ("DELETE", "/v1/models/adapters/{name:path}"): _rule(ADMIN, "everything (registered "
+                                                         "adapters only)"),
     ("POST", "/v1/config/reload"): _rule(ADMIN, "everything"),
     # Keys, usage, metrics.
     ("GET", "/v1/keys"): _rule(ADMIN, "every named key (never a secret)"),

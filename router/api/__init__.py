@@ -1,5 +1,5 @@
 """The HTTP layer: one module or package per public protocol (``openai``, ``anthropic``,
-``responses``, ``scoring``; ``admin``, ``keys``, ``usage``, ``events``, ``metrics``,
+``responses``, ``scoring``; ``admin``, ``adapters``, ``keys``, ``usage``, ``events``, ``metrics``,
 ``status``, ``openapi``), the protocol-neutral ``relay``, SSE framing (``sse``), body
 decoding and error answers (``wire``), the direct path for chat and completions
 (``hotpath``), loading progress for a waiting stream (``progress``), Codex's model

@@ -107,7 +107,7 @@ class AdminAPI:
             "parent": base.id, "state": state, "aliases": entry.spec.aliases,
             "rank": entry.rank, "pinned": entry.spec.pinned or None,
             "adapter_loads": mine.loads if mine else None,
-            "found": entry.found or None,
+            "found": entry.found or None, "registered": entry.registered or None,
             "load_seconds": round(mine.load_seconds, 3) if mine else entry.load_seconds,
             "idle_seconds": round(time.monotonic() - entry.last_used, 3)
             if entry.last_used else None,

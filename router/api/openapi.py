@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, Route
 
 from router.access.admission import OPEN_PATHS, Keys
 from router.access.key_store import KeyCreate
+from router.api.adapters import AdapterRegistration
 from router.api.admin import ModelAction
 from router.api.anthropic.schema import CountTokensRequest, MessagesRequest
 from router.api.openai.embeddings import EmbeddingRequest
@@ -151,6 +152,8 @@ RESPONSES: dict[str, Schema] = {
                    "loaded_at": _INT, "idle_seconds": _NUM, "placement": {"type": "object"},
                    "node": {"type": "string"}, "backend": {"type": "string"},
                    "exit_code": _INT, "error": _STR, "worker_in_flight": _INT}),
+    "ModelDeleted": _obj({"id": _STR, "object": _const("model"),
+                          "deleted": {"type": "boolean"}}),
     "ModelList": _obj({"object": _const("list"), "data": _array(_ref("Model"))},
                       {"models": _array(_ref("CodexModel"))}),
     # Codex's ModelInfo (router.api.codex_catalog): its required fields, and the rest sent
@@ -290,6 +293,8 @@ class Operation(msgspec.Struct, frozen=True):
     named_events: bool = False  # a stream of named events (OpenAI Responses), no [DONE]
     html: bool = False  # 200 is text/html (the status page)
     query: dict[str, Schema] | None = None  # query parameters, all optional
+    created: bool = False  # success is a 201
+    conflict: str | None = None  # what a 409 means here
 
 
 _GENERATE = ("Generation: the model's worker runs it; `\"stream\": true` answers with "
@@ -351,6 +356,14 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/models/unload"): Operation(
         "Stop a model's worker, or several (drain, or `\"force\": true`)", ModelAction,
         "ModelOrList"),
+    ("POST", "/v1/models/adapters"): Operation(
+        "Register a LoRA adapter folder by path (inside `adapter_roots` or a base's "
+        "`adapters_dir`) as a model its base serves (an admin key); checked against the "
+        "base first, and loaded into it at once when it runs", AdapterRegistration, "Model",
+        created=True, conflict="A model is already known by the name or an alias"),
+    ("DELETE", "/v1/models/adapters/{name}"): Operation(
+        "Remove an adapter registered with `POST /v1/models/adapters` (an admin key); a "
+        "running base unloads it", None, "ModelDeleted"),
     ("POST", "/v1/config/reload"): Operation(
         "Read the preset file again and apply what changed (a 400 names file, model and "
         "key of a file that does not load; the running config stays)", None, "ConfigReload"),
@@ -421,7 +434,7 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
                 "schema": _event(op.streams, op.anthropic or op.named_events)}
     else:
         ok["content"] = _json({"type": "object"})
-    responses: dict[str, Any] = {"200": ok}
+    responses: dict[str, Any] = {"201" if op.created else "200": ok}
     if op.accepted and op.ok is not None:
         responses["202"] = {"description": "Loading has started",
                             "content": _json(_ref(op.ok))}
@@ -430,6 +443,8 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
         errors.update(_AUTH_ERRORS)
     if op.anthropic:
         errors.update(_ANTHROPIC_ERRORS)
+    if op.conflict is not None:
+        errors["409"] = op.conflict
     error = "AnthropicError" if op.anthropic else "ErrorResponse"
     for status, description in sorted(errors.items()):
         responses[status] = {"description": description, "content": _json(_ref(error))}

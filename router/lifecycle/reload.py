@@ -18,6 +18,8 @@ Models, compared by their whole ``ModelSpec``:
   worker; any other keeps the old worker until its requests in flight are done, then
   stops it (new requests wait meanwhile), and a model that was loaded loads again.
 - unchanged: untouched (same worker, same pid).
+- an adapter registered at run time (``POST /v1/models/adapters``): kept while its base
+  serves adapters of its rank and the preset takes none of its names; else dropped.
 
 Server keys: ``RUNTIME_KEYS`` are read where they are used, so they apply at once; API
 keys (``api_keys``, ``admin_api_keys``, ``api_key_file``'s content) are swapped in place:
@@ -52,7 +54,7 @@ log = logging.getLogger("modelyard.router")
 RUNTIME_KEYS = frozenset({"ttl", "default_model", "max_loaded_models", "memory_budget_gib",
                           "max_queue_depth", "drain_timeout", "load_timeout", "send_timeout",
                           "swap_wait", "preload", "keep_alive_max",
-                          "loading_progress"})
+                          "loading_progress", "adapter_roots"})
 """Server keys a reload applies: everything that reads them reads the live value."""
 KEY_KEYS = frozenset({"api_keys", "admin_api_keys", "api_key_file"})
 WATCH_SECONDS = 1.0
@@ -171,7 +173,13 @@ class Reloader:
             if key != "api_keys":
                 setattr(live, key, getattr(after, key))
         registry = self.supervisor.registry
+        registered = [e for e in registry.adapters.values() if e.registered]
         added, removed = registry.reconfigure(Preset(server=live, models=new.models))
+        for entry in registered:
+            if entry.removed:
+                log.warning("config reload: registered adapter %s dropped (its base %s "
+                            "serves it no more, or the preset took one of its names)",
+                            entry.id, entry.spec.base)
         self.models = dict(new.models)
         preload = {registry.named(name).id for name in live.preload}
         for entry in removed:
