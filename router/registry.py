@@ -369,6 +369,12 @@ class ModelRegistry:
         itself."""
         return self.entries[entry.spec.base] if entry.spec.base is not None else entry
 
+    def names_of(self, model_id: str) -> list[str]:
+        """The names of the model (or adapter) ``model_id``: its id and aliases; an id no
+        longer configured: itself."""
+        entry = self.entries.get(model_id) or self.adapters.get(model_id)
+        return entry.names if entry is not None else [model_id]
+
     def adapters_of(self, base: ModelEntry) -> list[ModelEntry]:
         return [a for a in self.adapters.values() if a.spec.base == base.id]
 

@@ -203,9 +203,8 @@ class Budgets:
         id or, for a model the registry serves, any alias."""
         if not budget.model:
             return True
-        entry = self.registry.entries.get(model_id)
-        names = entry.names if entry is not None else [model_id]
-        return any(fnmatch.fnmatchcase(name, budget.model) for name in names)
+        return any(fnmatch.fnmatchcase(name, budget.model)
+                   for name in self.registry.names_of(model_id))
 
     def spent(self, key: str, budget: Budget) -> int:
         """``key``'s tokens on ``budget``'s models in its current period, as known now

@@ -189,8 +189,7 @@ class EventsAPI:
 
     def _names(self, model: str) -> list[str]:
         """A model's id and aliases (an id no longer configured: itself)."""
-        entry = self.supervisor.registry.entries.get(model)
-        return entry.names if entry is not None else [model]
+        return self.supervisor.registry.names_of(model)
 
     def _activity(self, principal: Principal) -> dict[str, dict[str, int]]:
         return {e.id: {"in_flight": e.leases, "queued": e.queued}

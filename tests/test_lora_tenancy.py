@@ -1,0 +1,107 @@
+"""LoRA adapters are models to keys, budgets and the records: a key's globs and budgets
+apply per adapter name, and the usage ledger, request events and metrics carry the
+adapter's name, not its base's. Synthetic workers: an adapter's request answers with the
+adapter's name as each word, so which adapter ran is visible."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import RouterProcess, running_router
+
+pytestmark = pytest.mark.integration
+
+ADMIN = "k-admin-lora"
+PRESET = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  spare_workers: 0
+  admin_api_keys: [k-admin-lora]
+models:
+  base: {model: /synthetic, engine: synthetic, max_loras: 2}
+  pirate: {base: base, adapter: {pirate}}
+  poet: {base: base, adapter: {poet}}
+"""
+
+
+def folder(path: Path) -> Path:
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return path
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    tmp = tmp_path_factory.mktemp("lora-tenancy")
+    subst = {name: str(folder(tmp / name)) for name in ("pirate", "poet")}
+    with running_router(PRESET, tmp, "lora-tenancy", subst) as r:
+        yield r
+
+
+def call(r: RouterProcess, key: str, method: str, path: str, body: object = None
+         ) -> httpx.Response:
+    return r.client.request(method, r.url + path, json=body, timeout=60,
+                            headers={"Authorization": f"Bearer {key}"})
+
+
+def chat(r: RouterProcess, key: str, model: str, max_tokens: int = 3) -> httpx.Response:
+    return call(r, key, "POST", "/v1/chat/completions",
+                {"model": model, "max_tokens": max_tokens,
+                 "messages": [{"role": "user", "content": "hi"}]})
+
+
+def make_key(r: RouterProcess, name: str, **spec: object) -> str:
+    made = call(r, ADMIN, "POST", "/v1/keys", {"name": name, **spec})
+    assert made.status_code == 201, made.text
+    return str(made.json()["key"])
+
+
+def test_an_adapter_is_served_by_its_base_under_its_own_name(router: RouterProcess) -> None:
+    answer = chat(router, ADMIN, "pirate").json()
+    assert answer["model"] == "pirate"
+    assert answer["choices"][0]["message"]["content"].split() == ["pirate"] * 3
+    assert chat(router, ADMIN, "base").json()["choices"][0]["message"]["content"].split() \
+        == ["tok"] * 3
+
+
+def test_a_keys_globs_name_adapters_like_any_model(router: RouterProcess) -> None:
+    only = make_key(router, "parrot", models=["pirate"])
+    assert chat(router, only, "pirate").status_code == 200
+    for other in ("base", "poet"):
+        refused = chat(router, only, other)
+        assert refused.status_code == 404, refused.text  # as if it did not exist
+        assert refused.json()["error"]["message"].endswith("Available: pirate")
+    ids = [m["id"] for m in call(router, only, "GET", "/v1/models").json()["data"]]
+    assert ids == ["pirate"]
+    listed = call(router, only, "GET", "/v1/models/pirate").json()
+    assert listed["parent"] == "base" and "root" not in listed  # its folder: admins only
+    assert call(router, only, "GET", "/v1/models/poet").status_code == 404
+    assert call(router, only, "POST", "/v1/models/unload",
+                {"model": "pirate"}).status_code == 403
+
+
+def test_a_budget_on_an_adapter_counts_that_adapter_only(router: RouterProcess) -> None:
+    key = make_key(router, "bard", budgets=[{"tokens": 20, "period": "day", "model": "poet"}])
+    codes = [chat(router, key, "poet", max_tokens=5).status_code for _ in range(6)]
+    assert 429 in codes, codes
+    assert chat(router, key, "pirate", max_tokens=5).status_code == 200  # not poet's budget
+    rows = call(router, key, "GET", "/v1/usage?group_by=model").json()["data"]
+    by_model = {row["model"]: row for row in rows}
+    assert set(by_model) == {"poet", "pirate"}, rows
+    assert by_model["poet"]["prompt_tokens"] + by_model["poet"]["completion_tokens"] <= 20
+
+
+def test_events_and_metrics_carry_the_adapters_name(router: RouterProcess) -> None:
+    chat(router, ADMIN, "poet")
+    metrics = call(router, ADMIN, "GET", "/metrics").text
+    assert 'model="poet"' in metrics
+    events = call(router, ADMIN, "GET", "/v1/events").json()["data"]
+    assert any(e.get("type") == "request" and e.get("model") == "poet" for e in events), events
