@@ -4,19 +4,25 @@ the model ``ready`` on the page, the playground streams an answer with its TTFT 
 usage panel shows the request), Unload makes it ``unloaded``, and nothing is logged to
 the console as an error. A screenshot is
 kept in ``tests/artifacts/status-page.png``.
+
+Against a router with a synthetic base and a LoRA adapter model (no vLLM), the adapter's
+row sits under its base's with its state in the base's engine and its rank; a chat with
+the adapter makes it ``resident``, and its Unload and Load move it out of and into the
+engine while the base serves on; an adapter found in the base's ``adapters_dir`` by a
+chat gets its row under the base's (``tests/artifacts/status-page-adapters.png``). This
+one is not ``integration``: it starts no vLLM.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import Browser, Page, Playwright, sync_playwright
 
 from tests.conftest import ROOT, RouterProcess, router_with_runtime
-
-pytestmark = pytest.mark.integration
 
 CHROMIUM = "/usr/bin/chromium"
 # Without these, Chromium on a machine with no network and no display misbehaves.
@@ -41,27 +47,36 @@ models:
 """
 
 
+def open_page(p: Playwright, r: RouterProcess, problems: list[str],
+              requests_outside: list[str]) -> tuple[Browser, Page]:
+    """Chromium on ``r``'s status page; console errors and warnings, page errors and any
+    request that leaves the router go into the lists."""
+    browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
+            if m.type in ("error", "warning") else None)
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    page.on("request", lambda req: None if req.url.startswith(r.url)
+            or req.url.startswith("data:") else requests_outside.append(req.url))
+    page.goto(r.url + "/")
+    return browser, page
+
+
 @pytest.fixture(scope="module")
 def page_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     with router_with_runtime(PAGE_PRESET, tmp_path_factory.mktemp("page"), "page") as r:
         yield r
 
 
+@pytest.mark.integration
 def test_the_status_page_loads_chats_and_unloads_a_model(page_router: RouterProcess) -> None:
     assert Path(CHROMIUM).exists(), "chromium is listed in system-packages.txt"
     r = page_router
     problems: list[str] = []
     requests_outside: list[str] = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        browser, page = open_page(p, r, problems, requests_outside)
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
-                    if m.type in ("error", "warning") else None)
-            page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-            page.on("request", lambda req: None if req.url.startswith(r.url)
-                    or req.url.startswith("data:") else requests_outside.append(req.url))
-            page.goto(r.url + "/")
             row = 'tr[data-model="page-model"]'
             page.wait_for_selector(f'{row}[data-state="unloaded"]', timeout=15_000)
             assert page.text_content("#conn") == "events: live"
@@ -118,6 +133,88 @@ def test_the_status_page_loads_chats_and_unloads_a_model(page_router: RouterProc
             page.wait_for_selector(f'{row}[data-state="unloaded"]', timeout=60_000)
             assert page.text_content(f"{row} .pid") == "–"
             assert r.client.get(f"{r.url}/v1/models/page-model").json()["state"] == "unloaded"
+        finally:
+            browser.close()
+    assert not problems, problems
+    assert not requests_outside, requests_outside
+
+
+ADAPTER_PRESET = """
+server: {host: 127.0.0.1, port: {port}, runtime_dir: {runtime}, spare_workers: 0}
+models:
+  page-base: {model: /synthetic, engine: synthetic, max_model_len: 4096, adapters_dir: found}
+  page-lora: {base: page-base, adapter: lora}
+"""
+
+
+def test_the_status_page_lists_an_adapter_under_its_base(tmp_path: Path) -> None:
+    assert Path(CHROMIUM).exists(), "chromium is listed in system-packages.txt"
+    for folder in (tmp_path / "lora", tmp_path / "found" / "extra"):  # beside the preset
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+    problems: list[str] = []
+    requests_outside: list[str] = []
+    base, lora = 'tr[data-model="page-base"]', 'tr[data-model="page-lora"]'
+    with router_with_runtime(ADAPTER_PRESET, tmp_path, "page-lora") as r, \
+            sync_playwright() as p:
+        browser, page = open_page(p, r, problems, requests_outside)
+        try:
+            page.wait_for_selector(f'{base}[data-state="unloaded"]', timeout=15_000)
+            page.wait_for_selector(f'{lora}[data-parent="page-base"][data-state="known"]',
+                                   timeout=15_000)
+            assert page.evaluate(  # the row right under its base's
+                f"document.querySelector('{base}').nextElementSibling.dataset.model") == \
+                "page-lora"
+            assert (page.text_content(f"{lora} td.id") or "").startswith("↳ page-lora")
+            assert page.text_content(f"{lora} .adapter-about") == "rank 8"
+            assert page.text_content(f"{lora} .placement") == "LoRA on page-base"
+            assert page.locator("#log-model option").all_text_contents() == ["page-base"]
+
+            # A chat with the adapter starts its base and loads the adapter into its engine.
+            page.fill("#chat-model", "page-lora")
+            page.fill("#chat-max", "3")
+            page.click("#chat-send")
+            page.wait_for_function(
+                "document.getElementById('chat-status').textContent.startsWith('done')",
+                timeout=60_000)
+            assert "page-lora" in (page.text_content("#chat-output") or "")
+            page.wait_for_selector(f'{base}[data-state="ready"]', timeout=10_000)
+            page.wait_for_selector(f'{lora}[data-state="resident"]', timeout=10_000)
+            assert "1 load" in (page.text_content(f"{lora} .load") or "")
+
+            ARTIFACT.parent.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACT.with_name("status-page-adapters.png")),
+                            full_page=True)
+
+            # Its Unload drops it from the base's engine; the base serves on.
+            page.click(f'{lora} button[data-action="unload"]')
+            page.wait_for_selector(f'{lora}[data-state="known"]', timeout=10_000)
+            assert page.get_attribute(base, "data-state") == "ready"
+            assert r.client.get(f"{r.url}/v1/models/page-base").json()["state"] == "ready"
+            # Its Load puts it back (a second load in this engine).
+            page.click(f'{lora} button[data-action="load"]')
+            page.wait_for_selector(f'{lora}[data-state="resident"]', timeout=10_000)
+            assert "2 loads" in (page.text_content(f"{lora} .load") or "")
+            assert page.get_attribute(base, "data-state") == "ready"
+            assert r.client.get(f"{r.url}/v1/models/page-base").json()["state"] == "ready"
+
+            # An adapter found in the base's adapters_dir by its first request gets its row
+            # under its base's once it has served.
+            assert page.locator('tr[data-model="page-base/extra"]').count() == 0
+            page.fill("#chat-model", "page-base/extra")
+            page.click("#chat-send")
+            page.wait_for_function(
+                "document.getElementById('chat-output').textContent.includes('page-base/extra')",
+                timeout=30_000)
+            found = 'tr[data-model="page-base/extra"][data-parent="page-base"]'
+            page.wait_for_selector(found, timeout=10_000)
+            assert page.evaluate(
+                f"document.querySelector('{lora}').nextElementSibling.dataset.model") == \
+                "page-base/extra"
+            assert "found in adapters_dir" in (page.text_content(f"{found} .adapter-about")
+                                               or "")
         finally:
             browser.close()
     assert not problems, problems

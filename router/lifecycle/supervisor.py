@@ -51,6 +51,7 @@ from router.workers.processes import engine_phases, log_tail
 from router.workers.spares import SparePool
 from router.workers.worker_start import base_env, model_env, worker_boot, worker_command
 from shared.config import SERVED_BY, TASK_NAMES, ServerConfig, restart_needed
+from shared.protocol import Ready
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
@@ -358,7 +359,7 @@ class Supervisor:
         entry.pid, entry.node = handle.pid, handle.node
         self._publish_state(entry)
         exited = asyncio.create_task(handle.wait())
-        ready = asyncio.create_task(link.wait_ready())
+        ready = asyncio.create_task(self._serving(entry, link))
         try:
             # Bounded: a hung engine start must not hold the start lock (and its GPUs).
             await asyncio.wait({exited, ready}, timeout=self.server.load_timeout,
@@ -378,7 +379,6 @@ class Supervisor:
         if started_ok:
             exited.cancel()
             info = ready.result()
-            await self._restore_adapters(entry, link)
             entry.state, entry.link = "ready", link
             for served in (entry, *self.registry.adapters_of(entry)):
                 served.max_model_len = info.max_model_len
@@ -411,6 +411,14 @@ class Supervisor:
         self._failed(entry, reason, tail, handle.returncode)  # after the reap: it has one
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
+
+    async def _serving(self, entry: ModelEntry, link: WorkerLink) -> Ready:
+        """The worker's ``Ready``, once its base's adapters are back in its engine: until
+        then the load is not done, so a worker that dies or hangs while they load fails
+        the load (within ``load_timeout``) as one that dies before ``Ready`` does."""
+        info = await link.wait_ready()
+        await self._restore_adapters(entry, link)
+        return info
 
     async def _restore_adapters(self, entry: ModelEntry, link: WorkerLink) -> None:
         """A base's pinned adapters, and those its last worker served (the most recently

@@ -2,7 +2,10 @@
 // /v1/models/{id}/logs?follow=1; a chat playground on /v1/chat/completions; this month's
 // usage from /v1/usage (every 10 s, and soon after a request). Streams are
 // read with fetch (not EventSource) so the API key travels as an Authorization header,
-// never in a URL.
+// never in a URL. A LoRA adapter model (its object has ``parent``: its base) is a row
+// under its base's; it has no events of its own, so the list is fetched again (at most
+// once a second) when its base changes state, when it serves a request, and after its
+// Load or Unload.
 "use strict";
 
 const KEY_ITEM = "modelyard-api-key";
@@ -119,7 +122,9 @@ function phaseBar(m) {
     el("div", { class: "phases" }, words.join(" · ")));
 }
 
-function rowFor(m) {
+function rowFor(m) { return m.parent ? adapterRow(m) : modelRow(m); }
+
+function modelRow(m) {
   const state = el("span", { class: "state state-" + m.state }, m.state);
   const idCell = el("td", { class: "id" }, el("strong", {}, m.id));
   if (m.aliases && m.aliases.length) {
@@ -129,8 +134,7 @@ function rowFor(m) {
   if (m.state === "failed" && m.error) stateCell.append(el("div", { class: "error" }, m.error));
   const placement = [m.node ? "node=" + m.node : "",
     ...Object.entries(m.placement || {}).map(([k, v]) => k + "=" + v)].filter(Boolean).join(" ");
-  const tps = m.recent_tps && m.recent_tps.length
-    ? m.recent_tps.reduce((a, b) => a + b, 0) / m.recent_tps.length : null;
+  const tps = averageTps(m);
   const load = el("button", { type: "button", "data-action": "load" }, "Load");
   const unload = el("button", { type: "button", "data-action": "unload" }, "Unload");
   load.addEventListener("click", () => act("load", m.id));
@@ -147,12 +151,64 @@ function rowFor(m) {
     el("td", {}, load, unload));
 }
 
+function averageTps(m) {
+  const tps = m.recent_tps || [];
+  return tps.length ? tps.reduce((a, b) => a + b, 0) / tps.length : null;
+}
+
+// An adapter: its state in its base's engine (resident: in a batch slot; cpu: loaded,
+// further back; known: not loaded) and its rank. Its Load and Unload move it into and out
+// of that engine only (a Load starts the base if it is not running); the base never stops
+// for it, and its in-flight, queued and pid are the base's row's.
+function adapterRow(m) {
+  const idCell = el("td", { class: "id adapter" }, "↳ ", el("strong", {}, m.id));
+  if (m.aliases && m.aliases.length) {
+    idCell.append(el("div", { class: "aliases" }, m.aliases.join(", ")));
+  }
+  const about = [m.rank ? "rank " + m.rank : "rank ?", m.pinned ? "pinned" : "",
+    m.found ? "found in adapters_dir" : ""].filter(Boolean).join(" · ");
+  const stateCell = el("td", {}, el("span", { class: "state state-" + m.state }, m.state),
+    el("div", { class: "adapter-about" }, about));
+  const loaded = typeof m.load_seconds === "number"
+    ? m.load_seconds.toFixed(2) + " s" + (m.adapter_loads ? " · " + m.adapter_loads
+      + (m.adapter_loads === 1 ? " load" : " loads") : "") : "–";
+  const load = el("button", { type: "button", "data-action": "load",
+    title: "load into " + m.parent + "'s engine" }, "Load");
+  const unload = el("button", { type: "button", "data-action": "unload",
+    title: "drop from " + m.parent + "'s engine; " + m.parent + " serves on" }, "Unload");
+  load.addEventListener("click", () => act("load", m.id));
+  unload.addEventListener("click", () => act("unload", m.id));
+  return el("tr", { class: "adapter-row", "data-model": m.id, "data-state": m.state,
+    "data-parent": m.parent },
+    idCell, stateCell,
+    el("td", { class: "num pid" }, "–"),
+    el("td", { class: "placement" }, "LoRA on " + m.parent),
+    el("td", { class: "num in-flight" }, "–"),
+    el("td", { class: "num queued" }, "–"),
+    el("td", { class: "last-use", "data-ms": String(m.last_use_ms || 0) }, ago(m.last_use_ms)),
+    el("td", { class: "load-cell" }, el("div", { class: "load" }, loaded)),
+    el("td", { class: "num tps" }, fixed(averageTps(m), 1)),
+    el("td", {}, load, unload));
+}
+
+function hasAdapters(id) {
+  for (const m of models.values()) if (m.parent === id) return true;
+  return false;
+}
+
 function renderModel(id) {
   const m = models.get(id);
   const tbody = $("models").tBodies[0];
   const old = tbody.querySelector(`tr[data-model="${CSS.escape(id)}"]`);
   const row = rowFor(m);
-  if (old) old.replaceWith(row); else tbody.append(row);
+  if (old) { old.replaceWith(row); return; }
+  const base = m.parent ? tbody.querySelector(`tr[data-model="${CSS.escape(m.parent)}"]`) : null;
+  if (!base) { tbody.append(row); return; }
+  let after = base; // under its base, after the adapters already there
+  while (after.nextElementSibling && after.nextElementSibling.dataset.parent === m.parent) {
+    after = after.nextElementSibling;
+  }
+  after.after(row);
 }
 
 function renderAll() {
@@ -166,7 +222,7 @@ function renderAll() {
     renderModel(m.id);
     names.append(el("option", { value: m.id }));
     for (const alias of m.aliases || []) names.append(el("option", { value: alias }));
-    logSelect.append(el("option", { value: m.id }, m.id));
+    if (!m.parent) logSelect.append(el("option", { value: m.id }, m.id)); // the base's log
   }
   if (chosen && models.has(chosen)) logSelect.value = chosen;
   if (!$("chat-model").value && models.size) $("chat-model").value = models.keys().next().value;
@@ -192,6 +248,16 @@ async function act(action, id) {
   } catch (err) {
     notice(action + " " + id + ": " + err.message);
   }
+  const m = models.get(id);
+  if (m && m.parent) refreshModels(); // an adapter's load or unload sends no event
+}
+
+let modelsSoon = null;
+
+function refreshModelsSoon() {
+  if (modelsSoon === null) {
+    modelsSoon = setTimeout(() => { modelsSoon = null; refreshModels(); }, 1000);
+  }
 }
 
 // -- events ------------------------------------------------------------------------------
@@ -207,18 +273,25 @@ function apply(ev) {
     }
     return;
   }
-  if (!m) return;
+  if (!m) {
+    // served, yet not listed: new since the list was read (an adapter found in its base's
+    // adapters_dir on its first request, a model a reload added)
+    if (ev.type === "request" && ev.status === 200 && ev.model) refreshModelsSoon();
+    return;
+  }
   if (ev.type === "state") {
     m.state = ev.state;
     if (ev.pid) m.pid = ev.pid; else delete m.pid;
     if (ev.placement) m.placement = ev.placement; else delete m.placement;
     if (ev.node) m.node = ev.node; else delete m.node;
     if (ev.state === "failed") m.error = ev.error; else delete m.error;
+    if (hasAdapters(m.id)) refreshModelsSoon(); // their states follow their base's engine
   } else if (ev.type === "load") {
     m.load_seconds = ev.load_seconds;
     m.load_phases = ev.load_phases;
   } else if (ev.type === "request") {
     m.last_use_ms = Date.now();
+    if (m.parent) refreshModelsSoon(); // it may be in its base's engine now
     if (ev.status === 200 && ev.completion_tokens > 1 && ev.decode_tps > 0) {
       m.recent_tps = (m.recent_tps || []).concat([ev.decode_tps]).slice(-5);
     }

@@ -9,6 +9,10 @@ the backend that starts them. All of it lives on the one (virtual-time) event lo
   for ``Generate``, stops on ``Cancel``, answers ``Ping``/``Sleep``/``Wake`` and exits on
   ``Shutdown`` (or ignores it, to be killed). Its faults come from a ``FaultPlan`` drawn
   from the seed's random stream when it is spawned.
+  A worker of a base that serves adapters keeps an ``EnginePool`` of them, as
+  ``worker.adapters.AdapterPool`` and vLLM do: it answers ``Adapters`` with
+  ``AdapterStates`` and loads a ``Generate``'s ``lora`` before it generates; each
+  ``Generate`` it took is kept in ``received`` (with its ``lora``) for the invariants.
 - ``SimHandle`` / ``SimBackend``: the ``WorkerHandle`` and ``Backend`` shapes.
 """
 
@@ -27,13 +31,17 @@ import zmq
 from router.registry import ModelEntry
 from router.workers.backends import Backend, SpawnError, WorkerHandle
 from router.workers.backends.base import BootFor
-from shared.config import WorkerBoot
+from shared.config import ModelSpec, WorkerBoot, serves_adapters
 from shared.protocol import (
+    Adapters,
+    AdapterState,
+    AdapterStates,
     Cancel,
     Delta,
     Deltas,
     Error,
     Generate,
+    LoraRef,
     Ping,
     Pong,
     Ready,
@@ -71,6 +79,11 @@ class FaultPlan:
     sleep_fails: bool = False
     engine_error_every: int = 0
     """Every n-th generate ends with an engine error (0: never)."""
+    adapter_load: float = 0.0
+    """Seconds an adapter takes to load into the engine."""
+    adapter: str = "ok"
+    """``ok``, ``refuse`` (every adapter load fails with a 400, as a bad folder does) or
+    ``crash`` (the engine dies in its first adapter load)."""
 
     def brief(self) -> str:
         parts = [f"spawn+{self.spawn_delay:g}"]
@@ -83,6 +96,8 @@ class FaultPlan:
             parts.append("sleep fails")
         if self.engine_error_every:
             parts.append(f"engine error every {self.engine_error_every}")
+        if self.adapter_load or self.adapter != "ok":
+            parts.append(f"adapter {self.adapter}+{self.adapter_load:g}")
         return ", ".join(parts)
 
 
@@ -105,6 +120,17 @@ def draw_plan(rng: random.Random, chaos: float) -> FaultPlan:
     if rng.random() < 0.1 * chaos:
         plan.engine_error_every = rng.randint(2, 5)
     return plan
+
+
+def draw_adapter_faults(rng: random.Random, chaos: float, plan: FaultPlan) -> None:
+    """How a worker of a base that serves adapters loads them (drawn after ``draw_plan``,
+    only for such a worker: the plans of worlds without adapters stay as they were)."""
+    plan.adapter_load = quantum(rng, 6)
+    roll = rng.random()
+    if roll < 0.1 * chaos:
+        plan.adapter = "crash"
+    elif roll < 0.2 * chaos:
+        plan.adapter = "refuse"
 
 
 class SimNet:
@@ -233,10 +259,66 @@ class SimContext:
         self.destroy()
 
 
+class EnginePool:
+    """The adapters in one engine, least recently used first: each loaded once however
+    many ask at once, pinned ones never dropped, the rest past ``max_cpu_loras`` dropped."""
+
+    def __init__(self, worker: SimWorker, size: int) -> None:
+        self.worker = worker
+        self.size = size
+        self.loaded: dict[int, AdapterState] = {}
+        self._loading: dict[int, asyncio.Task[None]] = {}
+        self._loads: dict[int, int] = {}
+
+    async def ensure(self, ref: LoraRef) -> None:
+        """Load ``ref`` unless it is loaded; raises ``AdapterRefused`` if it cannot be."""
+        if ref.number in self.loaded:
+            self.loaded[ref.number] = self.loaded.pop(ref.number)  # most recently used
+            return
+        loading = self._loading.get(ref.number)
+        if loading is None:  # one of the worker's tasks: its exit ends it
+            loading = self._loading[ref.number] = asyncio.ensure_future(self._load(ref))
+            self.worker.calls.add(loading)
+            loading.add_done_callback(self._loaded)
+        await asyncio.shield(loading)
+
+    def _loaded(self, loading: asyncio.Task[None]) -> None:
+        self.worker.calls.discard(loading)
+        for number, task in list(self._loading.items()):
+            if task is loading:
+                del self._loading[number]
+        if not loading.cancelled():
+            loading.exception()  # retrieved: every request that waited for it may be gone
+
+    async def _load(self, ref: LoraRef) -> None:
+        plan = self.worker.plan
+        await asyncio.sleep(plan.adapter_load)
+        if plan.adapter == "crash":  # its waiters are the worker's tasks: cancelled
+            self.worker.exit(1, f"engine died loading adapter {ref.name}")
+            return
+        if plan.adapter == "refuse":
+            raise AdapterRefused(f"adapter '{ref.name}': simulated refusal")
+        self._loads[ref.number] = self._loads.get(ref.number, 0) + 1
+        self.loaded[ref.number] = AdapterState(number=ref.number, name=ref.name,
+                                               load_seconds=plan.adapter_load,
+                                               pinned=ref.pinned,
+                                               loads=self._loads[ref.number])
+        for number, state in list(self.loaded.items()):
+            if len(self.loaded) <= self.size:
+                break
+            if not state.pinned and number != ref.number:
+                del self.loaded[number]
+
+
+class AdapterRefused(Exception):
+    pass
+
+
 class SimWorker:
     """One worker process (see the module docstring)."""
 
-    def __init__(self, net: SimNet, model: str, endpoint: str, plan: FaultPlan) -> None:
+    def __init__(self, net: SimNet, model: str, endpoint: str, plan: FaultPlan,
+                 spec: ModelSpec) -> None:
         self.net = net
         self.model = model
         self.endpoint = endpoint
@@ -249,6 +331,11 @@ class SimWorker:
         self.codec = worker_codec()
         self.generated = 0
         self.asleep = False
+        self.pool = (EnginePool(self, spec.max_cpu_loras or 1)
+                     if serves_adapters(spec) else None)
+        self.received: dict[str, LoraRef | None] = {}
+        """Every ``Generate`` this worker took, by id: the adapter it asked for."""
+        self.calls: set[asyncio.Task[None]] = set()
         self._boot: asyncio.TimerHandle | None = net.later(plan.boot_delay, self._booted)
         net.workers.append(self)
         net.note(f"{model}: worker {self.pid} spawned ({plan.brief()})")
@@ -291,7 +378,12 @@ class SimWorker:
             if message.id in self.tasks:
                 self._send(Error(id=message.id, message="duplicate request id", status=400))
                 return
+            self.received[message.id] = message.lora
             self.tasks[message.id] = loop.create_task(self._generate(message))
+        elif isinstance(message, Adapters):
+            call = loop.create_task(self._adapters(message))
+            self.calls.add(call)
+            call.add_done_callback(self.calls.discard)
         elif isinstance(message, Cancel):
             task = self.tasks.pop(message.id, None)
             if task is not None:
@@ -310,11 +402,42 @@ class SimWorker:
         self.asleep = isinstance(message, Sleep)
         self._send(Pong(id=message.id, in_flight=len(self.tasks)))
 
-    async def _generate(self, gen: Generate) -> None:
-        self.generated += 1
-        tokens = max(1, gen.sampling.max_tokens or 1)
-        fails = self.plan.engine_error_every and self.generated % self.plan.engine_error_every == 0
+    async def _adapters(self, message: Adapters) -> None:
+        """``worker.engine``'s ``adapters_apply``: load, then unload; the pool after."""
+        if self.pool is None:
+            if message.load:
+                self._send(Error(id=message.id, message=f"model '{self.model}' serves no "
+                                 "adapters (set max_loras on it)", status=400,
+                                 code="adapter_invalid"))
+            else:
+                self._send(AdapterStates(id=message.id))
+            return
         try:
+            for ref in message.load:
+                await self.pool.ensure(ref)
+        except AdapterRefused as err:
+            self._send(Error(id=message.id, message=str(err), status=400,
+                             code="adapter_invalid"))
+            return
+        for number in message.unload:
+            self.pool.loaded.pop(number, None)
+        self._send(AdapterStates(id=message.id, loaded=list(self.pool.loaded.values())))
+
+    async def _generate(self, gen: Generate) -> None:
+        try:
+            if gen.lora is not None:
+                try:
+                    if self.pool is None:  # as ``worker.engine`` answers it
+                        raise AdapterRefused(f"model '{self.model}' serves no adapters")
+                    await self.pool.ensure(gen.lora)
+                except AdapterRefused as err:
+                    self._send(Error(id=gen.id, message=str(err), status=400,
+                                     code="adapter_invalid"))
+                    return
+            self.generated += 1
+            tokens = max(1, gen.sampling.max_tokens or 1)
+            fails = (self.plan.engine_error_every
+                     and self.generated % self.plan.engine_error_every == 0)
             for i in range(tokens):
                 await asyncio.sleep(self.plan.step)
                 if fails and i == tokens // 2:
@@ -335,7 +458,7 @@ class SimWorker:
         self.net.note(f"{self.model}: worker {self.pid} exited {code} ({why})")
         if self._boot is not None:
             self._boot.cancel()
-        for task in self.tasks.values():
+        for task in [*self.tasks.values(), *self.calls]:
             task.cancel()
         self.tasks.clear()
         if self.sock is not None and self.sock.peer is self:
@@ -389,5 +512,7 @@ class SimBackend(Backend):
             self.net.note(f"{entry.id}: spawn fails")
             raise SpawnError("simulated: the process could not start")
         boot = msgspec.json.decode(boot_for(""), type=WorkerBoot)
-        worker = SimWorker(self.net, entry.id, boot.endpoint, plan)
+        if serves_adapters(entry.spec):
+            draw_adapter_faults(self.net.rng, self.net.chaos, plan)
+        worker = SimWorker(self.net, entry.id, boot.endpoint, plan, boot.spec)
         return SimHandle(worker, log_path, self.net.loop.time())

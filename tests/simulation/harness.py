@@ -17,14 +17,24 @@ memory budgets, short timeouts) and a schedule of operations at virtual times:
   ``retire``/``refresh`` as ``router.lifecycle.reload`` does, or ``max_loaded_models`` changed in
   place, as a reload applies a runtime key).
 
+Some worlds have LoRA adapter models on one base (``world.add_adapters``): requests,
+loads and unloads may name one (a load or unload of an adapter does what
+``/v1/models/load`` and ``/unload`` do: ``WorkerLink.adapters`` on its base), and reloads
+add, remove, re-point (a new folder) or re-pin them.
+
 Workers fail as the seed says (``fakes.draw_plan``): spawn errors, hung or crashing
-boots, engines that refuse to start, shutdowns ignored, failing sleeps, engine errors.
+boots, engines that refuse to start, shutdowns ignored, failing sleeps, engine errors,
+adapters that fail to load or kill the engine as they load.
 
 After the schedule nothing more is issued; every client must answer within a bounded
 (virtual) time, the supervisor must settle, and then ``quiescent_violations`` checks:
 no lease or ``max_concurrent`` slot held, no GPU start lock held, no model left
 ``loading``/``stopping``, placements = running workers, every worker process known to
-the supervisor; then ``stop_all`` must return and leave no process running.
+the supervisor; no adapter model holds a worker, a state, a lease, a slot or a load of
+its own, and every ``Generate`` reached the worker of the model it named (an adapter's:
+its base's, with the adapter as its ``lora``); then ``stop_all`` must return and leave no
+process running. During the run no adapter model has a state or load event, or is
+evicted, or has a model evicted for it.
 
 Run one seed: ``python -m tests.simulation.harness 1234`` (prints its trace), or
 ``SIM_SEED=1234 pytest tests/simulation -k one_seed``.
@@ -33,6 +43,7 @@ Run one seed: ``python -m tests.simulation.harness 1234`` (prints its trace), or
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import logging
 import random
@@ -43,19 +54,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from router.api.relay import Relay
 from router.errors import APIError
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry, ModelRegistry, Slots
 from router.workers.link import Usage
 from router.workers.placement import Placer
-from shared.config import ModelSpec, Preset, build_preset
+from shared.config import ConfigError, ModelSpec, Preset, build_preset
 from shared.protocol import Delta, Generate, SamplingSpec
 from tests.simulation.fakes import Q, SimBackend, SimContext, SimNet
 from tests.simulation.vtime import VirtualClock, VirtualTimeLoop, after_turns, virtual_time
-from tests.simulation.world import Op, World, make_world
+from tests.simulation.world import ADAPTER_RANKS, Op, World, make_world, shown_body
 
 ANSWER_WITHIN = 40.0
 """Virtual seconds after the last operation by which every client must have answered."""
@@ -63,6 +72,7 @@ SETTLE_WITHIN = 40.0
 """Virtual seconds after that for no model to be ``loading`` or ``stopping``."""
 STOP_ALL_WITHIN = 20.0
 SHORT_TRACE = 80
+MODEL_NAME = re.compile(r"\b(?:m|ad)\d\b")
 
 
 # -- adapters: the few looks inside that the invariants need -------------------------------
@@ -82,6 +92,11 @@ def gpu_start_locks(placer: Placer) -> dict[int, asyncio.Lock]:
     """Each GPU's start lock, through the public ``start_locks``."""
     return {g: placer.start_locks(ModelSpec(id=f"probe{g}", model="/probe", device="cuda",
                                             gpus=[g]))[0] for g in placer.gpus}
+
+
+def lifecycle_ids(sup: Supervisor) -> set[str]:
+    """The models the supervisor keeps a worker, a load or a stop of."""
+    return {*sup._workers, *sup._loads, *sup._stops}
 
 
 def install_fakes(sup: Supervisor, net: SimNet) -> None:
@@ -164,10 +179,10 @@ class Result:
                  f"(or python -m tests.simulation.harness {self.seed})")]
         lines = self.trace.splitlines()
         if short:
-            named = set(re.findall(r"\bm\d\b", " ".join(self.violations)))
+            named = set(MODEL_NAME.findall(" ".join(self.violations)))
             config = [line for line in lines if not line.startswith("    ")]
             events = [line for line in lines if line.startswith("    ")
-                      and (not named or named & set(re.findall(r"\bm\d\b", line)))
+                      and (not named or named & set(MODEL_NAME.findall(line)))
                       and "TooManyRequests" not in line]
             cut = len(events) - SHORT_TRACE
             lines = config + events[:SHORT_TRACE] + (
@@ -197,7 +212,10 @@ class Simulation:
         self.net = SimNet(loop, random.Random(world.seed * 7919 + 1), world.chaos)
         preset = build_preset(world.raw)
         self.models = dict(preset.models)
-        self.removed_specs: dict[str, ModelSpec] = {}
+        self.raw_models: dict[str, dict[str, Any]] = copy.deepcopy(world.raw["models"])
+        """The preset's model entries as a reload would read them now."""
+        self.removed_raw: dict[str, dict[str, dict[str, Any]]] = {}
+        """Entries a reload took out, by the model named: a base with its adapters."""
         placer = Placer(cores={0, 1, 2, 3}, gpus=world.gpus, process_memory=lambda pids: {})
         self.sup = Supervisor(ModelRegistry(preset), preset.server, runtime_dir, placer)
         install_fakes(self.sup, self.net)
@@ -209,12 +227,29 @@ class Simulation:
             (e, e.slots, e.spec.max_concurrent) for e in self.entries]
         self.loop_errors: list[str] = []
         self._ids = 0
+        self.adapters: list[ModelEntry] = []
+        """Every adapter model's entry the registry has held."""
+        self.seen: dict[str, str] = {}
+        """Violations seen during the run: when each was first seen."""
+        self.asked: dict[str, Op] = {}
+        """Each request's ``Generate`` id: its operation."""
+        self.answered: set[str] = set()
+        """The ``Generate`` ids whose client got output."""
+        self._note_adapters()
 
     def _watch_events(self) -> None:
         """State changes and evictions go into the trace, as they happen."""
         sub = self.sup.events.subscribe(replay=False)
 
         def offer(event: dict[str, Any]) -> None:
+            adapters = {a.id for a in self.adapters} | set(self.sup.registry.adapters)
+            if event["model"] in adapters and event["type"] in ("state", "load", "eviction"):
+                self._saw(f"{event['model']}: an adapter model got a '{event['type']}' "
+                          f"event of its own: {event}")
+            if event["type"] == "eviction" and (event["for"] in adapters
+                                                or event["for"] == event["model"]):
+                self._saw(f"{event['model']}: evicted for {event['for']}, an adapter model "
+                          "or itself")
             if event["type"] == "state":
                 why = f" ({event['reason']})" if event.get("reason") else ""
                 self.net.note(f"{event['model']}: -> {event['state']}{why}")
@@ -225,6 +260,9 @@ class Simulation:
 
     # operations
     def issue(self, op: Op) -> None:
+        self._note_adapters()
+        for violation in self.adapter_violations():
+            self._saw(violation)
         if op.kind == "crash":
             for worker in reversed(self.net.workers):
                 if worker.model == op.model and worker.returncode is None:
@@ -266,83 +304,147 @@ class Simulation:
 
     async def request(self, op: Op, request: SimRequest) -> str:
         gen = self._generate(op)
+        self.asked[gen.id] = op
         if op.args["via"] == "direct":
             lease, link = await self.sup.acquire(op.model, "generate")
             if "keep_alive" in op.args:
                 lease.entry.keep_alive = op.args["keep_alive"]
+            if lease.adapter is not None:  # as the relay's ``_start``
+                gen.lora = lease.adapter.lora
             stream = None
             try:
                 stream = link.submit([gen], Usage())
                 got = sum([len(batch) async for batch in stream])
+                if got:
+                    self.answered.add(gen.id)
                 return f"ok {got}"
             finally:
                 if stream is not None:
                     stream.close()
                 lease.release()
-        response = await self.relay.generate(
-            request, "/sim", op.model, [gen], op.args["stream"], lambda _: SimShaper(),
-            keep_alive=op.args.get("keep_alive"),
-            keepalive=b"ping" if op.args.get("cold") else b"")
-        if not op.args["stream"]:
-            return "ok json"
-        request.streaming = asyncio.current_task()  # from now on leaving cancels the response
-        chunks = [chunk async for chunk in response.body_iterator]
-        return f"ok stream of {len(chunks)}"
+        shapers: list[SimShaper] = []
+
+        def shaper_for(model_id: str) -> SimShaper:
+            shapers.append(SimShaper())
+            return shapers[-1]
+
+        try:
+            response = await self.relay.generate(
+                request, "/sim", op.model, [gen], op.args["stream"], shaper_for,
+                keep_alive=op.args.get("keep_alive"),
+                keepalive=b"ping" if op.args.get("cold") else b"")
+            if not op.args["stream"]:
+                return "ok json"
+            request.streaming = asyncio.current_task()  # from now on leaving cancels it
+            chunks = [chunk async for chunk in response.body_iterator]
+            return f"ok stream of {len(chunks)}"
+        finally:
+            if any(shaper.deltas for shaper in shapers):
+                self.answered.add(gen.id)
 
     async def load(self, op: Op) -> str:
+        """As ``/v1/models/load`` (``router.api.admin``): an adapter loads its base, then
+        itself into its base's engine."""
         entry = self.sup.registry.named(op.model)
+        base = self.sup.registry.serving(entry)
         if not op.args["wait"]:
-            if entry.state != "ready":
-                self.sup.start_loading(entry)
+            if base.state != "ready":
+                self.sup.start_loading(base)
             return "ok 202"
-        lease, _ = await self.sup.acquire(entry.id)
-        lease.release()
+        lease, link = await self.sup.acquire(entry.id)
+        try:
+            if entry.lora is not None:
+                lease.entry.adapters_loaded = await link.adapters([entry.lora])
+        finally:
+            lease.release()
         return "ok loaded"
 
     async def unload(self, op: Op) -> str:
+        """As ``/v1/models/unload``: an adapter leaves its base's engine; the base serves on."""
         entry = self.sup.registry.named(op.model)
+        if entry.lora is not None:
+            base = self.sup.registry.serving(entry)
+            if base.state == "ready" and base.link is not None:
+                base.adapters_loaded = await base.link.adapters(unload=[entry.lora.number])
+            return f"ok {base.id} {base.state}"
         await self.sup.stop(entry, force=op.args["force"])
         return f"ok {entry.state}"
 
     def reload(self, op: Op) -> None:
-        """What ``router.lifecycle.reload.Reloader._apply`` does with a new preset's models."""
+        """What ``router.lifecycle.reload.Reloader._apply`` does with a new preset's models
+        (``build_preset`` of the entries as changed: a base's adapters size it)."""
         change, name = op.args["change"], op.model
         if change == "limit":  # a runtime key: the live server config changes in place
             self.sup.server.max_loaded_models = op.args["max_loaded_models"]
             self.net.note(f"reload: max_loaded_models={op.args['max_loaded_models']}")
             return
-        models = dict(self.models)
+        raw = copy.deepcopy(self.raw_models)
+        removed = dict(self.removed_raw)
         if change == "restore":
-            if not self.removed_specs:
+            if not removed:
                 return
-            name = min(self.removed_specs)
-            models[name] = self.removed_specs.pop(name)
-        elif name not in models:
+            name = min(removed)
+            raw.update(removed.pop(name))
+        elif name not in raw:
             return
         elif change == "remove":
-            if len(models) == 1:
+            bases = [n for n, body in raw.items() if "base" not in body]
+            if bases == [name]:
                 return
-            self.removed_specs[name] = models.pop(name)
-        elif change == "restart":
-            spec = models[name]
-            models[name] = msgspec.structs.replace(
-                spec, max_model_len=2048 if spec.max_model_len != 2048 else 1024)
+            # a base goes with its adapters, those a reload took out before included
+            group = {n: body for n, body in raw.items() if n == name or body.get("base") == name}
+            for taken in [n for n, g in removed.items() if g[n].get("base") == name]:
+                group.update(removed.pop(taken))
+            removed[name] = group
+            for n in group:
+                raw.pop(n, None)
+        elif change == "restart":  # a key its worker reads; an adapter: a new folder
+            body = raw[name]
+            if "base" in body:
+                folder = Path(body["adapter"])
+                names = sorted(ADAPTER_RANKS)
+                after = names[(names.index(folder.name) + 1) % len(names)]
+                body["adapter"] = str(folder.parent / after)
+            else:
+                body["max_model_len"] = 2048 if body.get("max_model_len") != 2048 else 1024
+        elif "base" in raw[name]:  # a router-only key of an adapter: pinned (or priority)
+            body = raw[name]
+            had = [body.pop(key) for key in ("pinned", "priority") if key in body]
+            pinned = sum(bool(b.get("pinned")) for b in raw.values()
+                         if b.get("base") == body["base"])
+            if had:
+                pass  # back to its base's
+            elif pinned + 1 < raw[body["base"]].get("max_loras", 4):  # a slot stays unpinned
+                body["pinned"] = True
+            else:
+                body["priority"] = 5
         else:
-            models[name] = msgspec.structs.replace(models[name], ttl=0.7)
+            raw[name]["ttl"] = 0.7
+        try:
+            models = build_preset({"server": self.world.raw["server"], "models": raw}).models
+        except ConfigError as err:  # the Reloader refuses it: nothing changes
+            self.net.note(f"reload refused: {err}")
+            return
+        self.raw_models, self.removed_raw = raw, removed
         changed = [n for n, spec in models.items() if n in self.models and self.models[n] != spec]
         before = {e.id: (e, e.slots) for e in self.sup.registry}
-        added, removed = self.sup.registry.reconfigure(Preset(server=self.sup.server,
-                                                              models=models))
+        self._note_adapters()
+        added, gone = self.sup.registry.reconfigure(Preset(server=self.sup.server,
+                                                           models=models))
+        self._note_adapters()
         self.models = models
         self.entries += [e for e in added if e not in self.entries]
         for entry in self.sup.registry:
             if before.get(entry.id, (None, None))[1] is not entry.slots or entry in added:
                 self.slot_pools.append((entry, entry.slots, entry.spec.max_concurrent))
-        for entry in removed:
+        for entry in gone:
             self.sup.retire(entry)
         for n in changed:
-            self.sup.refresh(self.sup.registry.entries[n], load=False)
-        self.net.note(f"reload: {change} {name}")
+            if n in self.sup.registry.entries:  # an adapter model has no worker to refresh
+                self.sup.refresh(self.sup.registry.entries[n], load=False)
+        self.net.note(f"reload: {change} {name}: "
+                      + ", ".join(f"{n} {shown_body(raw[n])}" for n in sorted(raw)
+                                  if "base" in raw[n] or n == name))
 
     # the run
     async def run(self) -> list[str]:
@@ -375,7 +477,10 @@ class Simulation:
                        for e in self.entries)
             calm = 0 if busy else calm + 1
         self.net.note("quiescent: invariants checked")
-        violations += self.quiescent_violations()
+        self._note_adapters()
+        violations += self.quiescent_violations() + self.adapter_violations()
+        violations += self.routing_violations()
+        violations += [f"{v} (during the run, first at {at})" for v, at in self.seen.items()]
         self.net.note("stop_all")
         stop_all = asyncio.ensure_future(sup.stop_all())
         await asyncio.wait({stop_all}, timeout=STOP_ALL_WITHIN)
@@ -430,6 +535,64 @@ class Simulation:
         for worker in self.net.alive():
             if worker.pid not in known:
                 out.append(f"{worker.model}: worker {worker.pid} runs unknown to the supervisor")
+        return out
+
+    def _saw(self, violation: str) -> None:
+        self.seen.setdefault(violation, f"{self.loop.time() - 1000:.2f}")
+
+    def _note_adapters(self) -> None:
+        self.adapters += [a for a in self.sup.registry.adapters.values()
+                          if a not in self.adapters]
+
+    def adapter_violations(self) -> list[str]:
+        """An adapter model's entry never holds what its base holds for it: a worker, a
+        state of its own, a lease, a slot, a place in a queue or in the line for room."""
+        out = []
+        kept = lifecycle_ids(self.sup)
+        for a in self.adapters:
+            base = a.spec.base
+            if a.link is not None or a.pid is not None or a.node is not None:
+                out.append(f"{a.id} (an adapter of {base}): a worker of its own "
+                           f"(pid {a.pid}, link {a.link is not None})")
+            if a.state != "unloaded":
+                out.append(f"{a.id} (an adapter of {base}): state '{a.state}' of its own")
+            if a.leases or a.queued:
+                out.append(f"{a.id} (an adapter of {base}): {a.leases} lease(s), "
+                           f"{a.queued} queued on its own entry")
+            if a.slots is not None and (a.slots.free != a.slots.size or a.slots.waiting):
+                out.append(f"{a.id} (an adapter of {base}): a max_concurrent slot of its own "
+                           "taken")
+            if a.yield_to is not None or a.room_since is not None:
+                out.append(f"{a.id} (an adapter of {base}): in the line for room")
+            if a.id in kept:
+                out.append(f"{a.id} (an adapter of {base}): the supervisor keeps a worker, "
+                           "load or stop of it")
+        return out
+
+    def routing_violations(self) -> list[str]:
+        """Each ``Generate`` went to one worker: the one of the model its request named,
+        or for an adapter its base's, with the adapter as its ``lora``."""
+        out = []
+        bases = {a.id: a.spec.base for a in self.adapters}
+        took: dict[str, list[int]] = {}
+        for worker in self.net.workers:
+            for gen_id, lora in worker.received.items():
+                took.setdefault(gen_id, []).append(worker.pid)
+                op = self.asked[gen_id]
+                named = op.model
+                if named in bases:
+                    if worker.model != bases[named] or lora is None or lora.name != named:
+                        out.append(f"{gen_id} for adapter {named} (of {bases[named]}) went to "
+                                   f"{worker.model}'s worker {worker.pid} with lora "
+                                   f"{lora.name if lora else None}: {op}")
+                elif worker.model != named or lora is not None:
+                    out.append(f"{gen_id} for {named} went to {worker.model}'s worker "
+                               f"{worker.pid} with lora {lora.name if lora else None}: {op}")
+        for gen_id, pids in took.items():
+            if len(pids) > 1:
+                out.append(f"{gen_id} reached workers {pids}: {self.asked[gen_id]}")
+        for gen_id in sorted(self.answered - set(took)):
+            out.append(f"{gen_id} was answered, but no worker took it: {self.asked[gen_id]}")
         return out
 
     def stopped_violations(self) -> list[str]:

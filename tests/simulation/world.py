@@ -1,10 +1,23 @@
 """One seed's world: its preset (models, server limits, GPUs), how chaotic its workers
-are, and its schedule of operations (see ``harness``)."""
+are, and its schedule of operations (see ``harness``).
+
+Some worlds (``ADAPTER_WORLDS``) give one model 1-3 LoRA adapter models (preset entries
+``{base, adapter}``, folders from ``adapter_folders``), and maybe an ``adapters_dir``
+whose folders requests name as ``<base>/<folder>``; then some requests, loads, unloads
+and reloads name an adapter. Those draws come from a random stream of their own, so a
+world without adapters is the one its seed always gave.
+"""
 
 from __future__ import annotations
 
+import atexit
+import functools
+import json
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from router.workers.placement import GIB, GpuMemory
@@ -35,9 +48,41 @@ class World:
         server = {k: v for k, v in self.raw["server"].items() if k != "spare_workers"}
         lines = [f"server {server} chaos {self.chaos}"]
         for name, body in self.raw["models"].items():
-            shown = {k: v for k, v in body.items() if k != "model"}
-            lines.append(f"  {name}: {shown}")
+            lines.append(f"  {name}: {shown_body(body)}")
         return "\n".join(lines)
+
+
+def shown_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A model's preset entry for a trace: its folders by their last name."""
+    return {k: Path(v).name if k in ("adapter", "adapters_dir") else v
+            for k, v in body.items() if k != "model"}
+
+
+ADAPTER_WORLDS = 0.35
+"""The share of worlds with adapter models."""
+ADAPTER_RANKS = {"a8": 8, "b8": 8, "c16": 16, "d32": 32}
+"""The declared adapters' folders and ranks (a switch to ``d32`` raises its base's
+``max_lora_rank``: a restart)."""
+FOUND = ("f0", "f1")
+"""The folders in the ``adapters_dir`` a base may have."""
+
+
+@functools.cache
+def adapter_folders() -> Path:
+    """A folder made once per process: ``lib/<name>`` for each of ``ADAPTER_RANKS`` and
+    ``found/<name>`` for each of ``FOUND``, each a minimal LoRA adapter (its config and an
+    empty weights file: only the synthetic engine and ``SimWorker`` ever see them)."""
+    root = Path(tempfile.mkdtemp(prefix="sim-adapters"))
+    atexit.register(shutil.rmtree, root, True)
+    for folder, rank in [*(("lib/" + n, r) for n, r in ADAPTER_RANKS.items()),
+                         *(("found/" + n, 8) for n in FOUND)]:
+        path = root / folder
+        path.mkdir(parents=True)
+        (path / "adapter_config.json").write_text(json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+             "target_modules": ["q_proj"]}))
+        (path / "adapter_model.safetensors").write_bytes(b"")
+    return root
 
 
 def make_world(seed: int) -> World:
@@ -112,4 +157,40 @@ def make_world(seed: int) -> World:
                 args["max_loaded_models"] = rng.choice([0, 1, 2])
         ops.append(Op(at, kind, model, args))
     ops.sort(key=lambda op: op.at)
+    arng = random.Random(seed * 104729 + 3)
+    if arng.random() < ADAPTER_WORLDS:
+        add_adapters(arng, models, ops)
     return World(seed, {"server": server, "models": models}, chaos, ops, gpus)
+
+
+def add_adapters(rng: random.Random, models: dict[str, dict[str, Any]], ops: list[Op]) -> None:
+    """Give one model adapter models, and point some of ``ops`` at them."""
+    base_id = rng.choice(list(models))
+    base = models[base_id]
+    lib = adapter_folders() / "lib"
+    small = rng.random() < 0.3  # one batch slot and a tiny CPU pool: adapters come and go
+    if small:
+        base.update(max_loras=1, max_cpu_loras=rng.choice([1, 2]))
+    declared = []
+    for i in range(rng.randint(1, 3)):
+        name = f"ad{i}"
+        body: dict[str, Any] = {"base": base_id,
+                                "adapter": str(lib / rng.choice(["a8", "b8", "c16"]))}
+        if not small and rng.random() < 0.2:
+            body["pinned"] = True  # at most 3 of the default 4 batch slots
+        models[name] = body
+        declared.append(name)
+    names = list(declared)
+    if rng.random() < 0.3:
+        base["adapters_dir"] = str(adapter_folders() / "found")
+        names += [f"{base_id}/{folder}" for folder in FOUND]
+    for op in ops:
+        if op.kind in ("request", "load", "unload") and op.model != "nope" and \
+                rng.random() < 0.4:
+            op.model = rng.choice(names)
+    last = max((op.at for op in ops), default=1.0)
+    for _ in range(rng.randint(0, 3)):  # reloads that add, change or remove adapters
+        change = rng.choice(["remove", "restore", "restart", "router_only"])
+        ops.append(Op(round(rng.uniform(0, last) / Q) * Q, "reload",
+                      rng.choice(declared), {"change": change}))
+    ops.sort(key=lambda op: op.at)
