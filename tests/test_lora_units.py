@@ -207,3 +207,30 @@ def test_a_check_refuses_what_does_not_fit_the_base(tmp_path: Path) -> None:
         check_adapter(str(adapter(tmp_path / "wide", shape=(1024, 1024))), 16, shape)
     with pytest.raises(ValueError, match="rank 32 is above"):
         check_adapter(str(adapter(tmp_path / "r32", rank=32)), 16, shape)
+
+
+def test_a_merged_layer_in_two_products_adds_what_each_slice_would() -> None:
+    """``add_lora_linear`` fuses the slices (q, k, v) of a merged layer: the same sums as
+    shrinking and expanding each slice apart, rows of no adapter untouched."""
+    torch.manual_seed(1)
+    slots, rank, width, sizes = 4, 8, 32, (32, 8, 8)
+    a = tuple(torch.randn(slots, 1, rank, width) for _ in sizes)
+    b = tuple(torch.randn(slots, 1, size, rank) for size in sizes)
+    x = torch.randn(6, width)
+    indices = torch.tensor([0, 2, -1, 2, 3, 0])
+    y = torch.randn(6, sum(sizes))
+    expected = y.clone()
+    offset = 0
+    for i, size in enumerate(sizes):
+        for row, slot in enumerate(indices.tolist()):
+            if slot >= 0:
+                shrunk = x[row] @ a[i][slot, 0].T * 0.5
+                expected[row, offset: offset + size] += b[i][slot, 0] @ shrunk
+        offset += size
+
+    class Wrapper:
+        token_lora_indices = indices
+
+    lora_ops.forget_plans()
+    lora_ops.add_lora_linear(Wrapper(), y, x, a, b, 0.5, sizes)
+    assert torch.allclose(y, expected, atol=1e-4)

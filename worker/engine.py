@@ -104,14 +104,34 @@ def fix_cpu_lora_ops() -> None:
     if not current_platform.is_cpu():
         return
     import vllm.lora.ops.torch_ops.lora_ops as torch_ops
+    from vllm.lora.model_manager import LoRAModelManager
     from vllm.lora.punica_wrapper import punica_cpu
 
-    from worker.lora_ops import OPS
+    from worker import lora_ops
 
     for module in (torch_ops, punica_cpu):
-        for name, op in OPS.items():
+        for name, op in lora_ops.OPS.items():
             if hasattr(module, name):
                 setattr(module, name, op)
+    punica_cpu.PunicaWrapperCPU.add_lora_linear = lora_ops.add_lora_linear  # type: ignore[assignment]
+    # The ops keep a step's row plan and float32 weights until these change.
+    for cls, method, forget in ((punica_cpu.PunicaWrapperCPU, "update_metadata",
+                                 lora_ops.forget_plans),
+                                (LoRAModelManager, "activate_adapter",
+                                 lora_ops.forget_weights)):
+        original = getattr(cls, method)
+        if getattr(original, "_modelyard", False):
+            continue  # the worker's own call, then the plugin's: once is enough
+
+        def then_forget(*args: Any, _original: Any = original, _forget: Any = forget,
+                        **kwargs: Any) -> Any:
+            result = _original(*args, **kwargs)
+            if result is not False:  # activate_adapter: False when it was active already
+                _forget()
+            return result
+
+        then_forget._modelyard = True  # type: ignore[attr-defined]
+        setattr(cls, method, then_forget)
 
 
 class VllmEngine:
