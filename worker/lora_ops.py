@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 
+SMALL = 128
+"""Up to this many rows (decoding), a batched product however unevenly the adapters share
+them: its padding costs less than a product per adapter."""
+
 
 class _Plan:
     """How one batch's rows meet the adapter slots: the same for every LoRA layer of an
@@ -23,8 +27,8 @@ class _Plan:
 
     Rows of several adapters are grouped by slot, each group padded to the largest
     (``width`` rows), for one batched product over the slots (``torch.bmm``): as many
-    multiply-adds as the rows need when the adapters share the batch evenly, and at most
-    twice that (else one product per adapter)."""
+    multiply-adds as the rows need when the adapters share the batch evenly; past
+    ``SMALL`` rows at most twice that, else one product per adapter."""
 
     __slots__ = ("gather", "place", "rows", "single", "slots", "valid", "width")
 
@@ -39,7 +43,7 @@ class _Plan:
         self.width = max((len(rows) for _, rows in self.slots), default=0)
         self.gather: torch.Tensor | None = None
         self.place = torch.zeros(self.rows, dtype=torch.long)
-        if len(used) > 1 and count * self.width <= 2 * self.rows:
+        if len(used) > 1 and (self.rows <= SMALL or count * self.width <= 2 * self.rows):
             # gather[s, j]: the j-th row of slot s (row 0 as padding); place[r]: where
             # row r's result lands in the (slots x width) output
             self.gather = torch.zeros(count, self.width, dtype=torch.long)
