@@ -229,6 +229,38 @@ def toolcalls(r: Result) -> str:
                "completion tokens, mean", "max", "seconds, mean"], rows)])
 
 
+def lora(r: Result) -> str:
+    runs = [("base, engine without LoRA", "base_no_lora_16", "base_no_lora_1"),
+            ("base, on the LoRA engine", "base_on_lora_engine_16", "base_on_lora_engine_1"),
+            ("8 rank-8 adapters (1 stream: one of them)", "adapters_16_over_8", "adapter_1")]
+    first, alt = r["first_use"], r["alternating"]
+    return "\n\n".join([
+        provenance("lora", r, "streamed completions of 64 tokens (`ignore_eos`), two per "
+                   "stream, after a warm-up round; the adapters made by peft from random "
+                   "weights"),
+        table(["served", "16 streams, tokens/s", "ITL p50 ms", "ITL p99 ms",
+               "1 stream, tokens/s", "ITL p99 ms"],
+              [(name, r[many]["tokens_per_s"], r[many]["itl_p50_ms"], r[many]["itl_p99_ms"],
+                r[one]["tokens_per_s"], r[one]["itl_p99_ms"]) for name, many, one in runs]),
+        table(["ratio", ""], [
+            ("16 streams over 8 adapters / base without LoRA (target >= 0.7)",
+             r["ratio_adapters_vs_base_16"]),
+            ("16 streams of the base on the LoRA engine / without",
+             r["ratio_base_on_lora_engine_vs_base_16"]),
+            ("1 stream of an adapter / base without LoRA", r["ratio_adapter_vs_base_1"])]),
+        table(["first use of a rank-8 adapter", ""], [
+            ("load (check + into the engine), s", first["load_s"]),
+            ("median, s (target <= 1)", first["load_s_median"]),
+            ("first request's time to first token, ms", first["first_ttft_ms"]),
+            ("the next request's, ms", first["next_ttft_ms"]),
+            ("added by the load (median), ms", first["added_ttft_ms_median"])]),
+        table(["alternating under max_loaded_models: 1", "requests", "completed", "loads",
+               "p50 s", "total s"],
+              [(name, v["requests"], v["completed"], v["loads"], v["p50_s"], v["total_s"])
+               for name, v in (("two adapters of one base", alt["two_adapters"]),
+                               ("two full models", alt["two_full_models"]))])])
+
+
 def flat(name: str, r: Result) -> str:
     """A results file with no table of its own: every figure, by its path in the JSON."""
     def leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
@@ -245,7 +277,7 @@ def flat(name: str, r: Result) -> str:
 
 TABLES: dict[str, Callable[[Result], str]] = {
     "overhead": overhead, "relay": relay, "coldstart": coldstart, "scaling": scaling,
-    "faults": faults, "swap": swap, "ledger": ledger, "toolcalls": toolcalls}
+    "faults": faults, "swap": swap, "ledger": ledger, "toolcalls": toolcalls, "lora": lora}
 
 
 def block(name: str, results: Path = RESULTS) -> str:

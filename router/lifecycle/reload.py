@@ -181,7 +181,7 @@ class Reloader:
                             "serves it no more, or the preset took one of its names)",
                             entry.id, entry.spec.base)
         self.models = dict(new.models)
-        preload = {registry.named(name).id for name in live.preload}
+        preload = {registry.serving(registry.named(name)).id for name in live.preload}
         for entry in removed:
             self.supervisor.retire(entry)
         for entry in added:

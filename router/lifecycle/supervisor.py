@@ -151,8 +151,9 @@ class Supervisor:
             self.start_loading(entry)
 
     def startup_models(self) -> list[ModelEntry]:
-        """The models started with the router: ``load_on_startup`` ones and ``preload``."""
-        preload = {self.registry.named(name).id
+        """The models started with the router: ``load_on_startup`` ones and ``preload``
+        (an adapter there: its base)."""
+        preload = {self.registry.serving(self.registry.named(name)).id
                    for name in self.server.preload}
         return [e for e in self.registry if e.spec.load_on_startup or e.id in preload]
 
