@@ -238,10 +238,11 @@ def lora(r: Result) -> str:
         provenance("lora", r, "streamed completions of 64 tokens (`ignore_eos`), two per "
                    "stream, after a warm-up round; the adapters made by peft from random "
                    "weights"),
-        table(["served", "16 streams, tokens/s", "ITL p50 ms", "ITL p99 ms",
-               "1 stream, tokens/s", "ITL p99 ms"],
-              [(name, r[many]["tokens_per_s"], r[many]["itl_p50_ms"], r[many]["itl_p99_ms"],
-                r[one]["tokens_per_s"], r[one]["itl_p99_ms"]) for name, many, one in runs]),
+        table(["served", "16 streams, tokens/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms",
+               "1 stream, tokens/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 ms"],
+              [(name, *(r[run][k] for run in (many, one) for k in
+                        ("tokens_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms")))
+               for name, many, one in runs]),
         table(["ratio", ""], [
             ("16 streams over 8 adapters / base without LoRA (target >= 0.7)",
              r["ratio_adapters_vs_base_16"]),
