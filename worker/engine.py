@@ -172,8 +172,10 @@ class VllmEngine:
         self.max_prompt_chars = self.max_model_len * self._max_token_chars
         self.adapters: AdapterPool | None = None
         if serves_adapters(spec):
+            assert spec.max_cpu_loras is not None  # set with max_loras (serves_adapters)
             self.adapters = AdapterPool(self._check_adapter, self._load_adapter,
-                                        self._unload_adapter, self._listed_adapters)
+                                        self._unload_adapter, self._listed_adapters,
+                                        capacity=spec.max_cpu_loras)
             config = llm.model_config.hf_config
             heads = config.num_attention_heads
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -415,16 +417,25 @@ class VllmEngine:
     # -- generation ------------------------------------------------------------------
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
         """Yield the new output of each engine step as deltas (one per advanced choice)."""
-        from vllm.exceptions import GracefulHTTPError, VLLMClientError
-        from vllm.inputs import TokensPrompt
-        from vllm.inputs.engine import tokens_input
-
         if self.task != "generate":
             raise RequestError(f"model '{self._spec.id}' is a pooling model (task "
                                f"'{self.task}'); it does not generate", param="model",
                                code="wrong_model_task")
         ids, media = await self._off_loop(self.prompt, gen)
-        lora = await self._lora_request(gen)
+        lora = await self._lora_request(gen)  # its adapter stays in the engine until the end
+        try:
+            async for deltas in self._generate(gen, ids, media, lora):
+                yield deltas
+        finally:
+            if gen.lora is not None and self.adapters is not None:
+                self.adapters.release(gen.lora.number)
+
+    async def _generate(self, gen: Generate, ids: list[int], media: Any, lora: Any
+                        ) -> AsyncIterator[list[Delta]]:
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.inputs.engine import tokens_input
+
         auto_calls, call_ends = self.auto_call_constraint(gen)
         make_parser = self._output_parser(gen, call_ends)
         # Tool markup may be a special token; the parser must see it to cut it out.
@@ -710,7 +721,7 @@ class VllmEngine:
                                code="adapter_invalid")
         from vllm.lora.request import LoRARequest
 
-        await self.adapters.ensure(gen.lora)
+        await self.adapters.hold(gen.lora)  # released by ``generate`` when it ends
         return LoRARequest(gen.lora.name, gen.lora.number, gen.lora.path)
 
     def shutdown(self) -> None:

@@ -1,0 +1,110 @@
+"""A broken or removed LoRA adapter hurts nobody else on its base: the synthetic engine
+does what vLLM does (a step loads an adapter the engine let go again from its folder,
+and a folder that no longer reads there kills the engine under every request), so an
+adapter must never leave the engine while a request still runs with it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from shared.config import build_preset
+from shared.protocol import Delta, Generate, LoraRef, SamplingSpec
+from worker.synthetic import SyntheticEngine
+
+
+def folder(path: Path) -> str:
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return str(path)
+
+
+def engine(max_cpu_loras: int) -> SyntheticEngine:
+    preset = build_preset({"models": {"base": {
+        "model": "/synthetic", "engine": "synthetic", "max_loras": max_cpu_loras,
+        "max_cpu_loras": max_cpu_loras, "engine_args": {"tokens_per_second": 200}}}})
+    return SyntheticEngine(preset.models["base"])
+
+
+def request(name: str, lora: LoraRef | None, tokens: int) -> Generate:
+    return Generate(id=name, prompt="hi", sampling=SamplingSpec(max_tokens=tokens), lora=lora)
+
+
+async def words(stream: AsyncIterator[list[Delta]]) -> list[str]:
+    return [d.text.strip() for batch in [b async for b in stream] for d in batch]
+
+
+def test_an_adapter_unloaded_while_its_request_runs_stays_until_it_ends(
+        tmp_path: Path) -> None:
+    """An admin unloads an adapter (or DELETEs a registered one) and removes its folder
+    while a long answer runs with it: the answer ends well, the base lives, and the
+    adapter leaves the engine once the answer is done."""
+    pirate = LoraRef(name="pirate", number=1, path=folder(tmp_path / "pirate"))
+
+    async def main() -> None:
+        e = engine(max_cpu_loras=4)
+        assert e.adapters is not None
+        stream = e.generate(request("a", pirate, 20))
+        first = await anext(stream)
+        assert first[0].text.strip() == "pirate"
+        await e.adapters_apply([], [pirate.number])
+        shutil.rmtree(pirate.path)
+        assert await words(stream) == ["pirate"] * 19
+        assert await words(e.generate(request("b", None, 3))) == ["tok"] * 3
+        assert e.dead is None
+        await asyncio.sleep(0)  # the deferred unload
+        assert pirate.number not in e.adapters_loaded
+        assert [s.number for s in await e.adapters_apply([], [])] == []
+
+    asyncio.run(main())
+
+
+def test_a_full_engine_never_lets_go_of_an_adapter_in_use(tmp_path: Path) -> None:
+    """More adapters asked for than the engine keeps, while requests run with all it
+    holds, whose folders are gone: the new adapter waits for one of them to end, so the
+    running requests end well and nobody else's request fails."""
+    refs = [LoraRef(name=n, number=i + 1, path=folder(tmp_path / n))
+            for i, n in enumerate(("old", "mid", "new"))]
+    old, mid, new = refs
+
+    async def main() -> None:
+        e = engine(max_cpu_loras=2)
+        long = e.generate(request("long", old, 30))
+        short = e.generate(request("short", mid, 10))
+        assert (await anext(long))[0].text.strip() == "old"
+        assert (await anext(short))[0].text.strip() == "mid"
+        shutil.rmtree(old.path)
+        shutil.rmtree(mid.path)
+        newer = asyncio.ensure_future(words(e.generate(request("n", new, 2))))
+        ends = await asyncio.gather(words(long), words(short))
+        assert ends == [["old"] * 29, ["mid"] * 9]
+        assert await newer == ["new"] * 2
+        assert e.dead is None
+        assert await words(e.generate(request("b", None, 2))) == ["tok"] * 2
+
+    asyncio.run(main())
+
+
+def test_an_idle_adapter_makes_room_first(tmp_path: Path) -> None:
+    """With the engine full, the least recently used adapter no request runs with leaves
+    for a new one, however old the busy ones are."""
+    refs = [LoraRef(name=n, number=i + 1, path=folder(tmp_path / n))
+            for i, n in enumerate(("busy", "idle", "new"))]
+    busy, idle, new = refs
+
+    async def main() -> None:
+        e = engine(max_cpu_loras=2)
+        assert e.adapters is not None
+        running = e.generate(request("r", busy, 30))
+        await anext(running)
+        await words(e.generate(request("i", idle, 1)))
+        assert await words(e.generate(request("n", new, 1))) == ["new"]
+        assert set(e.adapters_loaded) == {busy.number, new.number}
+        await running.aclose()
+
+    asyncio.run(main())
