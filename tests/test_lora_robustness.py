@@ -108,3 +108,46 @@ def test_an_idle_adapter_makes_room_first(tmp_path: Path) -> None:
         await running.aclose()
 
     asyncio.run(main())
+
+
+# -- what a refusal tells ---------------------------------------------------------------
+def test_a_refused_adapter_never_tells_a_client_where_its_folder_lies(tmp_path: Path) -> None:
+    """A key that may use an adapter reads why it cannot, not the folder's path (only an
+    admin sees ``root``): neither from the worker's own checks nor from vLLM's refusal,
+    which its engine core process sends as a bare ``Exception`` (once a 500)."""
+    from worker.engine import RequestError, VllmEngine
+    from worker.synthetic import SyntheticError
+
+    gone = LoraRef(name="gone", number=1, path=str(tmp_path / "srv" / "secret" / "gone"))
+
+    async def synthetic() -> None:
+        e = engine(max_cpu_loras=2)
+        try:
+            await words(e.generate(request("a", gone, 2)))
+        except SyntheticError as err:
+            assert (err.status, err.code) == (404, "adapter_not_found")
+            assert "gone" in err.message and "secret" not in err.message
+        else:
+            raise AssertionError("a missing folder was served")
+
+    asyncio.run(synthetic())
+
+    class Engine:  # vLLM's AsyncLLM as its engine core refuses an adapter
+        async def add_lora(self, request: object) -> bool:
+            raise Exception(  # noqa: TRY002  # what vLLM's core client raises
+                f"Call to add_lora method failed: While loading {gone.path}, "
+                "expected target modules in {'q_proj'} but received {'x'}")
+
+    async def vllm() -> None:
+        e = VllmEngine.__new__(VllmEngine)
+        e._llm = Engine()
+        try:
+            await e._load_adapter(gone)
+        except RequestError as err:
+            assert (err.status, err.code) == (400, "adapter_invalid")
+            assert "expected target modules" in err.message
+            assert "secret" not in err.message
+        else:
+            raise AssertionError("a refused adapter loaded")
+
+    asyncio.run(vllm())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -223,5 +224,15 @@ class AdapterPool:
 def adapter_error(ref: LoraRef, err: AdapterError) -> tuple[str, int, str]:
     """The message, status and code a request for a bad adapter gets."""
     missing = str(err).startswith("no adapter folder")
-    return (f"adapter '{ref.name}': {err}", 404 if missing else 400,
+    return (refusal(ref, err), 404 if missing else 400,
             "adapter_not_found" if missing else "adapter_invalid")
+
+
+def refusal(ref: LoraRef, err: Exception) -> str:
+    """``err`` as the client of a request for ``ref`` reads it: naming the adapter, and
+    its folder by its last component only (a key may use an adapter without knowing
+    where its files lie: ``root`` is an admin's). The worker's log has the whole path."""
+    text = str(err)
+    for path in sorted({ref.path, os.path.realpath(ref.path)}, key=len, reverse=True):
+        text = text.replace(path, f".../{os.path.basename(path)}")
+    return f"adapter '{ref.name}': {text}"

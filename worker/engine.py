@@ -33,7 +33,7 @@ from shared.protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from worker.adapters import AdapterPool, ModelShape, adapter_error, check_adapter
+from worker.adapters import AdapterPool, ModelShape, adapter_error, check_adapter, refusal
 from worker.engine_args import engine_args_for
 from worker.outputs import OutputParser
 from worker.tools import named_call_schema, required_calls_schema
@@ -688,14 +688,19 @@ class VllmEngine:
             raise RequestError(message, status=status, param="model", code=code) from None
 
     async def _load_adapter(self, ref: LoraRef) -> None:
+        from vllm.exceptions import VLLMServerError
         from vllm.lora.request import LoRARequest
 
         try:
             await self._llm.add_lora(LoRARequest(ref.name, ref.number, ref.path))
             if ref.pinned:
                 await self._llm.pin_lora(ref.number)
-        except (ValueError, RuntimeError, OSError) as err:  # vLLM's own refusal of the files
-            raise RequestError(f"adapter '{ref.name}': {err}", param="model",
+        except VLLMServerError:
+            raise  # the engine died: not the adapter's fault
+        except Exception as err:  # noqa: BLE001  # vLLM's refusal of the files
+            # (a ValueError in this process; from the engine core's, a bare Exception)
+            log.warning("adapter %s (%s) refused by the engine: %s", ref.name, ref.path, err)
+            raise RequestError(refusal(ref, err), param="model",
                                code="adapter_invalid") from None
 
     async def _unload_adapter(self, number: int) -> None:
