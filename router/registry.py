@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Self
 import msgspec
 
 from router.errors import APIError, BadRequest, ModelNotFound
-from shared.adapters import AdapterError, folder_in, read_adapter
+from shared.adapters import AdapterError, folder_in, read_adapter, stamp
 from shared.config import ModelSpec, Preset, serves_adapters
 from shared.protocol import AdapterState, LoraRef
 
@@ -191,7 +191,7 @@ class ModelRegistry:
 
     def __init__(self, preset: Preset) -> None:
         self._numbers = itertools.count(1)
-        self._numbered: dict[tuple[str, str], int] = {}
+        self._numbered: dict[tuple[str, str, tuple[int, ...]], int] = {}
         self.entries: dict[str, ModelEntry] = {}
         self.adapters: dict[str, ModelEntry] = {}
         self.reconfigure(preset)
@@ -208,9 +208,10 @@ class ModelRegistry:
     def _adapter(self, spec: ModelSpec, old: ModelEntry | None, found: bool = False,
                  registered: bool = False) -> ModelEntry:
         """The entry of adapter model ``spec``: ``old`` kept where it is the same adapter,
-        its number kept while its name and folder are (the engine caches by number)."""
+        its number kept while its name, its folder and the folder's files are (the engine
+        caches by number: a folder rewritten in place must be loaded anew)."""
         assert spec.adapter is not None
-        key = (spec.id, spec.adapter)
+        key = (spec.id, spec.adapter, stamp(spec.adapter))
         number = self._numbered.get(key) or self._numbered.setdefault(key, next(self._numbers))
         lora = LoraRef(name=spec.id, number=number, path=spec.adapter, pinned=spec.pinned)
         if old is not None and old.lora == lora:
@@ -324,7 +325,7 @@ class ModelRegistry:
         base = self.check_adapter(name, base_id, aliases, pinned, rank)
         # A fresh number: the engine caches by number, and the folder may have changed
         # since an adapter of this name and path was dropped.
-        self._numbered.pop((name, path), None)
+        self._numbered.pop((name, path, stamp(path)), None)
         spec = self._registered_spec(base, name, path, aliases, pinned)
         entry = self.adapters[name] = self._adapter(spec, None, registered=True)
         self._index(self.default_model)

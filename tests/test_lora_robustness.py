@@ -151,3 +151,33 @@ def test_a_refused_adapter_never_tells_a_client_where_its_folder_lies(tmp_path: 
             raise AssertionError("a refused adapter loaded")
 
     asyncio.run(vllm())
+
+
+# -- a folder rewritten in place --------------------------------------------------------
+def test_an_adapter_folder_rewritten_in_place_is_loaded_anew_after_a_reload(
+        tmp_path: Path) -> None:
+    """A new training run saved over an adapter's folder: the engine caches adapters by
+    number, so the reload that follows gives it a new number (the old weights are never
+    served again), where an untouched folder keeps its number (no reload from disk)."""
+    from router.registry import ModelRegistry
+
+    legal = folder(tmp_path / "legal")
+    (tmp_path / "dir").mkdir()
+    folder(tmp_path / "dir" / "pirate")
+    doc = {"models": {"base": {"model": "m", "adapters_dir": str(tmp_path / "dir")},
+                      "legal": {"base": "base", "adapter": legal}}}
+    registry = ModelRegistry(build_preset(doc))
+
+    def number(name: str) -> int:
+        lora = registry.resolve(name).lora
+        assert lora is not None
+        return lora.number
+
+    before = {"legal": number("legal"), "base/pirate": number("base/pirate")}
+    registry.reconfigure(build_preset(doc))
+    assert {n: number(n) for n in before} == before  # untouched: kept
+    for path in (Path(legal), tmp_path / "dir" / "pirate"):
+        (path / "adapter_model.safetensors").write_bytes(b"new weights")
+    registry.reconfigure(build_preset(doc))
+    after = {n: number(n) for n in before}
+    assert all(after[n] != before[n] for n in before), (before, after)
