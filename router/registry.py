@@ -1,9 +1,10 @@
 """``ModelRegistry``: the models a preset declares, their runtime state, and name resolution.
 
-Resolution order: exact id, exact alias, case-insensitive id or alias, unique
-case-insensitive substring of an id or alias, the longest id or alias the name begins
-with (so ``claude-sonnet-4-5-20250929`` reaches an alias ``claude-sonnet``), then the
-server's ``default_model``.
+Resolution order: exact id, exact alias, case-insensitive id or alias, an adapter folder
+in a base's ``adapters_dir``, unique case-insensitive substring of an id or alias, the
+longest id or alias the name begins with (so ``claude-sonnet-4-5-20250929`` reaches an
+alias ``claude-sonnet``), then the server's ``default_model`` (never for ``<base>/…``
+of a base with an ``adapters_dir``: a missing adapter is a 404).
 """
 
 from __future__ import annotations
@@ -435,6 +436,7 @@ class ModelRegistry:
             found = self._match(name, shown)
             if found is not None:
                 return self._every[found]
+            self._no_such_adapter(name, shown)
         if self.default_model:
             default = self._match(self.default_model, shown)
             if default is not None:
@@ -445,6 +447,21 @@ class ModelRegistry:
         listed = sorted(e.id for e in self._every.values() if shown is None or shown(e.names))
         raise ModelNotFound(f"The model '{name}' does not exist. Available: "
                             f"{', '.join(listed)}", param="model")
+
+    def _no_such_adapter(self, name: str, shown: Callable[[list[str]], bool] | None) -> None:
+        """A 404 for ``<base>/<folder>`` where that base has an ``adapters_dir`` but no such
+        folder: it names a missing adapter, never the ``default_model`` (a typo, or a
+        folder taken away, must not be answered by another model). For a key limited to
+        some models, only where it may know the base or such a name."""
+        base_id, slash, folder = name.partition("/")
+        base = self.entries.get(base_id)
+        if not slash or base is None or base.spec.adapters_dir is None or base.removed:
+            return
+        if shown is not None and not (shown(base.names) or shown([name])):
+            return
+        raise ModelNotFound(f"The model '{name}' does not exist: model '{base_id}' has no "
+                            f"adapter folder '{folder}'", param="model",
+                            code="adapter_not_found")
 
     def _match(self, name: str, shown: Callable[[list[str]], bool] | None = None) -> str | None:
         def known(owner: str) -> bool:

@@ -181,3 +181,38 @@ def test_an_adapter_folder_rewritten_in_place_is_loaded_anew_after_a_reload(
     registry.reconfigure(build_preset(doc))
     after = {n: number(n) for n in before}
     assert all(after[n] != before[n] for n in before), (before, after)
+
+
+def test_a_missing_adapter_is_a_404_never_the_default_model(tmp_path: Path) -> None:
+    """``<base>/<folder>`` with no such folder (a typo, a folder taken away) is a 404,
+    not an answer from ``default_model`` under the adapter's name; other unknown names
+    still reach the default, and a key that may not know the base is told nothing new."""
+    from router.errors import ModelNotFound
+    from router.registry import ModelRegistry
+
+    (tmp_path / "dir").mkdir()
+    folder(tmp_path / "dir" / "pirate")
+    registry = ModelRegistry(build_preset({
+        "server": {"default_model": "base"},
+        "models": {"base": {"model": "m", "adapters_dir": str(tmp_path / "dir")},
+                   "other": {"model": "m"}}}))
+    assert registry.resolve("base/pirate").id == "base/pirate"
+    for name in ("base/parrot", "base/../dir/pirate", "base/pirate/x"):
+        try:
+            registry.resolve(name)
+        except ModelNotFound as err:
+            assert err.code == "adapter_not_found", err.message
+        else:
+            raise AssertionError(f"{name} was served by the default model")
+    assert registry.resolve("gpt-4o").id == "base"  # any other name: the default
+
+    def only_other(names: list[str]) -> bool:
+        return "other" in names
+
+    for name in ("base/parrot", "gpt-4o"):  # alike: as any name the key cannot know
+        try:
+            registry.resolve(name, only_other)
+        except ModelNotFound as err:
+            assert err.code == "model_not_found", err.message
+        else:
+            raise AssertionError(f"{name} resolved for a key limited to 'other'")
