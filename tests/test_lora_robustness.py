@@ -216,3 +216,24 @@ def test_a_missing_adapter_is_a_404_never_the_default_model(tmp_path: Path) -> N
             assert err.code == "model_not_found", err.message
         else:
             raise AssertionError(f"{name} resolved for a key limited to 'other'")
+
+
+def test_an_adapter_asked_for_again_while_it_was_leaving_stays(tmp_path: Path) -> None:
+    """Unloaded while a request ran with it, then asked for again before that request
+    ended: it stays in the engine (the deferred unload is off), loaded once."""
+    pirate = LoraRef(name="pirate", number=1, path=folder(tmp_path / "pirate"))
+
+    async def main() -> None:
+        e = engine(max_cpu_loras=2)
+        first = e.generate(request("a", pirate, 10))
+        await anext(first)
+        await e.adapters_apply([], [pirate.number])
+        again = e.generate(request("b", pirate, 10))
+        await anext(again)
+        await words(first)
+        await asyncio.sleep(0)
+        assert pirate.number in e.adapters_loaded
+        assert await words(again) == ["pirate"] * 9
+        assert [s.number for s in await e.adapters_apply([], [])] == [pirate.number]
+
+    asyncio.run(main())

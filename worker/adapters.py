@@ -211,6 +211,9 @@ class AdapterPool:
         """Load every loaded adapter again (after a sleep, whose wake may not restore
         them: vLLM #53888)."""
         async with self._turn:
+            for number in [n for n in self._leaving if not self._users[n]]:
+                self._leaving.discard(number)  # its requests ended: it goes now
+                await self._unload(number)
             for number in list(self._loaded):
                 await self._unload(number)
                 await self._load(self.refs[number])
