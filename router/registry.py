@@ -1,9 +1,10 @@
 """``ModelRegistry``: the models a preset declares, their runtime state, and name resolution.
 
-Resolution order: exact id, exact alias, case-insensitive id or alias, unique
-case-insensitive substring of an id or alias, the longest id or alias the name begins
-with (so ``claude-sonnet-4-5-20250929`` reaches an alias ``claude-sonnet``), then the
-server's ``default_model``.
+Resolution order: exact id, exact alias, case-insensitive id or alias, an adapter folder
+in a base's ``adapters_dir``, unique case-insensitive substring of an id or alias, the
+longest id or alias the name begins with (so ``claude-sonnet-4-5-20250929`` reaches an
+alias ``claude-sonnet``), then the server's ``default_model`` (never for ``<base>/…``
+of a base with an ``adapters_dir``: a missing adapter is a 404).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Self
 import msgspec
 
 from router.errors import APIError, BadRequest, ModelNotFound
-from shared.adapters import AdapterError, folder_in, read_adapter
+from shared.adapters import AdapterError, folder_in, read_adapter, stamp
 from shared.config import ModelSpec, Preset, serves_adapters
 from shared.protocol import AdapterState, LoraRef
 
@@ -191,7 +192,7 @@ class ModelRegistry:
 
     def __init__(self, preset: Preset) -> None:
         self._numbers = itertools.count(1)
-        self._numbered: dict[tuple[str, str], int] = {}
+        self._numbered: dict[tuple[str, str, tuple[int, ...]], int] = {}
         self.entries: dict[str, ModelEntry] = {}
         self.adapters: dict[str, ModelEntry] = {}
         self.reconfigure(preset)
@@ -208,9 +209,10 @@ class ModelRegistry:
     def _adapter(self, spec: ModelSpec, old: ModelEntry | None, found: bool = False,
                  registered: bool = False) -> ModelEntry:
         """The entry of adapter model ``spec``: ``old`` kept where it is the same adapter,
-        its number kept while its name and folder are (the engine caches by number)."""
+        its number kept while its name, its folder and the folder's files are (the engine
+        caches by number: a folder rewritten in place must be loaded anew)."""
         assert spec.adapter is not None
-        key = (spec.id, spec.adapter)
+        key = (spec.id, spec.adapter, stamp(spec.adapter))
         number = self._numbered.get(key) or self._numbered.setdefault(key, next(self._numbers))
         lora = LoraRef(name=spec.id, number=number, path=spec.adapter, pinned=spec.pinned)
         if old is not None and old.lora == lora:
@@ -324,7 +326,7 @@ class ModelRegistry:
         base = self.check_adapter(name, base_id, aliases, pinned, rank)
         # A fresh number: the engine caches by number, and the folder may have changed
         # since an adapter of this name and path was dropped.
-        self._numbered.pop((name, path), None)
+        self._numbered.pop((name, path, stamp(path)), None)
         spec = self._registered_spec(base, name, path, aliases, pinned)
         entry = self.adapters[name] = self._adapter(spec, None, registered=True)
         self._index(self.default_model)
@@ -434,6 +436,7 @@ class ModelRegistry:
             found = self._match(name, shown)
             if found is not None:
                 return self._every[found]
+            self._no_such_adapter(name, shown)
         if self.default_model:
             default = self._match(self.default_model, shown)
             if default is not None:
@@ -444,6 +447,21 @@ class ModelRegistry:
         listed = sorted(e.id for e in self._every.values() if shown is None or shown(e.names))
         raise ModelNotFound(f"The model '{name}' does not exist. Available: "
                             f"{', '.join(listed)}", param="model")
+
+    def _no_such_adapter(self, name: str, shown: Callable[[list[str]], bool] | None) -> None:
+        """A 404 for ``<base>/<folder>`` where that base has an ``adapters_dir`` but no such
+        folder: it names a missing adapter, never the ``default_model`` (a typo, or a
+        folder taken away, must not be answered by another model). For a key limited to
+        some models, only where it may know the base or such a name."""
+        base_id, slash, folder = name.partition("/")
+        base = self.entries.get(base_id)
+        if not slash or base is None or base.spec.adapters_dir is None or base.removed:
+            return
+        if shown is not None and not (shown(base.names) or shown([name])):
+            return
+        raise ModelNotFound(f"The model '{name}' does not exist: model '{base_id}' has no "
+                            f"adapter folder '{folder}'", param="model",
+                            code="adapter_not_found")
 
     def _match(self, name: str, shown: Callable[[list[str]], bool] | None = None) -> str | None:
         def known(owner: str) -> bool:

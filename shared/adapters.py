@@ -68,6 +68,19 @@ def read_adapter(path: str | Path) -> AdapterInfo:
                        base_model=config.get("base_model_name_or_path"))
 
 
+def stamp(path: str | Path) -> tuple[int, ...]:
+    """When and how big ``path``'s adapter files were last written: a folder rewritten in
+    place (a new training run) gets another stamp; () where nothing reads."""
+    found: list[int] = []
+    for name in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
+        try:
+            info = (Path(path) / name).stat()
+        except OSError:
+            continue
+        found += [info.st_mtime_ns, info.st_size]
+    return tuple(found)
+
+
 def rank_cap(ranks: list[int]) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds every rank (at least 16,
     vLLM's default, so adding a small adapter later never restarts the base)."""

@@ -25,7 +25,7 @@ server:
   admin_api_keys: [k-admin-lora]
 models:
   base: {model: /synthetic, engine: synthetic, max_loras: 2}
-  pirate: {base: base, adapter: {pirate}}
+  pirate: {base: base, adapter: {pirate}, aliases: [arr]}
   poet: {base: base, adapter: {poet}}
 """
 
@@ -105,3 +105,17 @@ def test_events_and_metrics_carry_the_adapters_name(router: RouterProcess) -> No
     assert 'model="poet"' in metrics
     events = call(router, ADMIN, "GET", "/v1/events").json()["data"]
     assert any(e.get("type") == "request" and e.get("model") == "poet" for e in events), events
+
+
+def test_an_adapters_alias_and_its_folder_as_other_models_names(router: RouterProcess) -> None:
+    """A key whose glob names an adapter's alias reads that adapter's figures, as a
+    model's alias shows its figures; a viewer (not an admin) never reads its folder."""
+    alias = make_key(router, "arr-only", models=["arr"])
+    assert chat(router, alias, "arr").json()["model"] == "pirate"
+    assert 'model="pirate"' in call(router, alias, "GET", "/metrics").text
+    assert "pirate" in call(router, alias, "GET", "/v1/metrics").text
+    viewer = make_key(router, "watcher", role="viewer")
+    for body in [call(router, viewer, "GET", "/v1/models/pirate").json(),
+                 *call(router, viewer, "GET", "/v1/models").json()["data"]]:
+        assert "root" not in body, body
+    assert "root" in call(router, ADMIN, "GET", "/v1/models/pirate").json()

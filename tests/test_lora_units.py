@@ -192,7 +192,7 @@ def test_fifty_requests_for_a_new_adapter_load_it_once() -> None:
         return set(loads)
 
     async def main() -> None:
-        pool = AdapterPool(check, load, unload, listed)
+        pool = AdapterPool(check, load, unload, listed, capacity=32)
         ref = LoraRef(name="a", number=7, path="/a")
         await asyncio.gather(*(pool.ensure(ref) for _ in range(50)))
         assert loads == [7] and [s.loads for s in pool.loaded] == [1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -67,18 +68,60 @@ def check_adapter(path: str, max_rank: int, shape: ModelShape) -> None:
 
 
 class AdapterPool:
-    """Adapters in the engine, least recently used first; ``ensure`` before a request."""
+    """Adapters in the engine, least recently used first; ``hold`` before a request and
+    ``release`` after it.
+
+    The pool, not the engine's own LRU, decides what leaves: vLLM loads an adapter it
+    let go again from its folder inside an engine step, and an error there (the folder
+    deleted or half rewritten since) kills the engine under every request of the base.
+    So an adapter a request runs with never leaves while it runs: an unload waits for
+    its requests to end, and room for a new adapter is made from idle ones only (with
+    none idle, the load waits for a request to end). Loads, unloads and listings take
+    turns (``_turn``), so the count the engine holds is always known.
+    """
 
     def __init__(self, check: Callable[[LoraRef], Awaitable[None]],
                  load: Callable[[LoraRef], Awaitable[None]],
                  unload: Callable[[int], Awaitable[None]],
-                 listed: Callable[[], Awaitable[set[int]]]) -> None:
+                 listed: Callable[[], Awaitable[set[int]]], *, capacity: int) -> None:
         self._check, self._load, self._unload, self._listed = check, load, unload, listed
+        self.capacity = capacity
+        """Adapters the engine keeps (``max_cpu_loras``): past it, vLLM lets its least
+        recently used go."""
         self._loaded: collections.OrderedDict[int, AdapterState] = collections.OrderedDict()
         self._loading: dict[int, asyncio.Task[None]] = {}
         self._loads: dict[int, int] = {}
+        self._users: collections.Counter[int] = collections.Counter()
+        """Requests running with each adapter (``hold`` to ``release``)."""
+        self._leaving: set[int] = set()
+        """Unloaded while requests ran with them: still in the engine until they end."""
+        self._turn = asyncio.Lock()
+        self._freed = asyncio.Event()
+        """Set when a request ends: a load waiting for room looks again."""
+        self._later: set[asyncio.Task[None]] = set()
         self.refs: dict[int, LoraRef] = {}
         """Every adapter loaded since the engine started, by number (a wake reloads them)."""
+
+    async def hold(self, ref: LoraRef) -> None:
+        """``ensure`` ``ref``, and keep it in the engine until ``release``."""
+        self._users[ref.number] += 1
+        try:
+            await self.ensure(ref)
+        except BaseException:
+            self.release(ref.number)
+            raise
+
+    def release(self, number: int) -> None:
+        """A request that ran with adapter ``number`` ended (``hold``)."""
+        self._users[number] -= 1
+        if self._users[number] > 0:
+            return
+        del self._users[number]
+        self._freed.set()
+        if number in self._leaving:
+            task = asyncio.get_running_loop().create_task(self._unload_idle(number))
+            self._later.add(task)
+            task.add_done_callback(self._later.discard)
 
     async def ensure(self, ref: LoraRef) -> None:
         """Load ``ref`` unless it is loaded; concurrent callers share one load, and all see
@@ -96,39 +139,85 @@ class AdapterPool:
     async def _load_one(self, ref: LoraRef) -> None:
         started = time.perf_counter()
         await self._check(ref)
-        await self._load(ref)
-        self.refs[ref.number] = ref
-        self._loads[ref.number] = self._loads.get(ref.number, 0) + 1
-        seconds = time.perf_counter() - started
-        self._loaded[ref.number] = AdapterState(
-            number=ref.number, name=ref.name, load_seconds=seconds, pinned=ref.pinned,
-            loads=self._loads[ref.number])
-        log.info("adapter %s (%d) loaded in %.2f s", ref.name, ref.number, seconds)
-        await self._sync()
+        async with self._turn:
+            if ref.number not in self._leaving:  # (one leaving is in the engine still)
+                await self._make_room()
+            await self._load(ref)
+            self._leaving.discard(ref.number)
+            self.refs[ref.number] = ref
+            self._loads[ref.number] = self._loads.get(ref.number, 0) + 1
+            seconds = time.perf_counter() - started
+            self._loaded[ref.number] = AdapterState(
+                number=ref.number, name=ref.name, load_seconds=seconds, pinned=ref.pinned,
+                loads=self._loads[ref.number])
+            log.info("adapter %s (%d) loaded in %.2f s", ref.name, ref.number, seconds)
+            await self._sync()
+
+    async def _make_room(self) -> None:
+        """Unload idle adapters, least recently used first, until the engine has room for
+        one more; with none idle, wait for a request to end. Holds ``_turn``."""
+        while True:
+            for number in [n for n in self._leaving if not self._users[n]]:
+                self._leaving.discard(number)
+                await self._unload(number)
+            if len(self._loaded) + len(self._leaving) < self.capacity:
+                return
+            idle = next((n for n, state in self._loaded.items()
+                         if not state.pinned and not self._users[n]), None)
+            if idle is None:
+                self._freed.clear()
+                await self._freed.wait()
+                continue
+            del self._loaded[idle]
+            await self._unload(idle)
+
+    async def _unload_idle(self, number: int) -> None:
+        """Unload leaving adapter ``number`` now that its last request ended."""
+        async with self._turn:
+            if number not in self._leaving or self._users[number]:
+                return  # loaded again, or held again, meanwhile
+            self._leaving.discard(number)
+            try:
+                await self._unload(number)
+            except Exception as err:  # noqa: BLE001  # the engine's refusal: the LRU keeps it
+                log.warning("adapter %d: not unloaded: %s", number, err)
 
     async def _sync(self) -> None:
-        """Forget what the engine let go (its own LRU past ``max_cpu_loras``)."""
+        """Forget what the engine let go. Holds ``_turn``."""
         present = await self._listed()
         for number in [n for n in self._loaded if n not in present]:
             del self._loaded[number]
+        self._leaving &= present
 
     async def apply(self, load: list[LoraRef], unload: list[int]) -> list[AdapterState]:
-        """Load, then unload, as an admin asked; the adapters loaded after."""
+        """Load, then unload, as an admin asked; the adapters loaded after. An adapter that
+        requests still run with leaves the engine when the last ends."""
         for ref in load:
             await self.ensure(ref)
-        for number in unload:
-            if self._loaded.pop(number, None) is not None:
-                await self._unload(number)
-        await self._sync()
-        return list(self._loaded.values())
+        if not unload and self._turn.locked():
+            return self.loaded  # a listing while a load waits for room: as known now
+        async with self._turn:
+            for number in unload:
+                if self._loaded.pop(number, None) is None:
+                    continue
+                if self._users[number]:
+                    self._leaving.add(number)
+                else:
+                    await self._unload(number)
+            await self._sync()
+        return self.loaded
 
     async def reload_all(self) -> None:
         """Load every loaded adapter again (after a sleep, whose wake may not restore
         them: vLLM #53888)."""
-        for number in list(self._loaded):
-            await self._unload(number)
-            await self._load(self.refs[number])
-        await self._sync()
+        async with self._turn:
+            for number in [n for n in self._leaving if not self._users[n]]:
+                self._leaving.discard(number)  # its requests ended: it goes now
+                await self._unload(number)
+            for number in list(self._loaded):
+                await self._unload(number)
+                await self._load(self.refs[number])
+            await self._sync()
 
     @property
     def loaded(self) -> list[AdapterState]:
@@ -138,5 +227,15 @@ class AdapterPool:
 def adapter_error(ref: LoraRef, err: AdapterError) -> tuple[str, int, str]:
     """The message, status and code a request for a bad adapter gets."""
     missing = str(err).startswith("no adapter folder")
-    return (f"adapter '{ref.name}': {err}", 404 if missing else 400,
+    return (refusal(ref, err), 404 if missing else 400,
             "adapter_not_found" if missing else "adapter_invalid")
+
+
+def refusal(ref: LoraRef, err: Exception) -> str:
+    """``err`` as the client of a request for ``ref`` reads it: naming the adapter, and
+    its folder by its last component only (a key may use an adapter without knowing
+    where its files lie: ``root`` is an admin's). The worker's log has the whole path."""
+    text = str(err)
+    for path in sorted({ref.path, os.path.realpath(ref.path)}, key=len, reverse=True):
+        text = text.replace(path, f".../{os.path.basename(path)}")
+    return f"adapter '{ref.name}': {text}"

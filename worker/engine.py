@@ -33,7 +33,7 @@ from shared.protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from worker.adapters import AdapterPool, ModelShape, adapter_error, check_adapter
+from worker.adapters import AdapterPool, ModelShape, adapter_error, check_adapter, refusal
 from worker.engine_args import engine_args_for
 from worker.outputs import OutputParser
 from worker.tools import named_call_schema, required_calls_schema
@@ -172,8 +172,10 @@ class VllmEngine:
         self.max_prompt_chars = self.max_model_len * self._max_token_chars
         self.adapters: AdapterPool | None = None
         if serves_adapters(spec):
+            assert spec.max_cpu_loras is not None  # set with max_loras (serves_adapters)
             self.adapters = AdapterPool(self._check_adapter, self._load_adapter,
-                                        self._unload_adapter, self._listed_adapters)
+                                        self._unload_adapter, self._listed_adapters,
+                                        capacity=spec.max_cpu_loras)
             config = llm.model_config.hf_config
             heads = config.num_attention_heads
             head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -415,16 +417,25 @@ class VllmEngine:
     # -- generation ------------------------------------------------------------------
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
         """Yield the new output of each engine step as deltas (one per advanced choice)."""
-        from vllm.exceptions import GracefulHTTPError, VLLMClientError
-        from vllm.inputs import TokensPrompt
-        from vllm.inputs.engine import tokens_input
-
         if self.task != "generate":
             raise RequestError(f"model '{self._spec.id}' is a pooling model (task "
                                f"'{self.task}'); it does not generate", param="model",
                                code="wrong_model_task")
         ids, media = await self._off_loop(self.prompt, gen)
-        lora = await self._lora_request(gen)
+        lora = await self._lora_request(gen)  # its adapter stays in the engine until the end
+        try:
+            async for deltas in self._generate(gen, ids, media, lora):
+                yield deltas
+        finally:
+            if gen.lora is not None and self.adapters is not None:
+                self.adapters.release(gen.lora.number)
+
+    async def _generate(self, gen: Generate, ids: list[int], media: Any, lora: Any
+                        ) -> AsyncIterator[list[Delta]]:
+        from vllm.exceptions import GracefulHTTPError, VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.inputs.engine import tokens_input
+
         auto_calls, call_ends = self.auto_call_constraint(gen)
         make_parser = self._output_parser(gen, call_ends)
         # Tool markup may be a special token; the parser must see it to cut it out.
@@ -677,14 +688,19 @@ class VllmEngine:
             raise RequestError(message, status=status, param="model", code=code) from None
 
     async def _load_adapter(self, ref: LoraRef) -> None:
+        from vllm.exceptions import VLLMServerError
         from vllm.lora.request import LoRARequest
 
         try:
             await self._llm.add_lora(LoRARequest(ref.name, ref.number, ref.path))
             if ref.pinned:
                 await self._llm.pin_lora(ref.number)
-        except (ValueError, RuntimeError, OSError) as err:  # vLLM's own refusal of the files
-            raise RequestError(f"adapter '{ref.name}': {err}", param="model",
+        except VLLMServerError:
+            raise  # the engine died: not the adapter's fault
+        except Exception as err:  # noqa: BLE001  # vLLM's refusal of the files
+            # (a ValueError in this process; from the engine core's, a bare Exception)
+            log.warning("adapter %s (%s) refused by the engine: %s", ref.name, ref.path, err)
+            raise RequestError(refusal(ref, err), param="model",
                                code="adapter_invalid") from None
 
     async def _unload_adapter(self, number: int) -> None:
@@ -710,7 +726,7 @@ class VllmEngine:
                                code="adapter_invalid")
         from vllm.lora.request import LoRARequest
 
-        await self.adapters.ensure(gen.lora)
+        await self.adapters.hold(gen.lora)  # released by ``generate`` when it ends
         return LoRARequest(gen.lora.name, gen.lora.number, gen.lora.path)
 
     def shutdown(self) -> None:

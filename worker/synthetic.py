@@ -74,11 +74,17 @@ class SyntheticEngine:
         self._adapter_load = float(spec.engine_args.get("adapter_load_seconds", 0))
         self.adapters_loaded: dict[int, LoraRef] = {}
         self.adapters = (AdapterPool(self._check_adapter, self._load_adapter,
-                                     self._unload_adapter, self._listed)
+                                     self._unload_adapter, self._listed,
+                                     capacity=spec.max_cpu_loras or 1)
                          if serves_adapters(spec) else None)
+        self.dead: str | None = None
+        """Why the engine died (as vLLM's engine core does on an error inside a step)."""
 
     # Adapters: checked by their adapter_config.json only; a load takes
-    # ``engine_args.adapter_load_seconds``; the engine keeps ``max_cpu_loras``, LRU.
+    # ``engine_args.adapter_load_seconds``; the engine keeps ``max_cpu_loras``, LRU. As
+    # vLLM's, each step of an adapter's request needs its adapter in the engine, and
+    # loads one the engine let go again from its folder, inside the step: a folder that
+    # no longer reads there kills the engine.
     async def _check_adapter(self, ref: LoraRef) -> None:
         try:
             rank = read_adapter(ref.path).rank
@@ -91,6 +97,11 @@ class SyntheticEngine:
 
     async def _load_adapter(self, ref: LoraRef) -> None:
         await asyncio.sleep(self._adapter_load)
+        self._admit(ref)
+
+    def _admit(self, ref: LoraRef) -> None:
+        """``ref`` into the engine as its most recently used adapter; past
+        ``max_cpu_loras``, the least recently used unpinned ones leave."""
         self.adapters_loaded.pop(ref.number, None)
         self.adapters_loaded[ref.number] = ref
         while len(self.adapters_loaded) > (self._spec.max_cpu_loras or 1):
@@ -173,18 +184,38 @@ class SyntheticEngine:
                          finish_reason="stop" if last else None,
                          prompt_tokens=prompt_len if last or i == 0 else 0)]
 
+    def _step(self, ref: LoraRef | None) -> None:
+        """An engine step of a request (with adapter ``ref``), as vLLM's."""
+        if self.dead is not None:
+            raise SyntheticError(self.dead, status=500)
+        if ref is None:
+            return
+        if ref.number not in self.adapters_loaded:
+            try:
+                read_adapter(ref.path)
+            except AdapterError as err:
+                self.dead = f"engine dead: adapter {ref.name} failed to load in a step: {err}"
+                raise SyntheticError(self.dead, status=500) from None
+        self._admit(ref)
+
     async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
+        if gen.lora is None:
+            async for batch in self._generate(gen, "tok"):
+                yield batch
+            return
+        if self.adapters is None:
+            raise SyntheticError("this model serves no adapters", param="model",
+                                 code="adapter_invalid")
+        await self.adapters.hold(gen.lora)
+        try:  # an adapter's request says the adapter's name
+            async for batch in self._generate(gen, gen.lora.name):
+                yield batch
+        finally:
+            self.adapters.release(gen.lora.number)
+
+    async def _generate(self, gen: Generate, word: str) -> AsyncIterator[list[Delta]]:
         prompt_len = self._prompt_len(gen)
-        word = "tok"
-        if gen.lora is not None:  # an adapter's request says the adapter's name
-            if self.adapters is None:
-                raise SyntheticError("this model serves no adapters", param="model",
-                                     code="adapter_invalid")
-            await self.adapters.ensure(gen.lora)
-            # used: the most recent (loaded again from its folder if the LRU let it go)
-            self.adapters_loaded.pop(gen.lora.number, None)
-            self.adapters_loaded[gen.lora.number] = gen.lora
-            word = gen.lora.name
+        self._step(gen.lora)
         if self._script:
             async for batch in self._scripted(gen, prompt_len):
                 yield batch
@@ -207,6 +238,8 @@ class SyntheticEngine:
         self._running += 1
         try:
             while sent < total:
+                if sent:
+                    self._step(gen.lora)
                 step = min(self._per_step, total - sent)
                 sent += step
                 done = sent == total

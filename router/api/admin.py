@@ -111,7 +111,7 @@ class AdminAPI:
             "load_seconds": round(mine.load_seconds, 3) if mine else entry.load_seconds,
             "idle_seconds": round(time.monotonic() - entry.last_used, 3)
             if entry.last_used else None,
-            "root": entry.lora.path if principal.sees_all else None,
+            "root": entry.lora.path if principal.admin else None,  # not a viewer's
         }
         if mine is not None:
             entry.load_seconds = extra["load_seconds"]  # kept for when it is unloaded

@@ -74,11 +74,7 @@ class MetricsAPI:
         outside its globs."""
         if principal.sees_all and not principal.limits.models:
             return self.metrics.registry
-        entries = self.metrics.models.entries
-
-        def names(model: str) -> list[str]:
-            entry = entries.get(model)
-            return entry.names if entry is not None else [model]
+        names = self.metrics.models.names_of  # a model's or an adapter's id and aliases
 
         def keep(labels: dict[str, str]) -> bool:
             key = labels.get("key")
