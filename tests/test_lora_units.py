@@ -234,3 +234,25 @@ def test_a_merged_layer_in_two_products_adds_what_each_slice_would() -> None:
     lora_ops.forget_plans()
     lora_ops.add_lora_linear(Wrapper(), y, x, a, b, 0.5, sizes)
     assert torch.allclose(y, expected, atol=1e-4)
+
+
+def test_a_layer_no_adapter_of_the_batch_trains_is_skipped_until_a_slot_changes() -> None:
+    """An adapter of q and v leaves zeros in the other layers' slots: nothing to add
+    there; once ``activate_adapter`` puts weights in the slot (``forget_weights``), the
+    layer adds them."""
+    a = (torch.zeros(2, 1, 4, 8),)
+    b = (torch.zeros(2, 1, 8, 4),)
+    y = torch.ones(3, 8)
+
+    class Wrapper:
+        token_lora_indices = torch.tensor([1, 1, -1])
+
+    lora_ops.forget_plans()
+    lora_ops.forget_weights()
+    lora_ops.add_lora_linear(Wrapper(), y, torch.randn(3, 8), a, b, 1.0, (8,))
+    assert torch.equal(y, torch.ones(3, 8))
+    a[0][1].fill_(1.0)
+    b[0][1].fill_(1.0)
+    lora_ops.forget_weights()  # vLLM's activate_adapter, wrapped by fix_cpu_lora_ops
+    lora_ops.add_lora_linear(Wrapper(), y, torch.ones(3, 8), a, b, 1.0, (8,))
+    assert torch.equal(y[:2], torch.full((2, 8), 33.0)) and torch.equal(y[2], torch.ones(8))

@@ -55,6 +55,10 @@ class _Plan:
 _plans: dict[tuple[int, int, int], _Plan] = {}
 _weights: dict[tuple[int | str, ...], torch.Tensor] = {}
 _exploded: dict[tuple[int, ...], torch.Tensor] = {}
+_live: dict[tuple[int, ...], frozenset[int]] = {}
+"""Per weight: the slots holding an adapter with weights for its layer. vLLM runs every
+LoRA layer for every adapter; one trained on q and v only (peft's default for Llama)
+leaves zeros in the others, whose products are skipped."""
 
 
 def _key(t: torch.Tensor) -> tuple[int, int]:
@@ -73,6 +77,7 @@ def forget_plans() -> None:
 def forget_weights() -> None:
     """An adapter was put into a slot (vLLM's ``activate_adapter``)."""
     _weights.clear()
+    _live.clear()
 
 
 def _plan(indices: torch.Tensor, count: int) -> _Plan:
@@ -121,8 +126,13 @@ def _planned(inputs: torch.Tensor, key: tuple[int, ...], build: Callable[[], tor
     plan = _plan(indices, count)
     if not plan.slots:
         return None
-    x = inputs.float()
     slots = _prepared(key, "slots", build)
+    live = _live.get(key)
+    if live is None:  # the slots whose adapter has weights here
+        live = _live[key] = frozenset(slots.flatten(1).any(dim=1).nonzero().flatten().tolist())
+    if not any(slot in live for slot, _ in plan.slots):
+        return None  # the batch's adapters leave this layer alone (an adapter of q and v)
+    x = inputs.float()
     if plan.single is not None:  # one adapter for the whole batch
         return (x @ slots[plan.single].T).to(dtype=dtype)
     if plan.gather is not None:  # one batched product over the slots
