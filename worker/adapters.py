@@ -33,15 +33,16 @@ class ModelShape:
     sizes: frozenset[int]
 
 
-def check_adapter(path: str, max_rank: int, shape: ModelShape) -> None:
+def check_adapter(path: str, max_rank: int, shape: ModelShape | None) -> None:
     """Raise ``AdapterError`` unless the adapter at ``path`` fits a model of ``shape``
-    and an engine whose ``max_lora_rank`` is ``max_rank``."""
+    (None: no model to fit, the synthetic engine's) and an engine whose ``max_lora_rank``
+    is ``max_rank``."""
     info = read_adapter(path)
     if info.rank > max_rank:
         raise AdapterError(f"rank {info.rank} is above the base's max_lora_rank ({max_rank}); "
                            "raise it in the preset")
     weights = Path(path) / "adapter_model.safetensors"
-    if not weights.is_file():
+    if shape is None or not weights.is_file():
         return  # a .bin (pickle) file: vLLM reads and checks it itself
     from safetensors import safe_open
 

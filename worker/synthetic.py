@@ -42,7 +42,7 @@ from shared.protocol import (
     Tokenize,
     ToolCallDelta,
 )
-from worker.adapters import AdapterPool, adapter_error
+from worker.adapters import AdapterPool, adapter_error, check_adapter
 
 
 class SyntheticError(Exception):
@@ -87,10 +87,7 @@ class SyntheticEngine:
     # no longer reads there kills the engine.
     async def _check_adapter(self, ref: LoraRef) -> None:
         try:
-            rank = read_adapter(ref.path).rank
-            if rank > (self._spec.max_lora_rank or 0):
-                raise AdapterError(f"rank {rank} is above the base's max_lora_rank "
-                                   f"({self._spec.max_lora_rank})")
+            check_adapter(ref.path, self._spec.max_lora_rank or 0, None)
         except AdapterError as err:
             message, status, code = adapter_error(ref, err)
             raise SyntheticError(message, status=status, param="model", code=code) from None
