@@ -116,7 +116,7 @@ async def serving(tmp: Path, *, preset_user: bool, preset_admin: bool,
 def concrete(path: str) -> str:
     """A request path for a route's template (a stored response nobody made, model m)."""
     path = path.replace("{model_id:path}", "m").replace("{response_id}", "resp_nobody")
-    return path.replace("{name}", "named-nobody")
+    return path.replace("{name:path}", "named-nobody").replace("{name}", "named-nobody")
 
 
 def cells(app: Any) -> list[tuple[str, str, str]]:
