@@ -209,16 +209,29 @@ def test_a_check_refuses_what_does_not_fit_the_base(tmp_path: Path) -> None:
         check_adapter(str(adapter(tmp_path / "r32", rank=32)), 16, shape)
 
 
-def test_a_merged_layer_in_two_products_adds_what_each_slice_would() -> None:
+@pytest.mark.parametrize("indices", [
+    torch.tensor([0, 2, -1, 2, 3, 0]),  # a few adapters: one batched product over slots
+    torch.tensor([2, 2, 2]),  # one adapter for the whole batch
+    torch.tensor([0] * 150 + [3] * 2 + [-1] * 3),  # past SMALL, uneven: one per adapter
+], ids=["grouped", "single", "per-adapter"])
+def test_a_merged_layer_in_two_products_adds_what_each_slice_would(
+        indices: torch.Tensor) -> None:
     """``add_lora_linear`` fuses the slices (q, k, v) of a merged layer: the same sums as
-    shrinking and expanding each slice apart, rows of no adapter untouched."""
+    shrinking and expanding each slice apart, rows of no adapter untouched, adapters of a
+    rank below the engine's (zero rows, trimmed) included, whichever way it groups the
+    rows."""
     torch.manual_seed(1)
     slots, rank, width, sizes = 4, 8, 32, (32, 8, 8)
     a = tuple(torch.randn(slots, 1, rank, width) for _ in sizes)
     b = tuple(torch.randn(slots, 1, size, rank) for size in sizes)
-    x = torch.randn(6, width)
-    indices = torch.tensor([0, 2, -1, 2, 3, 0])
-    y = torch.randn(6, sum(sizes))
+    for stack in a:
+        stack[0, 0, 3:] = 0  # slot 0 holds a rank-3 adapter, slot 2 a rank-5 one
+        stack[2, 0, 5:] = 0
+    for stack in b:
+        stack[0, 0, :, 3:] = 0
+        stack[2, 0, :, 5:] = 0
+    x = torch.randn(len(indices), width)
+    y = torch.randn(len(indices), sum(sizes))
     expected = y.clone()
     offset = 0
     for i, size in enumerate(sizes):
@@ -232,6 +245,7 @@ def test_a_merged_layer_in_two_products_adds_what_each_slice_would() -> None:
         token_lora_indices = indices
 
     lora_ops.forget_plans()
+    lora_ops.forget_weights()
     lora_ops.add_lora_linear(Wrapper(), y, x, a, b, 0.5, sizes)
     assert torch.allclose(y, expected, atol=1e-4)
 
