@@ -305,17 +305,16 @@ class ModelRegistry:
             raise BadRequest(f"{where}: model '{base_id}' serves no adapters (its preset "
                              "entry needs max_loras or adapters_dir)", param="base",
                              code="adapter_invalid")
-        assert base.spec.max_loras is not None and base.spec.max_lora_rank is not None
+        assert base.spec.max_cpu_loras is not None and base.spec.max_lora_rank is not None
         if rank is not None and rank > base.spec.max_lora_rank:
             raise BadRequest(f"{where}: rank {rank} is above its base's max_lora_rank "
                              f"({base.spec.max_lora_rank})", param="path",
                              code="adapter_invalid")
         held = sum(a.spec.pinned for a in self.adapters_of(base))
-        if pinned and held + 1 >= base.spec.max_loras:
-            # vLLM keeps a pinned adapter in a batch slot for good (shared.config).
-            raise BadRequest(f"{where}: {held + 1} pinned adapters need max_loras above "
+        if pinned and held + 1 >= base.spec.max_cpu_loras:  # as shared.config refuses
+            raise BadRequest(f"{where}: {held + 1} pinned adapters need max_cpu_loras above "
                              f"that on their base '{base.id}' (it is "
-                             f"{base.spec.max_loras}), so a batch has a slot for the "
+                             f"{base.spec.max_cpu_loras}), so the engine has room for the "
                              "others", param="pinned", code="adapter_invalid")
         return base
 

@@ -236,8 +236,8 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Default: true on CPU (torch.compile there takes minutes), false on GPU."""
     pinned: bool = False
     """Never evicted for another model and never stopped for idling. An adapter model:
-    loaded with its base and never out of its engine's batch slots (so a base's pinned
-    adapters must be fewer than its ``max_loras``)."""
+    loaded with its base and never out of its engine (so a base's pinned adapters must be
+    fewer than its ``max_cpu_loras``); it takes a batch slot when it runs, as any."""
     priority: int = 0
     """Among models waiting for room, the higher loads first; a busy model yields its room
     (``swap_wait``) only to a model of at least its priority."""
@@ -539,15 +539,13 @@ def _add_adapters(models: dict[str, ModelSpec], adapters: dict[str, dict[str, An
     pinned: dict[str, int] = {}
     for name, (spec, info) in own.items():
         base = models[str(spec.base)]
-        assert base.max_lora_rank is not None and base.max_loras is not None  # sized above
+        assert base.max_lora_rank is not None and base.max_cpu_loras is not None  # sized
         pinned[base.id] = pinned.get(base.id, 0) + spec.pinned
-        if pinned[base.id] >= base.max_loras:
-            # vLLM keeps a pinned adapter in a batch slot for good: with every slot pinned,
-            # the first request for another adapter kills the engine (measured, 0.32).
+        if pinned[base.id] >= base.max_cpu_loras:
             raise ConfigError(f"{source}: model '{name}': key 'pinned': {pinned[base.id]} "
-                              f"pinned adapters need max_loras above that on their base "
-                              f"'{base.id}' (it is {base.max_loras}), so a batch has a slot "
-                              "for the others")
+                              f"pinned adapters need max_cpu_loras above that on their base "
+                              f"'{base.id}' (it is {base.max_cpu_loras}), so the engine has "
+                              "room for the others")
         if info.rank > base.max_lora_rank:
             raise ConfigError(f"{source}: model '{name}': key 'adapter': rank {info.rank} is "
                               f"above its base's max_lora_rank ({base.max_lora_rank})")

@@ -34,7 +34,7 @@ server:
   adapter_roots: [{roots}]
 models:
   base: {model: /synthetic, engine: synthetic, max_loras: 2, load_on_startup: true}
-  cold: {model: /synthetic, engine: synthetic, max_loras: 2}
+  cold: {model: /synthetic, engine: synthetic, max_loras: 1, max_cpu_loras: 2}
   plain: {model: /synthetic, engine: synthetic}
   declared: {base: base, adapter: {roots}/good}
 """
@@ -189,11 +189,12 @@ def test_the_base_must_be_a_model_that_serves_adapters(router: Router) -> None:
     assert router.model("third").status_code == 404
 
 
-def test_pinned_adapters_leave_a_batch_slot(router: Router) -> None:
+def test_pinned_adapters_leave_room_in_the_engine(router: Router) -> None:
+    """``cold`` has one batch slot and room for two adapters: one may be pinned."""
     assert router.register("pin-a", "cold", router.roots / "pin-a",
                            pinned=True).status_code == 201
     refused(router.register("pin-b", "cold", router.roots / "pin-b", pinned=True), 400,
-            "adapter_invalid", "adapter 'pin-b'", "max_loras")
+            "adapter_invalid", "adapter 'pin-b'", "max_cpu_loras")
     assert router.register("pin-b", "cold", router.roots / "pin-b").status_code == 201
 
 
@@ -233,7 +234,8 @@ def test_a_reload_keeps_registered_adapters_whose_base_serves_them(router: Route
     for name, base in (("kept", "base"), ("gone", "cold"), ("taken", "base")):
         assert router.register(name, base, router.roots / name).status_code == 201
     text = router.preset.read_text()
-    text = text.replace("  cold: {model: /synthetic, engine: synthetic, max_loras: 2}\n", "")
+    text = text.replace("  cold: {model: /synthetic, engine: synthetic, max_loras: 1, "
+                        "max_cpu_loras: 2}\n", "")
     router.preset.write_text(text + "  taken: {model: /synthetic, engine: synthetic}\n")
     reply = router.ask("POST", "/v1/config/reload")
     assert reply.status_code == 200, reply.text

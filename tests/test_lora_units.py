@@ -110,9 +110,12 @@ def test_ranks_and_pins_must_fit_the_base(tmp_path: Path) -> None:
         build_preset({"models": {"base": {"model": "m", "max_lora_rank": 16},
                                  "w": {"base": "base", "adapter": wide}}})
     a = str(adapter(tmp_path / "a"))
-    with pytest.raises(ConfigError, match="pinned adapters need max_loras above"):
-        build_preset({"models": {"base": {"model": "m", "max_loras": 1},
-                                 "p": {"base": "base", "adapter": a, "pinned": True}}})
+    one_slot = {"base": {"model": "m", "max_loras": 1, "max_cpu_loras": 1},
+                "p": {"base": "base", "adapter": a, "pinned": True}}
+    with pytest.raises(ConfigError, match="pinned adapters need max_cpu_loras above"):
+        build_preset({"models": one_slot})
+    one_slot["base"]["max_cpu_loras"] = 2  # one batch slot, a pinned adapter: room to spare
+    assert build_preset({"models": one_slot}).models["p"].pinned
     assert rank_cap([8]) == 16 and rank_cap([33]) == 64
 
 

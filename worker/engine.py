@@ -692,9 +692,10 @@ class VllmEngine:
         from vllm.lora.request import LoRARequest
 
         try:
+            # a pinned adapter is pinned in the pool (it never leaves the engine), not
+            # with vLLM's pin_lora, which keeps it in a batch slot for good: with every
+            # slot so held (max_loras: 1), the engine dies on the next other adapter
             await self._llm.add_lora(LoRARequest(ref.name, ref.number, ref.path))
-            if ref.pinned:
-                await self._llm.pin_lora(ref.number)
         except VLLMServerError:
             raise  # the engine died: not the adapter's fault
         except Exception as err:  # noqa: BLE001  # vLLM's refusal of the files

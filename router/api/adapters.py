@@ -5,7 +5,7 @@ made so (admin keys only: ``router.access.rules``).
 A path is taken only inside the server's ``adapter_roots`` or a base's ``adapters_dir``,
 links followed (so no ``..`` or link leads out); with none set, every registration is
 refused. The folder is checked before it is accepted: a LoRA with weights, its rank
-within the base's ``max_lora_rank``, pinned adapters fewer than the base's ``max_loras``;
+within the base's ``max_lora_rank``, pinned adapters fewer than the base's ``max_cpu_loras``;
 a running base loads it at once, so its worker's check of the tensors against the model
 answers the request. A reload keeps registered adapters while their base serves them
 (``ModelRegistry.reconfigure``); a restart forgets them.

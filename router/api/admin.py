@@ -87,20 +87,18 @@ class AdminAPI:
 
     def adapter_object(self, entry: ModelEntry, principal: Principal) -> dict[str, Any]:
         """An adapter model as ``vllm serve`` lists one (``parent``: its base) with its
-        ``state`` in its base's engine: ``resident`` (pinned, or among the most recently
-        used that fill the ``max_loras`` batch slots: vLLM 0.32 tells no more), ``cpu``
-        (loaded, further back in the engine's LRU), ``known`` (not loaded). Its folder
-        only for an admin."""
+        ``state`` in its base's engine: ``resident`` (among the most recently used that
+        fill the ``max_loras`` batch slots: vLLM 0.32 tells no more), ``cpu`` (loaded,
+        further back in the engine's LRU), ``known`` (not loaded). Its folder only for an
+        admin."""
         base = self.registry.serving(entry)
         loaded = base.adapters_loaded if base.state == "ready" else []
+        numbers = [a.number for a in loaded]  # least recently used first
         assert entry.lora is not None
-        pinned = {a.number for a in loaded if a.pinned}  # in a batch slot for good
-        others = [a.number for a in loaded if not a.pinned]
-        slots = max(0, (base.spec.max_loras or 1) - len(pinned))
         state = "known"
-        if entry.lora.number in pinned or entry.lora.number in others[len(others) - slots:]:
+        if entry.lora.number in numbers[-(base.spec.max_loras or 1):]:
             state = "resident"
-        elif entry.lora.number in others:
+        elif entry.lora.number in numbers:
             state = "cpu"
         mine = next((a for a in loaded if a.number == entry.lora.number), None)
         extra: dict[str, Any] = {
