@@ -1,9 +1,11 @@
 """Validate responses against OpenAI's official schemas (``../shared/conformance``).
 
 The schema files come from openai/openai-openapi (MIT): ``openai-schemas.json`` (chat,
-completions, models, errors: ``validate``) and ``openai-responses-schemas.json`` (the
-Responses API: ``validate_responses``). ``tests/data`` keeps a copy of each so a clone
-without ``../shared`` still tests, and the shared one wins when it is present.
+completions, models, errors: ``validate``), ``openai-responses-schemas.json`` (the
+Responses API: ``validate_responses``) and ``openai-batch-schemas.json`` (Files, Batches
+and the batch input/output lines: ``validate_batch``; ``tests/data/extract_batch_schemas.py``
+regenerates it). ``tests/data`` keeps a copy of each so a clone without ``../shared`` still
+tests, and the shared one wins when it is present.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from referencing.jsonschema import DRAFT202012
 _HERE = Path(__file__).resolve().parent
 _CHAT = "openai-schemas.json"
 _RESPONSES = "openai-responses-schemas.json"
+_BATCH = "openai-batch-schemas.json"
 
 
-@lru_cache(maxsize=2)
+@lru_cache(maxsize=3)
 def _load(name: str) -> dict[str, Any]:
     for path in (_HERE.parents[1] / "shared" / "conformance" / name, _HERE / "data" / name):
         if path.is_file():
@@ -60,6 +63,13 @@ def validate_responses(name: str, payload: Any) -> None:
     """``validate`` against the Responses API's schemas (``Response``,
     ``ResponseStreamEvent``, ``ResponseItemList``, ``TokenCountsResource`` ...)."""
     validate(name, payload, _RESPONSES)
+
+
+def validate_batch(name: str, payload: Any) -> None:
+    """``validate`` against the Files and Batches schemas (``Batch``, ``ListBatchesResponse``,
+    ``OpenAIFile``, ``ListFilesResponse``, ``DeleteFileResponse``, ``CreateBatchRequest``,
+    and one line of a batch file: ``BatchRequestInput``, ``BatchRequestOutput``)."""
+    validate(name, payload, _BATCH)
 
 
 def validate(name: str, payload: Any, document: str = _CHAT) -> None:
