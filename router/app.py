@@ -43,6 +43,10 @@ from router.api.scoring import ScoringAPI
 from router.api.status import StatusPage
 from router.api.usage import UsageAPI
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
+from router.batches.openai_api import FilesAndBatches, OpenAIShape
+from router.batches.runner import BatchRunner, LineCaller
+from router.batches.store import SCHEMA as BATCH_TABLES
+from router.batches.store import BatchStore
 from router.errors import APIError, ModelNotFound
 from router.lifecycle.reload import Reloader
 from router.lifecycle.supervisor import Supervisor
@@ -50,7 +54,7 @@ from router.observe.events import EventBus
 from router.observe.metrics import Metrics
 from router.registry import ModelRegistry
 from router.workers.placement import Placer, check_budgets
-from shared.config import ConfigError, Preset
+from shared.config import ConfigError, Preset, default_cache_dir
 
 log = logging.getLogger("modelyard.router")
 
@@ -75,9 +79,18 @@ class ModelyardApp(Starlette):
     def __init__(self, *, front: list[Middleware], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.front = front
+        self._inner: ASGIApp | None = None
+
+    def inner(self) -> ASGIApp:
+        """The stack below ``front``: what a request admitted already goes through (a
+        batch's line, ``router.batches.runner.LineCaller``)."""
+        if self.middleware_stack is None:
+            self.middleware_stack = self.build_middleware_stack()
+        assert self._inner is not None
+        return self._inner
 
     def build_middleware_stack(self) -> ASGIApp:
-        app = super().build_middleware_stack()
+        app = self._inner = super().build_middleware_stack()
         for cls, args, kwargs in reversed(self.front):
             app = cls(app, *args, **kwargs)
         return app
@@ -107,7 +120,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     supervisor = Supervisor(registry, server, runtime_dir, placer, events)
     metrics = MetricsAPI(Metrics(registry))
     database = Database(server.database_url or default_url(server.cache_dir),
-                        KEY_TABLES + LEDGER_TABLES)
+                        KEY_TABLES + LEDGER_TABLES + BATCH_TABLES)
     ledger = Ledger(database)
     relay = Relay(supervisor, metrics.metrics, ledger)
     openai = OpenAIAPI(relay, server.max_body_bytes)
@@ -119,6 +132,11 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     reloader = Reloader(preset.source, preset, supervisor, keys, overrides)
     admin = AdminAPI(supervisor, server.max_body_bytes, reloader)
     named = KeysAPI(KeyStore(database), keys, server.max_body_bytes)
+    batch_store = BatchStore(database, Path(server.cache_dir or default_cache_dir()) / "files",
+                             int(server.files_quota_mib * 2**20))
+    runner = BatchRunner(batch_store, LineCaller(lambda: app.inner()), keys, registry, server,
+                         {"openai": OpenAIShape()})
+    batches = FilesAndBatches(batch_store, runner, relay, server)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -140,10 +158,12 @@ def build_app(preset: Preset, *, watch_config: bool = False,
                                         name="named-keys")
         supervisor.start()
         reloader.start(watch_config)
+        runner.start()
         try:
             yield
         finally:
             following.cancel()
+            await runner.close()  # lines that ran are written; the rest wait for a runner
             reloader.close()
             watch.close()
             await responses.background.cancel_all()
@@ -155,6 +175,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
 
     routes = (metrics.counted(openai.routes() + anthropic.routes() + responses.routes()
                               + ScoringAPI(relay, server.max_body_bytes).routes())
+              + batches.routes()
               + watch.routes() + AdapterAPI(admin).routes() + admin.routes() + named.routes()
               + UsageAPI(ledger, registry).routes() + metrics.routes()
               + OpenAPIDocument(keys).routes() + StatusPage().routes())

@@ -178,6 +178,16 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Folders under which ``POST /v1/models/adapters`` may register a LoRA adapter by
     path (links followed), beside every base's ``adapters_dir``; relative to the preset's
     folder. With neither, every registration is refused."""
+    batch_model_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
+    """Batch lines one model runs at once, over every batch and key."""
+    batch_key_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
+    """Batch lines one key's batches run at once."""
+    files_max_mib: Annotated[float, msgspec.Meta(gt=0)] = 200.0
+    """An uploaded file (``/v1/files``, a message batch's requests), at most."""
+    files_quota_mib: Annotated[float, msgspec.Meta(ge=0)] = 2048.0
+    """One key's uploaded files together, at most (deleting one makes room)."""
+    batch_max_lines: Annotated[int, msgspec.Meta(ge=1)] = 50_000
+    """Requests one batch may hold."""
 
 
 class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,

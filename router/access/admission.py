@@ -165,6 +165,14 @@ class Keys:
         revoked key's open streams end)."""
         return not self.required or self._by_name.get(principal.name) == principal
 
+    def current(self, name: str) -> Principal | None:
+        """The key named ``name`` as it stands now (a batch's owner, whose lines run as it
+        does today); ``None`` when it no longer opens anything. On a server without keys,
+        its one user (``OPEN``), whose name is empty."""
+        if not self.required:
+            return OPEN if name == "" else None
+        return self._by_name.get(name) if name else None
+
     def keeps_an_admin(self, other: Keys) -> bool:
         """Whether the preset keys of ``other`` (a reload's) with today's named keys
         leave an admin key, where one is today."""

@@ -39,12 +39,13 @@ keeps its rows queued and writes them when the database returns (``router.access
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 import re
 import sqlite3
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -97,12 +98,28 @@ def default_url(cache_dir: str | None) -> str:
 
 
 class Conn:
-    """A connection as the thread that holds it uses it: ``execute`` commits at once;
-    ``many`` runs one statement over many rows in one transaction."""
+    """A connection as the thread that holds it uses it: ``execute`` commits at once
+    (inside ``atomic``, at its end); ``many`` runs one statement over many rows in one
+    transaction."""
 
     def __init__(self, raw: Any, postgres: bool) -> None:
         self.raw = raw
         self.postgres = postgres
+        self._atomic = False
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[None]:
+        """The statements run inside, one transaction: all written, or none (inside
+        another, part of that one)."""
+        if self._atomic:
+            yield
+            return
+        self._atomic = True
+        try:
+            with self.raw.transaction() if self.postgres else self.raw:
+                yield  # SQLite's connection commits at the block's end, or rolls back
+        finally:
+            self._atomic = False
 
     def sql(self, text: str) -> str:
         for ours, theirs in (_PG_TYPES if self.postgres else _SQLITE_TYPES):
@@ -112,16 +129,16 @@ class Conn:
     def execute(self, text: str, params: Sequence[Any] = ()) -> list[Row]:
         cursor = self.raw.execute(self.sql(text), tuple(params))
         rows = list(cursor.fetchall()) if cursor.description else []
-        if not self.postgres:
+        if not self.postgres and not self._atomic:
             self.raw.commit()
         return rows
 
     def many(self, text: str, rows: Sequence[Sequence[Any]]) -> None:
-        if self.postgres:
-            with self.raw.transaction(), self.raw.cursor() as cursor:
-                cursor.executemany(self.sql(text), rows)
-        else:
-            with self.raw:  # one transaction
+        with self.atomic():
+            if self.postgres:
+                with self.raw.cursor() as cursor:
+                    cursor.executemany(self.sql(text), rows)
+            else:
                 self.raw.executemany(self.sql(text), rows)
 
 

@@ -57,6 +57,8 @@ ADMIN = "admin"
 ALLOWED_MODELS = "the models its globs allow"
 GENERATE = _rule(API, f"{ALLOWED_MODELS}; nothing of other keys")
 OWN_OBJECT = "its own stored responses (any other id is a 404)"
+OWN_FILES = "its own files (any other id is a 404); an admin: every key's"
+OWN_BATCHES = "its own batches (any other id is a 404); an admin: every key's"
 
 TABLE: dict[tuple[str, str], Rule] = {
     # The status page and its files hold no data; what the page calls needs a key.
@@ -86,6 +88,16 @@ TABLE: dict[tuple[str, str], Rule] = {
     ("POST", "/rerank"): GENERATE,
     ("POST", "/v1/score"): GENERATE,
     ("POST", "/score"): GENERATE,
+    # Files and batches: each belongs to the key that made it.
+    ("GET", "/v1/files"): _rule(READ, OWN_FILES),
+    ("POST", "/v1/files"): _rule(API, OWN_FILES),
+    ("GET", "/v1/files/{file_id}"): _rule(READ, OWN_FILES),
+    ("DELETE", "/v1/files/{file_id}"): _rule(API, OWN_FILES),
+    ("GET", "/v1/files/{file_id}/content"): _rule(READ, OWN_FILES),
+    ("GET", "/v1/batches"): _rule(READ, OWN_BATCHES),
+    ("POST", "/v1/batches"): _rule(API, f"{ALLOWED_MODELS} (each line's); {OWN_FILES}"),
+    ("GET", "/v1/batches/{batch_id}"): _rule(READ, OWN_BATCHES),
+    ("POST", "/v1/batches/{batch_id}/cancel"): _rule(API, OWN_BATCHES),
     # Models and what happens to them.
     ("GET", "/v1/models"): _rule(READ, ALLOWED_MODELS),
     ("GET", "/v1/models/{model_id:path}"): _rule(READ, ALLOWED_MODELS + "; a failure's log "

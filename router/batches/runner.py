@@ -1,0 +1,371 @@
+"""``BatchRunner``: runs the batches this router holds, line by line, through the app's
+own protocol handlers, as their owner's key, at batch priority.
+
+Each line is one request made in-process (``LineCaller``): the app's handlers below the
+admission middleware, with the owner's principal as it is *now* (``Keys.current``): a
+revoked key's batch stops, and what the key may use (its model globs, budgets, token
+rate) applies to every line as to any request, which is recorded in the usage ledger as
+any is. The request is marked as a batch line (``BATCH_SCOPE_KEY``): the relay gives it
+batch priority (``router.api.relay``).
+
+A batch's lines run grouped by model, a model already loaded first, so a batch over two
+models under ``max_loaded_models: 1`` loads each once. At most
+``batch_model_concurrency`` lines of one model and ``batch_key_concurrency`` of one key
+run at once, over every batch. Results are written every ``FLUSH_EVERY`` seconds (each
+line once: ``BatchStore.finish``); a router that stops, cleanly or not, leaves the lines
+it had not written pending, and whoever holds the batch next runs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from starlette.types import ASGIApp, Message
+
+from router.access.admission import PRINCIPAL_SCOPE_KEY, Keys, Principal
+from router.batches.store import BatchRow, BatchStore, Line
+from router.errors import APIError, ModelNotFound
+from router.registry import ModelRegistry
+from shared.config import ServerConfig
+
+log = logging.getLogger("modelyard.router")
+
+BATCH_SCOPE_KEY = "modelyard.batch"
+"""In a request's scope: the batch whose line it is (the relay gives it batch priority)."""
+LEASE = 30.0
+"""Seconds a router's hold on a batch lasts unless renewed: how long a batch waits after
+its router died before another takes it over."""
+CLAIM_EVERY = 2.0
+"""Seconds between looks for batches to run (and renewals of this router's leases)."""
+FLUSH_EVERY = 0.5
+"""Seconds between writes of finished lines' results."""
+RETRIES = 3
+"""Times a line answered 502 or 503 (a worker that died, the database away) runs again,
+``RETRY_AFTER`` seconds later, doubling, before that answer is its result."""
+RETRY_AFTER = 2.0
+
+
+class Shape(Protocol):
+    """How one API (OpenAI's batches, Anthropic's message batches) writes a line's
+    result."""
+
+    def result(self, line: Line, status: int, body: bytes) -> tuple[str, str]:
+        """A line that ran: its state (``succeeded``, ``errored``) and result text."""
+
+    def unrun(self, line: Line, state: str, message: str) -> str:
+        """A line that will not run (``canceled``, ``expired``): its result text."""
+
+
+def identity(folder: Path) -> str:
+    """This router's name as a batch runner: the one kept in ``folder`` (under the cache
+    dir) while no other live router holds it (a lock the system lets go of when its
+    process dies, even by kill -9), so a router started again takes its batches back at
+    once rather than after their leases run out; else a new one."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / ".runner.lock", "a+")  # noqa: SIM115  # held while we run
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return f"router-{secrets.token_hex(6)}"  # another router here, or no folder
+    _held.append(lock)
+    lock.seek(0)
+    name = lock.read().strip()
+    if not name:
+        name = f"router-{secrets.token_hex(6)}"
+        lock.write(name)
+        lock.flush()
+    return name
+
+
+_held: list[IO[str]] = []
+"""Open lock files (``identity``): closing one would let it go."""
+
+
+class LineCaller:
+    """Makes one request in-process: ``app`` is the app's stack below its admission
+    middleware (``ModelyardApp.inner``), which the scope's principal has passed."""
+
+    def __init__(self, app: Callable[[], ASGIApp]) -> None:
+        self._app = app
+
+    async def __call__(self, path: str, body: bytes, principal: Principal,
+                       batch_id: str) -> tuple[int, bytes]:
+        scope: dict[str, Any] = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+            "raw_path": path.encode(), "root_path": "", "query_string": b"",
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())],
+            "client": ("127.0.0.1", 0), "server": ("modelyard-batch", 0), "state": {},
+            PRINCIPAL_SCOPE_KEY: principal, BATCH_SCOPE_KEY: batch_id,
+        }
+        given = False
+        status = 500
+        chunks: list[bytes] = []
+
+        async def receive() -> Message:
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # the client never leaves; a cancel ends it
+            raise AssertionError("unreachable")
+
+        async def send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self._app()(scope, receive, send)
+        return status, b"".join(chunks)
+
+
+class _Running:
+    """One batch this router runs: its task and what stops it."""
+
+    __slots__ = ("batch", "stop", "task")
+
+    def __init__(self, batch: BatchRow, task: asyncio.Task[None]) -> None:
+        self.batch = batch
+        self.task = task
+        self.stop: str | None = None
+        """Why it stops early: ``canceled`` (its owner), ``expired`` or ``revoked``."""
+
+
+class BatchRunner:
+    """Runs the batches of ``store`` this router holds (see the module doc)."""
+
+    def __init__(self, store: BatchStore, call: Callable[[str, bytes, Principal, str],
+                                                         Awaitable[tuple[int, bytes]]],
+                 keys: Keys, registry: ModelRegistry, server: ServerConfig,
+                 shapes: dict[str, Shape]) -> None:
+        self.store = store
+        self.call = call
+        self.keys = keys
+        self.registry = registry
+        self.server = server
+        self.shapes = shapes
+        self.name = identity(store.folder)
+        self._running: dict[str, _Running] = {}
+        self._model_lines: dict[str, asyncio.Semaphore] = {}
+        self._key_lines: dict[str, asyncio.Semaphore] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="batch-runner")
+
+    def wake(self) -> None:
+        """Look for work now (a batch was made or cancelled)."""
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Stop running (the router stops): lines that ran are written, the others stay
+        pending for whoever holds the batch next, and the leases are let go."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        running = [r.task for r in self._running.values()]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.store.release(self.name)
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                held = await self.store.claim(self.name, LEASE)
+            except APIError as err:  # the database away: try again
+                log.warning("batches: %s", err.message)
+                held = []
+            for batch in held:
+                running = self._running.get(batch.id)
+                if running is None:
+                    task = asyncio.create_task(self._run(batch), name=f"batch {batch.id}")
+                    self._running[batch.id] = _Running(batch, task)
+                    task.add_done_callback(self._ended)
+                elif batch.status == "cancelling" and running.stop is None:
+                    running.stop = "canceled"
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CLAIM_EVERY):
+                    await self._wake.wait()
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        for bid, running in list(self._running.items()):
+            if running.task is task:
+                del self._running[bid]
+
+    def _principal(self, owner: str) -> Principal | None:
+        """The owner's principal as the keys stand now; ``None``: it no longer admits."""
+        return self.keys.current(owner)
+
+    async def _run(self, batch: BatchRow) -> None:
+        try:
+            await self._run_lines(batch)
+        except asyncio.CancelledError:
+            raise
+        except APIError as err:  # the database away: the next claim goes on
+            log.warning("batch %s: %s", batch.id, err.message)
+        except Exception:
+            log.exception("batch %s: runner failed", batch.id)
+
+    async def _run_lines(self, batch: BatchRow) -> None:
+        me = self._running[batch.id]
+        if batch.status == "validating":
+            await self.store.set_status(batch, "in_progress", self.name)
+        if batch.status == "cancelling":
+            me.stop = "canceled"
+        pending = [] if me.stop else await self.store.pending(batch.id)
+        shape = self.shapes[batch.shape]
+        done: list[Line] = []
+        flusher = asyncio.create_task(self._flush_every(batch, done))
+        try:
+            for group in self._groups(pending):
+                await self._run_group(batch, me, group, shape, done)
+                if me.stop:
+                    break
+        finally:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            await self._flush(batch, done)
+        if me.stop:
+            state = "expired" if me.stop == "expired" else "canceled"
+            message = {"canceled": "the batch was cancelled before this request ran",
+                       "expired": "the batch expired before this request ran",
+                       "revoked": "the key that made the batch no longer admits requests"
+                       }[me.stop]
+            rest = await self.store.pending(batch.id)
+            done.extend(Line(ln.line, ln.custom_id, ln.model, "", state,
+                             shape.unrun(ln, state, message)) for ln in rest)
+            await self._flush(batch, done)
+        await self._finalize(batch, me.stop)
+
+    def _groups(self, lines: list[Line]) -> list[list[Line]]:
+        """``lines`` by the model that serves them (an adapter's: its base's), each in
+        line order; a model ready now first, then in the order the batch first names
+        them."""
+        groups: dict[str, list[Line]] = defaultdict(list)
+        for line in lines:
+            groups[self._served_by(line.model)].append(line)
+        ready = {e.id for e in self.registry if e.state == "ready"}
+        return sorted(groups.values(), key=lambda g: (self._served_by(g[0].model) not in ready,
+                                                      g[0].line))
+
+    def _served_by(self, model: str) -> str:
+        try:
+            return self.registry.serving(self.registry.resolve(model)).id
+        except ModelNotFound:
+            return model  # gone since (a reload): its lines fail as any request would
+
+    async def _run_group(self, batch: BatchRow, me: _Running, group: list[Line],
+                         shape: Shape, done: list[Line]) -> None:
+        model = self._served_by(group[0].model)
+        per_model = self._model_lines.setdefault(
+            model, asyncio.Semaphore(self.server.batch_model_concurrency))
+        per_key = self._key_lines.setdefault(
+            batch.owner, asyncio.Semaphore(self.server.batch_key_concurrency))
+        in_flight: set[asyncio.Task[None]] = set()
+        try:
+            for line in group:
+                await per_key.acquire()
+                try:
+                    await per_model.acquire()
+                except BaseException:
+                    per_key.release()
+                    raise
+                if self._should_stop(batch, me):
+                    per_model.release()
+                    per_key.release()
+                    break
+                task = asyncio.create_task(self._one(batch, line, shape, done, me))
+
+                def release(_: asyncio.Task[None]) -> None:
+                    per_model.release()
+                    per_key.release()
+
+                task.add_done_callback(release)
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            while in_flight:
+                if self._should_stop(batch, me):
+                    for task in in_flight:
+                        task.cancel()
+                await asyncio.wait(in_flight, timeout=1.0)
+        finally:
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    def _should_stop(self, batch: BatchRow, me: _Running) -> bool:
+        if me.stop is None and time.time() >= batch.expires:
+            me.stop = "expired"
+        return me.stop is not None
+
+    async def _one(self, batch: BatchRow, line: Line, shape: Shape, done: list[Line],
+                   me: _Running) -> None:
+        principal = self._principal(batch.owner)
+        if principal is None:
+            me.stop = "revoked"
+            return
+        for attempt in range(RETRIES + 1):
+            status, body = await self.call(batch.endpoint, line.body.encode(), principal,
+                                           batch.id)
+            if status not in (502, 503) or attempt == RETRIES:
+                break
+            # the server's passing trouble (a worker died, the database away): again later
+            await asyncio.sleep(RETRY_AFTER * 2**attempt)
+        state, text = shape.result(line, status, body)
+        done.append(Line(line.line, line.custom_id, line.model, "", state, text))
+
+    async def _flush_every(self, batch: BatchRow, done: list[Line]) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_EVERY)
+            await self._flush(batch, done)
+
+    async def _flush(self, batch: BatchRow, done: list[Line]) -> None:
+        if not done:
+            return
+        taken = done[:]
+        del done[: len(taken)]
+        try:
+            await self.store.finish(batch.id, self.name, taken)
+        except BaseException:
+            done[:0] = taken  # written with the next flush
+            raise
+
+    async def _finalize(self, batch: BatchRow, stop: str | None) -> None:
+        fresh = await self.store.batch(batch.id, None)
+        if fresh is None:
+            return
+        await self.store.set_status(fresh, "finalizing", self.name)
+        files: dict[str, str | None] = {}
+        if fresh.shape == "openai":
+            files["output_file"] = await self.store.add_result_file(
+                fresh, "output", ("succeeded",), f"{fresh.id}_output.jsonl")
+            files["error_file"] = await self.store.add_result_file(
+                fresh, "error", ("errored", "canceled", "expired"), f"{fresh.id}_error.jsonl")
+        status = {None: "completed", "canceled": "cancelled", "expired": "expired",
+                  "revoked": "failed"}[stop]
+        if stop == "revoked":
+            fresh.errors = [{"code": "key_not_admitted", "line": None,
+                             "message": "the key that made the batch no longer admits "
+                                        "requests", "param": None}]
+        await self.store.set_status(fresh, status, self.name, **files)
+        log.info("batch %s %s: %d succeeded, %d errored, %d canceled, %d expired", fresh.id,
+                 status, fresh.succeeded, fresh.errored, fresh.canceled, fresh.expired)
+

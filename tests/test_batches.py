@@ -1,0 +1,231 @@
+"""OpenAI's Files and Batches APIs (issue 29), with the official SDK as the client, on
+synthetic models (their words are not asserted; each line's answer is): upload, create,
+progress, output and error files with every ``custom_id`` once, bad lines as error-file
+lines, cancel, expiry, ownership, and a router killed mid-batch and started again."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from tests.conformance import validate_batch
+from tests.conftest import RouterProcess, running_router
+
+pytestmark = pytest.mark.integration
+
+ALICE, BOB, ADMIN = "k-alice-batch-1a", "k-bob-batch-2b", "k-admin-batch-3c"
+PRESET = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  spare_workers: 0
+  cache_dir: {cache}
+  api_keys: [k-alice-batch-1a, k-bob-batch-2b]
+  admin_api_keys: [k-admin-batch-3c]
+  batch_model_concurrency: 4
+models:
+  m: {model: /synthetic, engine: synthetic}
+  other: {model: /synthetic, engine: synthetic}
+  slow: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 10}}
+"""
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    cache = tmp_path_factory.mktemp("batch-cache")
+    with running_router(PRESET, tmp_path_factory.mktemp("batches"), "batches",
+                        {"cache": str(cache)}) as r:
+        yield r
+
+
+def client(r: RouterProcess, key: str = ALICE) -> openai.OpenAI:
+    return openai.OpenAI(base_url=r.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def line(custom_id: str, model: str = "m", url: str = "/v1/chat/completions",
+         **body: Any) -> dict[str, Any]:
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                     "max_tokens": 4, **body}}
+
+
+def jsonl(items: list[Any]) -> bytes:
+    return "".join((i if isinstance(i, str) else json.dumps(i)) + "\n" for i in items).encode()
+
+
+def upload(c: openai.OpenAI, items: list[Any]) -> str:
+    made = c.files.create(file=("in.jsonl", jsonl(items)), purpose="batch")
+    validate_batch("OpenAIFile", made.model_dump(exclude_unset=True))
+    return made.id
+
+
+def finished(c: openai.OpenAI, batch_id: str, timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = c.batches.retrieve(batch_id)
+        if got.status in ("completed", "failed", "expired", "cancelled"):
+            return got
+        time.sleep(0.2)
+    raise TimeoutError(f"batch {batch_id} still {got.status}")
+
+
+def results(c: openai.OpenAI, batch: Any) -> dict[str, dict[str, Any]]:
+    """Every output and error line by custom_id; each must come once."""
+    out: dict[str, dict[str, Any]] = {}
+    for file_id in (batch.output_file_id, batch.error_file_id):
+        if file_id is None:
+            continue
+        for text in c.files.content(file_id).text.splitlines():
+            item = json.loads(text)
+            validate_batch("BatchRequestOutput", item)
+            assert item["custom_id"] not in out, f"{item['custom_id']} answered twice"
+            out[item["custom_id"]] = item
+    return out
+
+
+def test_a_batch_runs_every_line_once_bad_lines_in_the_error_file(
+        router: RouterProcess) -> None:
+    c = client(router)
+    good = [line(f"ok-{i}", model="m" if i % 2 else "other") for i in range(6)]
+    bad = ["{not json", line("elsewhere", url="/v1/completions"),
+           line("nobody", model="no-such-model"), line("streamed", stream=True),
+           line("too-long", max_tokens=10**9)]
+    file_id = upload(c, good + bad)
+    batch = c.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                             completion_window="24h", metadata={"run": "one"})
+    validate_batch("Batch", batch.model_dump(exclude_unset=True))
+    assert batch.status == "validating" and batch.request_counts.total == 11
+    done = finished(c, batch.id)
+    validate_batch("Batch", done.model_dump(exclude_unset=True))
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (6, 5), done
+    assert done.metadata == {"run": "one"} and done.in_progress_at and done.completed_at
+    got = results(c, done)
+    assert set(got) == {f"ok-{i}" for i in range(6)} | {
+        "line-7", "elsewhere", "nobody", "streamed", "too-long"}
+    for i in range(6):
+        response = got[f"ok-{i}"]["response"]
+        assert response["status_code"] == 200
+        assert response["body"]["model"] == ("m" if i % 2 else "other")
+        assert response["body"]["object"] == "chat.completion"
+    assert got["line-7"]["error"]["code"] == "invalid_json"
+    assert got["elsewhere"]["error"]["code"] == "invalid_url"
+    assert got["nobody"]["error"]["code"] == "model_not_found"
+    assert got["streamed"]["error"]["code"] == "invalid_body"
+    assert got["too-long"]["response"]["status_code"] == 400  # the handler's own refusal
+    listed = c.batches.list()
+    validate_batch("ListBatchesResponse", listed.model_dump(exclude_unset=True))
+    assert batch.id in [b.id for b in listed.data]
+
+
+def test_another_key_finds_nothing_an_admin_everything(router: RouterProcess) -> None:
+    alice, bob, admin = client(router), client(router, BOB), client(router, ADMIN)
+    file_id = upload(alice, [line("x")])
+    batch = alice.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+    for call in (lambda: bob.batches.retrieve(batch.id), lambda: bob.files.retrieve(file_id),
+                 lambda: bob.files.content(file_id), lambda: bob.batches.cancel(batch.id),
+                 lambda: bob.files.delete(file_id),
+                 lambda: bob.batches.create(input_file_id=file_id,
+                                            endpoint="/v1/chat/completions",
+                                            completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert batch.id not in [b.id for b in bob.batches.list().data]
+    assert file_id not in [f.id for f in bob.files.list().data]
+    assert admin.batches.retrieve(batch.id).id == batch.id
+    assert file_id in [f.id for f in admin.files.list().data]
+    assert finished(alice, batch.id).status == "completed"
+
+
+def test_a_file_that_is_not_jsonl_or_repeats_an_id_is_refused(router: RouterProcess) -> None:
+    c = client(router)
+    for items, code in ((["not json at all", "nor this"], "invalid_file"),
+                        ([line("a"), line("a")], "duplicate_custom_id")):
+        file_id = upload(c, items)
+        with pytest.raises(openai.BadRequestError) as err:
+            c.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                             completion_window="24h")
+        assert err.value.code == code, err.value
+    file_id = upload(c, [line("a")])
+    with pytest.raises(openai.BadRequestError) as err:
+        c.batches.create(input_file_id=file_id, endpoint="/v1/moderations",
+                         completion_window="24h")
+    assert err.value.code == "unsupported_endpoint"
+
+
+def test_cancel_mid_way_answers_the_rest_as_cancelled(router: RouterProcess) -> None:
+    c = client(router)
+    items = [line(f"c-{i}", model="slow", max_tokens=20) for i in range(40)]
+    batch = c.batches.create(input_file_id=upload(c, items), endpoint="/v1/chat/completions",
+                             completion_window="24h")
+    deadline = time.monotonic() + 30
+    while c.batches.retrieve(batch.id).status == "validating" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2.5)  # a few lines done (4 at once, 2 s each)
+    assert c.batches.cancel(batch.id).status == "cancelling"
+    done = finished(c, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at, done
+    got = results(c, done)
+    assert set(got) == {f"c-{i}" for i in range(40)}
+    cancelled = [k for k, v in got.items() if v["error"]
+                 and v["error"]["code"] == "batch_cancelled"]
+    assert 0 < done.request_counts.completed < 40 and len(cancelled) >= 20, done
+
+
+def test_a_batch_past_its_window_expires(router: RouterProcess) -> None:
+    c = client(router)
+    items = [line(f"e-{i}", model="slow", max_tokens=20) for i in range(30)]
+    batch = c.batches.create(input_file_id=upload(c, items), endpoint="/v1/chat/completions",
+                             completion_window="3s")
+    done = finished(c, batch.id)
+    assert done.status == "expired" and done.expired_at, done
+    got = results(c, done)
+    assert set(got) == {f"e-{i}" for i in range(30)}
+    assert sum(1 for v in got.values() if v["error"]
+               and v["error"]["code"] == "batch_expired") >= 10
+
+
+def test_a_router_killed_mid_batch_resumes_it_every_line_once(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    cache, work = tmp_path_factory.mktemp("kill-cache"), tmp_path_factory.mktemp("kill")
+    items = [line(f"k-{i}", model="slow", max_tokens=10) for i in range(24)]
+    with running_router(PRESET, work, "batch-kill", {"cache": str(cache)}) as r:
+        c = client(r)
+        batch = c.batches.create(input_file_id=upload(c, items),
+                                 endpoint="/v1/chat/completions", completion_window="24h")
+        deadline = time.monotonic() + 30
+        while c.batches.retrieve(batch.id).request_counts.completed < 4:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert r.proc is not None
+        r.proc.send_signal(signal.SIGKILL)
+        r.proc.wait()
+    with running_router(PRESET, work, "batch-kill", {"cache": str(cache)}) as again:
+        c = client(again)
+        done = finished(c, batch.id, timeout=120)
+        assert done.status == "completed" and done.request_counts.completed == 24, done
+        got = results(c, done)
+        assert set(got) == {f"k-{i}" for i in range(24)}
+        assert all(v["response"]["status_code"] == 200 for v in got.values())
+
+
+def test_files_list_retrieve_delete(router: RouterProcess, tmp_path: Path) -> None:
+    c = client(router)
+    file_id = upload(c, [line("f")])
+    assert c.files.retrieve(file_id).bytes == len(jsonl([line("f")]))
+    assert c.files.content(file_id).content == jsonl([line("f")])
+    listed = c.files.list(purpose="batch")
+    validate_batch("ListFilesResponse", listed.model_dump(exclude_unset=True))
+    assert file_id in [f.id for f in listed.data]
+    gone = c.files.delete(file_id)
+    validate_batch("DeleteFileResponse", gone.model_dump(exclude_unset=True))
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(file_id)
