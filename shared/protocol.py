@@ -113,9 +113,9 @@ class Constraint(msgspec.Struct, omit_defaults=True, gc=False):
 
 
 class LoraRef(msgspec.Struct, **_WIRE):
-    """A LoRA adapter a request runs with: its model name, the router's number for it
-    (stable while the router lives; a new folder under one name gets a new number) and
-    its folder."""
+    """A LoRA adapter a request (``Generate``, ``Embed``, ``Score``) runs with: its model
+    name, the router's number for it (stable while the router lives; a new folder under
+    one name gets a new number) and its folder."""
 
     name: str
     number: int
@@ -177,6 +177,8 @@ class Embed(msgspec.Struct, tag="embed", **_MSG):
     id: str
     inputs: list[str | list[int]]
     dimensions: int | None = None
+    lora: LoraRef | None = None
+    """The adapter on top of the base model, as ``Generate.lora``."""
 
 
 class Score(msgspec.Struct, tag="score", **_MSG):
@@ -190,6 +192,8 @@ class Score(msgspec.Struct, tag="score", **_MSG):
     documents: list[str]
     max_tokens_per_doc: int = 0
     """Each document cut to this many tokens before it is paired (0: not cut)."""
+    lora: LoraRef | None = None
+    """The adapter on top of the base model, as ``Generate.lora``."""
 
 
 class Ping(msgspec.Struct, tag="ping", **_MSG):

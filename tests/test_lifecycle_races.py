@@ -261,7 +261,7 @@ def test_a_one_shot_call_left_while_queued_gives_its_place_back(tmp_path: Path) 
     relay = Relay(sup)
     ran: list[object] = []
 
-    async def work(link: object) -> object:
+    async def work(link: object, lora: object) -> object:
         ran.append(link)
         return link
 

@@ -1,7 +1,8 @@
 """LoRA adapters are models to keys, budgets and the records: a key's globs and budgets
 apply per adapter name, and the usage ledger, request events and metrics carry the
 adapter's name, not its base's. Synthetic workers: an adapter's request answers with the
-adapter's name as each word, so which adapter ran is visible."""
+adapter's name as each word, so which adapter ran is visible; an embedding base's adapter
+counts its name as one more word of what it embeds or scores."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ models:
   base: {model: /synthetic, engine: synthetic, max_loras: 2}
   pirate: {base: base, adapter: {pirate}, aliases: [arr]}
   poet: {base: base, adapter: {poet}}
+  vectors: {model: /synthetic, engine: synthetic, task: embed, max_loras: 2}
+  tuned: {base: vectors, adapter: {tuned}}
 """
 
 
@@ -41,7 +44,7 @@ def folder(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     tmp = tmp_path_factory.mktemp("lora-tenancy")
-    subst = {name: str(folder(tmp / name)) for name in ("pirate", "poet")}
+    subst = {name: str(folder(tmp / name)) for name in ("pirate", "poet", "tuned")}
     with running_router(PRESET, tmp, "lora-tenancy", subst) as r:
         yield r
 
@@ -119,3 +122,53 @@ def test_an_adapters_alias_and_its_folder_as_other_models_names(router: RouterPr
                  *call(router, viewer, "GET", "/v1/models").json()["data"]]:
         assert "root" not in body, body
     assert "root" in call(router, ADMIN, "GET", "/v1/models/pirate").json()
+
+
+def test_an_embedding_bases_adapter_embeds_and_scores_under_its_own_name(
+        router: RouterProcess) -> None:
+    key = make_key(router, "embedder")
+
+    def embed(model: str) -> dict[str, object]:
+        answer = call(router, key, "POST", "/v1/embeddings",
+                      {"model": model, "input": ["a red fox", "a blue sea"]})
+        assert answer.status_code == 200, answer.text
+        return dict(answer.json())
+
+    base, tuned = embed("vectors"), embed("tuned")
+    assert base["model"] == "vectors" and tuned["model"] == "tuned"
+    vectors = [[item["embedding"] for item in answer["data"]]  # type: ignore[attr-defined]
+               for answer in (base, tuned)]
+    assert vectors[0] != vectors[1]  # the adapter ran, not the base alone
+    assert [item["embedding"] for item in embed("tuned")["data"]] == vectors[1]  # type: ignore[attr-defined]
+    scores = {}
+    for model in ("vectors", "tuned"):
+        answer = call(router, key, "POST", "/v1/score",
+                      {"model": model, "text_1": "a red fox", "text_2": ["a red fox", "sea"]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["model"] == model
+        scores[model] = [item["score"] for item in answer.json()["data"]]
+    assert scores["vectors"] != scores["tuned"], scores
+    ranked = call(router, key, "POST", "/v1/rerank",
+                  {"model": "tuned", "query": "a red fox", "documents": ["sea", "a red fox"]})
+    assert ranked.status_code == 200, ranked.text
+    assert ranked.json()["model"] == "tuned"
+    assert ranked.json()["results"][0]["index"] == 1
+    rows = call(router, key, "GET", "/v1/usage?group_by=model").json()["data"]
+    by_model = {row["model"]: row for row in rows}
+    assert set(by_model) == {"vectors", "tuned"}, rows  # never its base's name
+    assert by_model["tuned"]["requests"] == 4 and by_model["tuned"]["prompt_tokens"] > 0, rows
+    assert 'model="tuned"' in call(router, ADMIN, "GET", "/metrics").text
+
+
+def test_a_generation_bases_adapter_is_refused_on_embeddings_and_scores(
+        router: RouterProcess) -> None:
+    for path, body in (("/v1/embeddings", {"input": "hi"}),
+                       ("/v1/score", {"text_1": "hi", "text_2": "ho"})):
+        refused = call(router, ADMIN, "POST", path, {"model": "pirate", **body})
+        assert refused.status_code == 400, refused.text  # never the base's vectors
+        error = refused.json()["error"]
+        assert error["code"] == "wrong_model_task" and error["param"] == "model", error
+        assert "adapter of 'base'" in error["message"], error
+    tuned = call(router, ADMIN, "POST", "/v1/chat/completions",
+                 {"model": "tuned", "messages": [{"role": "user", "content": "hi"}]})
+    assert tuned.status_code == 400 and tuned.json()["error"]["code"] == "wrong_model_task"

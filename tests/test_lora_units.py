@@ -140,6 +140,21 @@ def test_a_base_without_adapters_starts_no_lora_engine() -> None:
             args["max_lora_rank"]) == (True, 2, 32, 16)
 
 
+def test_a_pooling_base_with_adapters_starts_a_pooling_lora_engine(tmp_path: Path) -> None:
+    """Adapters of an embedding or scoring model are served by its pooling engine."""
+    from worker.engine_args import engine_args_for
+
+    folder = adapter(tmp_path / "a")
+    p = build_preset({"models": {
+        "vectors": {"model": "m", "task": "embed"},
+        "ranker": {"model": "m", "task": "score", "max_loras": 1},
+        "tuned": {"base": "vectors", "adapter": str(folder)}}})
+    for name, convert in (("vectors", "embed"), ("ranker", "classify")):
+        args = engine_args_for(p.models[name], "/m", set())
+        assert (args["runner"], args["convert"], args["enable_lora"]) == ("pooling", convert,
+                                                                          True), name
+
+
 # -- names -----------------------------------------------------------------------------
 def test_adapter_folders_are_found_by_plain_names_only(tmp_path: Path) -> None:
     root = tmp_path / "adapters"

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +112,15 @@ class AdapterPool:
         except BaseException:
             self.release(ref.number)
             raise
+
+    @contextlib.asynccontextmanager
+    async def held(self, ref: LoraRef) -> AsyncIterator[None]:
+        """``hold`` ``ref`` for the block, then ``release`` it."""
+        await self.hold(ref)
+        try:
+            yield
+        finally:
+            self.release(ref.number)
 
     def release(self, number: int) -> None:
         """A request that ran with adapter ``number`` ended (``hold``)."""

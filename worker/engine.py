@@ -8,6 +8,7 @@ server around it knows nothing of vLLM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -422,13 +423,9 @@ class VllmEngine:
                                f"'{self.task}'); it does not generate", param="model",
                                code="wrong_model_task")
         ids, media = await self._off_loop(self.prompt, gen)
-        lora = await self._lora_request(gen)  # its adapter stays in the engine until the end
-        try:
+        async with self._lora_request(gen.lora) as lora:
             async for deltas in self._generate(gen, ids, media, lora):
                 yield deltas
-        finally:
-            if gen.lora is not None and self.adapters is not None:
-                self.adapters.release(gen.lora.number)
 
     async def _generate(self, gen: Generate, ids: list[int], media: Any, lora: Any
                         ) -> AsyncIterator[list[Delta]]:
@@ -535,19 +532,22 @@ class VllmEngine:
                                    f"most {self.max_model_len}", param="input",
                                    code="context_length_exceeded")
             prompts.append(ids)
-        vectors = await self._pool(req.id, self._embed_inputs(prompts, req.dimensions),
-                                   "dimensions")
+        async with self._lora_request(req.lora) as lora:
+            vectors = await self._pool(req.id, self._embed_inputs(prompts, req.dimensions),
+                                       "dimensions", lora)
         return [v.tolist() for v in vectors], sum(len(p) for p in prompts)
 
     async def _pool(self, request_id: str, inputs: list[tuple[Any, Any]],
-                    param: str | None = None) -> list[Any]:
+                    param: str | None = None, lora: Any = None) -> list[Any]:
         """The pooling runner's output (a tensor) for each (engine input, ``PoolingParams``),
-        in order; vLLM's refusals are 400s naming ``param`` unless they name their own."""
+        in order, with adapter ``lora`` (a ``LoRARequest``, held by the caller); vLLM's
+        refusals are 400s naming ``param`` unless they name their own."""
         from vllm.exceptions import VLLMClientError
 
         async def one(i: int, engine_input: Any, params: Any) -> Any:
             result = None
-            async for out in self._llm.encode(engine_input, params, f"{request_id}-{i}"):
+            async for out in self._llm.encode(engine_input, params, f"{request_id}-{i}",
+                                              lora_request=lora):
                 result = out
             assert result is not None
             return result.outputs.data
@@ -580,7 +580,8 @@ class VllmEngine:
         if self.task == "embed":
             return await self._cosines(req, queries)
         pairs = await self._off_loop(self._pairs, queries, req.documents, req.max_tokens_per_doc)
-        outputs = await self._pool(req.id, pairs)
+        async with self._lora_request(req.lora) as lora:
+            outputs = await self._pool(req.id, pairs, lora=lora)
         scores = []
         for out in outputs:
             if out.numel() != 1:
@@ -640,7 +641,9 @@ class VllmEngine:
                                    f"most {self.max_model_len}", param=f"{role}s",
                                    code="context_length_exceeded")
             prompts.append(ids)
-        vectors = dict(zip(texts, await self._pool(req.id, self._embed_inputs(prompts))))
+        async with self._lora_request(req.lora) as lora:
+            vectors = dict(zip(texts, await self._pool(req.id, self._embed_inputs(prompts),
+                                                       lora=lora)))
         scores = []
         for query, document in zip(queries, req.documents):
             a, b = vectors["query", query].float(), vectors["document", document].float()
@@ -719,16 +722,20 @@ class VllmEngine:
             return []
         return await self.adapters.apply(load, unload)
 
-    async def _lora_request(self, gen: Generate) -> Any:
-        if gen.lora is None:
-            return None
+    @contextlib.asynccontextmanager
+    async def _lora_request(self, ref: LoraRef | None) -> AsyncIterator[Any]:
+        """vLLM's ``LoRARequest`` for adapter ``ref`` (None for none), the adapter held in
+        the engine until the block ends."""
+        if ref is None:
+            yield None
+            return
         if self.adapters is None:
             raise RequestError(f"model '{self._spec.id}' serves no adapters", param="model",
                                code="adapter_invalid")
         from vllm.lora.request import LoRARequest
 
-        await self.adapters.hold(gen.lora)  # released by ``generate`` when it ends
-        return LoRARequest(gen.lora.name, gen.lora.number, gen.lora.path)
+        async with self.adapters.held(ref):
+            yield LoRARequest(ref.name, ref.number, ref.path)
 
     def shutdown(self) -> None:
         self._llm.shutdown()

@@ -12,7 +12,9 @@ relay's added latency (the clock is shared by all processes of the machine). A
 A request for a LoRA adapter emits the adapter's name instead of ``tok``.
 
 It embeds texts by hashing their words and scores pairs (``/v1/rerank``, ``/v1/score``)
-by the words they share.
+by the words they share; with an adapter, its name is one more word of each text embedded
+and of each query scored, so an adapter's answer differs from its base's, the same every
+time.
 With ``engine_args.script`` (a list of turns) it answers the i-th request with the i-th
 turn, round and round: ``{"text": "..."}``, or ``{"tool_call": {"name": ...,
 "arguments": {...}}}`` (finishing ``tool_calls``), so that a client's tool round trip can
@@ -22,6 +24,7 @@ be scripted (protocol tests with real agent CLIs; the real model runs the rest).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -140,28 +143,34 @@ class SyntheticEngine:
         return "tok " * len(req.token_ids)
 
     async def embed(self, req: Embed) -> tuple[list[list[float]], int]:
-        """Unit vectors of ``dimensions`` (8 by default) counting each input's words in
-        buckets by their hash: scripted embeddings for protocol tests, no model."""
+        """Unit vectors of ``dimensions`` (8 by default) counting each input's words (and
+        an adapter's name) in buckets by their hash: scripted embeddings for protocol
+        tests, no model."""
         size = req.dimensions or 8
         vectors, tokens = [], 0
-        for item in req.inputs:
-            words = item.lower().split() if isinstance(item, str) else [str(t) for t in item]
-            tokens += len(words) + (1 if isinstance(item, str) else 0)
-            vector = [0.0] * size
-            for word in words:
-                vector[zlib.crc32(word.encode()) % size] += 1.0
-            norm = sum(x * x for x in vector) ** 0.5 or 1.0
-            vectors.append([x / norm for x in vector])
+        async with self._adapter(req.lora):
+            self._step(req.lora)
+            for item in req.inputs:
+                words = item.lower().split() if isinstance(item, str) else [str(t) for t in item]
+                tokens += len(words) + (1 if isinstance(item, str) else 0)
+                vector = [0.0] * size
+                for word in words + ([req.lora.name] if req.lora is not None else []):
+                    vector[zlib.crc32(word.encode()) % size] += 1.0
+                norm = sum(x * x for x in vector) ** 0.5 or 1.0
+                vectors.append([x / norm for x in vector])
         return vectors, tokens
 
     async def score(self, req: Score) -> tuple[list[float], int]:
-        """The share of words a query and a document have in common (Jaccard): scripted
-        relevance for protocol tests, no model."""
+        """The share of words a query (and an adapter's name) and a document have in
+        common (Jaccard): scripted relevance for protocol tests, no model."""
         queries = req.queries * len(req.documents) if len(req.queries) == 1 else req.queries
+        extra = {req.lora.name} if req.lora is not None else set()
         scores = []
-        for query, document in zip(queries, req.documents):
-            a, b = set(query.lower().split()), set(document.lower().split())
-            scores.append(len(a & b) / len(a | b) if a | b else 0.0)
+        async with self._adapter(req.lora):
+            self._step(req.lora)
+            for query, document in zip(queries, req.documents):
+                a, b = set(query.lower().split()) | extra, set(document.lower().split())
+                scores.append(len(a & b) / len(a | b) if a | b else 0.0)
         return scores, sum(len(t.split()) + 1 for t in [*req.queries, *req.documents])
 
     async def _scripted(self, gen: Generate, prompt_len: int) -> AsyncIterator[list[Delta]]:
@@ -195,20 +204,22 @@ class SyntheticEngine:
                 raise SyntheticError(self.dead, status=500) from None
         self._admit(ref)
 
-    async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
-        if gen.lora is None:
-            async for batch in self._generate(gen, "tok"):
-                yield batch
+    @contextlib.asynccontextmanager
+    async def _adapter(self, ref: LoraRef | None) -> AsyncIterator[None]:
+        """Adapter ``ref`` (if any) held in the engine for the block, as vLLM's engine's."""
+        if ref is None:
+            yield
             return
         if self.adapters is None:
             raise SyntheticError("this model serves no adapters", param="model",
                                  code="adapter_invalid")
-        await self.adapters.hold(gen.lora)
-        try:  # an adapter's request says the adapter's name
-            async for batch in self._generate(gen, gen.lora.name):
+        async with self.adapters.held(ref):
+            yield
+
+    async def generate(self, gen: Generate) -> AsyncIterator[list[Delta]]:
+        async with self._adapter(gen.lora):  # an adapter's request says the adapter's name
+            async for batch in self._generate(gen, "tok" if gen.lora is None else gen.lora.name):
                 yield batch
-        finally:
-            self.adapters.release(gen.lora.number)
 
     async def _generate(self, gen: Generate, word: str) -> AsyncIterator[list[Delta]]:
         prompt_len = self._prompt_len(gen)

@@ -35,7 +35,7 @@ from router.observe.metrics import Metrics
 from router.registry import Lease, ModelEntry
 from router.workers.link import RequestStream, Usage, WorkerLink
 from shared.config import clamps_max_tokens
-from shared.protocol import Delta, Generate
+from shared.protocol import Delta, Generate, LoraRef
 
 log = logging.getLogger("modelyard.requests")
 
@@ -451,12 +451,13 @@ class Relay:
                                             streaming, status, usage, now)
 
     async def call(self, request: Request, endpoint: str, model: str | None, task: str,
-                   work: Callable[[WorkerLink], Awaitable[Any]],
+                   work: Callable[[WorkerLink, LoraRef | None], Awaitable[Any]],
                    prompt_tokens: Callable[[Any], int] | None = None
                    ) -> tuple[ModelEntry, Any]:
         """A one-shot request (tokenize, embeddings ...): acquire (a client that leaves
-        while it waits gives its place back), ``work(link)``, release. ``prompt_tokens``
-        reads what the result spent, for the log, the ledger and budgets."""
+        while it waits gives its place back), ``work(link, lora)`` (``lora``: the adapter
+        the request named, on its base's ``link``; a tokenizer's is its base's), release. ``prompt_tokens`` reads
+        what the result spent, for the log, the ledger and budgets."""
         principal = principal_of(request.scope)
         usage = Usage(principal.name)
         if principal.limits.models:  # first: nothing else may tell that a model exists
@@ -472,7 +473,7 @@ class Relay:
         status = 200
         try:
             with lease:
-                result = await work(link)
+                result = await work(link, None if lease.adapter is None else lease.adapter.lora)
                 if prompt_tokens is not None:
                     usage.prompt[endpoint] = prompt_tokens(result)
                 return lease.adapter or lease.entry, result

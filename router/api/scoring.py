@@ -26,7 +26,7 @@ from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body
 from router.errors import BadRequest
 from router.workers.link import WorkerLink
-from shared.protocol import Score
+from shared.protocol import LoraRef, Score
 
 MAX_DOCUMENTS = 1000
 """Documents in one request, Cohere's own limit."""
@@ -137,7 +137,8 @@ class ScoringAPI:
 
     async def _scores(self, request: Request, endpoint: str, model: str | None,
                       message: Score) -> tuple[str, Any]:
-        async def work(link: WorkerLink) -> Any:
+        async def work(link: WorkerLink, lora: LoraRef | None) -> Any:
+            message.lora = lora
             return await link.score(message)
 
         entry, result = await self.relay.call(request, endpoint, model, "score", work,

@@ -193,11 +193,11 @@ class Supervisor:
         named = self.registry.resolve(name)
         entry = self.registry.serving(named)  # an adapter is served by its base's worker
         if task != "any" and entry.spec.task != task and entry.spec.task not in SERVED_BY[task]:
-            raise BadRequest(f"model '{named.id}' is {TASK_NAMES[entry.spec.task]}; it cannot "
-                             "serve this endpoint", param="model", code="wrong_model_task")
-        if named is not entry and task in ("embed", "score"):
-            raise BadRequest(f"model '{named.id}' is a LoRA adapter: adapters serve "
-                             "generation only", param="model", code="wrong_model_task")
+            what = TASK_NAMES[entry.spec.task]  # an adapter's task is its base's
+            if named is not entry:
+                what = f"a LoRA adapter of '{entry.id}', {what}"
+            raise BadRequest(f"model '{named.id}' is {what}; it cannot serve this endpoint",
+                             param="model", code="wrong_model_task")
         slots = entry.slots
         if (entry.state == "ready" and entry.link is not None and entry.yield_to is None
                 and (slots is None or slots.try_take())):

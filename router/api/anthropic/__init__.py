@@ -30,7 +30,7 @@ from router.api.openai.schema import keep_alive_seconds
 from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body, request_id
 from router.workers.link import WorkerLink
-from shared.protocol import Tokenize
+from shared.protocol import LoraRef, Tokenize
 
 
 class AnthropicAPI:
@@ -57,7 +57,7 @@ class AnthropicAPI:
         message = Tokenize(id=f"tok-{request_id()}", messages=conversation(req),
                            tools=tools(req)[0], template_kwargs=template_kwargs(req))
 
-        async def work(link: WorkerLink) -> Any:
+        async def work(link: WorkerLink, _: LoraRef | None) -> Any:
             return await link.tokenize(message)
 
         _, result = await self.relay.call(request, "messages", req.model, "generate", work)

@@ -16,7 +16,7 @@ from router.api.relay import Relay
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import BadRequest
 from router.workers.link import WorkerLink
-from shared.protocol import Embed
+from shared.protocol import Embed, LoraRef
 
 MAX_INPUTS = 2048  # OpenAI's own limit on one request's inputs
 
@@ -54,7 +54,8 @@ async def embeddings(relay: Relay, request: Request, max_body: int) -> Response:
     message = Embed(id=f"emb-{request_id()}", inputs=embedding_inputs(req.input),
                     dimensions=req.dimensions)
 
-    async def work(link: WorkerLink) -> Any:
+    async def work(link: WorkerLink, lora: LoraRef | None) -> Any:
+        message.lora = lora
         return await link.embed(message)
 
     entry, result = await relay.call(request, "embeddings", req.model, "embed", work,

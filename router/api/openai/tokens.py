@@ -20,7 +20,7 @@ from router.api.relay import Relay
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import BadRequest
 from router.workers.link import WorkerLink
-from shared.protocol import Detokenize, Tokenize, Tool
+from shared.protocol import Detokenize, LoraRef, Tokenize, Tool
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -56,7 +56,7 @@ async def tokenize(relay: Relay, request: Request, max_body: int) -> Response:
                        return_token_strs=body.return_token_strs, tools=tools,
                        template_kwargs=body.chat_template_kwargs)
 
-    async def work(link: WorkerLink) -> Any:
+    async def work(link: WorkerLink, _: LoraRef | None) -> Any:
         return await link.tokenize(message)
 
     entry, result = await relay.call(request, "tokenize", body.model, "any", work)
@@ -71,7 +71,7 @@ async def detokenize(relay: Relay, request: Request, max_body: int) -> Response:
     body = await read_body(request, DetokenizeRequest, max_body)
     message = Detokenize(id=f"detok-{request_id()}", token_ids=list(body.tokens))
 
-    async def work(link: WorkerLink) -> Any:
+    async def work(link: WorkerLink, _: LoraRef | None) -> Any:
         return await link.detokenize(message)
 
     entry, text = await relay.call(request, "detokenize", body.model, "any", work)

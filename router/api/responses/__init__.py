@@ -44,7 +44,7 @@ from router.api.responses.store import ResponseStore, StoreCollector, Stored, en
 from router.api.wire import JSONResponse, read_body, request_id
 from router.errors import APIError, BadRequest, ClientGone
 from router.workers.link import WorkerLink
-from shared.protocol import Generate, Tokenize
+from shared.protocol import Generate, LoraRef, Tokenize
 
 log = logging.getLogger("modelyard.router")
 
@@ -253,7 +253,7 @@ class ResponsesAPI:
         message = Tokenize(id=gen.id, messages=gen.messages, tools=gen.tools,
                            template_kwargs=gen.template_kwargs, add_generation_prompt=True)
 
-        async def work(link: WorkerLink) -> Any:
+        async def work(link: WorkerLink, _: LoraRef | None) -> Any:
             return await link.tokenize(message)
 
         try:
