@@ -134,7 +134,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     named = KeysAPI(KeyStore(database), keys, server.max_body_bytes)
     batch_store = BatchStore(database, Path(server.cache_dir or default_cache_dir()) / "files",
                              int(server.files_quota_mib * 2**20))
-    runner = BatchRunner(batch_store, LineCaller(lambda: app.inner()), keys, registry, server,
+    runner = BatchRunner(batch_store, LineCaller(lambda: app.inner()), keys, supervisor,
                          {"openai": OpenAIShape()})
     batches = FilesAndBatches(batch_store, runner, relay, server)
 

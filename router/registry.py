@@ -38,49 +38,58 @@ class Slots:
     A slot freed while others wait goes straight to the first waiter (``free`` does not
     rise), so a newcomer cannot pass the line. A waiter cancelled after it was handed a
     slot passes it on: a client that leaves in the very turn its slot frees leaks nothing.
+
+    Batch lines (``later``) wait in a line of their own, served only when nobody waits in
+    the first: a batch takes a slot only when no interactive request waits for it.
     """
 
-    __slots__ = ("_waiters", "free", "size")
+    __slots__ = ("_later", "_waiters", "free", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.free = size
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._later: collections.deque[asyncio.Future[None]] = collections.deque()
 
     @property
     def waiting(self) -> int:
-        """Waiters still without a slot."""
-        return sum(not w.done() for w in self._waiters)
+        """Waiters still without a slot (batch lines' included)."""
+        return sum(not w.done() for w in (*self._waiters, *self._later))
 
-    def try_take(self) -> bool:
-        """Take a slot if one is free and nobody waits for one; never waits."""
-        if self.free > 0 and not self.waiting:
+    def try_take(self, later: bool = False) -> bool:
+        """Take a slot if one is free and nobody waits for one before this request (a
+        batch line: nobody at all); never waits."""
+        ahead = (*self._waiters, *self._later) if later else self._waiters
+        if self.free > 0 and not any(not w.done() for w in ahead):
             self.free -= 1
             return True
         return False
 
-    async def take(self) -> None:
-        """Take a slot, waiting in line for one."""
-        if self.try_take():
+    async def take(self, later: bool = False) -> None:
+        """Take a slot, waiting in line for one (a batch line: in the second line)."""
+        if self.try_take(later):
             return
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        line = self._later if later else self._waiters
+        line.append(waiter)
         try:
             await waiter
         except asyncio.CancelledError:
             if not waiter.cancelled():
                 self.give()  # handed one as it was cancelled: the next in line gets it
-            elif waiter in self._waiters:  # (``give`` may have dropped it already)
-                self._waiters.remove(waiter)
+            elif waiter in line:  # (``give`` may have dropped it already)
+                line.remove(waiter)
             raise
 
     def give(self) -> None:
-        """Return a slot: to the first waiter, else to the free ones."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+        """Return a slot: to the first waiter, else to the first batch line, else to the
+        free ones."""
+        for line in (self._waiters, self._later):
+            while line:
+                waiter = line.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return
         self.free += 1
 
 
@@ -135,6 +144,10 @@ class ModelEntry:
     then by this."""
     demand: float = 0.0
     demand_at: float = 0.0
+    batch_leases: int = 0
+    """Of ``leases``, those of batch lines (which never count as a person's demand)."""
+    interactive_at: float = 0.0
+    """When (``time.monotonic``) a request that is no batch line last took a lease."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     slots: Slots | None = None
     """``max_concurrent`` requests served at once; ``None``: no cap."""
@@ -501,16 +514,21 @@ class Lease:
     response can release in its generator's ``finally`` whatever path it ends by.
     """
 
-    __slots__ = ("_held", "adapter", "entry", "keep_for", "slot")
+    __slots__ = ("_held", "adapter", "batch", "entry", "keep_for", "slot")
 
-    def __init__(self, entry: ModelEntry, adapter: ModelEntry | None = None) -> None:
+    def __init__(self, entry: ModelEntry, adapter: ModelEntry | None = None,
+                 batch: bool = False) -> None:
         self.entry = entry
         """The model whose worker serves the request (an adapter's base)."""
         self.adapter = adapter
         """The adapter model the request named, if it named one."""
+        self.batch = batch
+        """A batch's line: no one's demand (the model's eviction cost stays as it was)."""
+        now = time.monotonic()
         if adapter is not None:
-            adapter.last_used = time.monotonic()
-            adapter.note_request(adapter.last_used)
+            adapter.last_used = now
+            if not batch:
+                adapter.note_request(now)
         self._held = True
         self.keep_for = 0.0
         """Seconds the model stays loaded after this request, whatever its idle limit (a
@@ -518,8 +536,12 @@ class Lease:
         self.slot: Slots | None = None
         """Where the ``max_concurrent`` slot it holds came from (``Supervisor.acquire``)."""
         entry.leases += 1
-        entry.last_used = time.monotonic()
-        entry.note_request(entry.last_used)
+        entry.last_used = now
+        if batch:
+            entry.batch_leases += 1
+        else:
+            entry.interactive_at = now
+            entry.note_request(now)
 
     @property
     def name(self) -> str:
@@ -530,6 +552,7 @@ class Lease:
         if self._held:
             self._held = False
             self.entry.leases -= 1
+            self.entry.batch_leases -= self.batch
             self.entry.last_used = time.monotonic()
             if self.keep_for:
                 self.entry.kept_until = max(self.entry.kept_until,

@@ -229,3 +229,66 @@ def test_files_list_retrieve_delete(router: RouterProcess, tmp_path: Path) -> No
     validate_batch("DeleteFileResponse", gone.model_dump(exclude_unset=True))
     with pytest.raises(openai.NotFoundError):
         c.files.retrieve(file_id)
+
+
+SWAP_PRESET = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  spare_workers: 0
+  cache_dir: {cache}
+  max_loaded_models: 1
+  swap_wait: 1  # a model in use yields soon to a waiting load: not to a batch's
+models:
+  a: {model: /synthetic, engine: synthetic}
+  b: {model: /synthetic, engine: synthetic}
+"""
+
+
+@pytest.fixture(scope="module")
+def one_room(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    with running_router(SWAP_PRESET, tmp_path_factory.mktemp("one-room"), "batch-one-room",
+                        {"cache": str(tmp_path_factory.mktemp("one-room-cache"))}) as r:
+        yield r
+
+
+def loads(r: RouterProcess, model: str) -> int:
+    return int(r.client.get(f"{r.url}/v1/models/{model}").json().get("loads") or 0)
+
+
+def test_a_batch_over_two_models_in_one_room_loads_each_once(one_room: RouterProcess) -> None:
+    c = client(one_room, "-")
+    items = [line(f"ab-{i}", model="ab"[i % 2]) for i in range(20)]
+    batch = c.batches.create(input_file_id=upload(c, items), endpoint="/v1/chat/completions",
+                             completion_window="24h")
+    done = finished(c, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 20, done
+    assert (loads(one_room, "a"), loads(one_room, "b")) == (1, 1)
+    got = results(c, done)
+    assert all(got[f"ab-{i}"]["response"]["body"]["model"] == "ab"[i % 2] for i in range(20))
+
+
+def test_a_batch_never_evicts_the_model_a_person_uses(one_room: RouterProcess) -> None:
+    """The room holds ``a``, which a person uses; a batch for ``b`` waits until ``a`` has
+    had no person's request for ``BATCH_QUIET`` seconds, then loads ``b``."""
+    from router.lifecycle.policy.room import BATCH_QUIET
+
+    c = client(one_room, "-")
+    person = one_room.client.post(f"{one_room.url}/v1/chat/completions", timeout=60, json={
+        "model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert person.status_code == 200
+    batch = c.batches.create(input_file_id=upload(c, [line(f"b-{i}", model="b")
+                                                      for i in range(4)]),
+                             endpoint="/v1/chat/completions", completion_window="24h")
+    b_loads = loads(one_room, "b")
+    until = time.monotonic() + BATCH_QUIET * 0.8
+    while time.monotonic() < until:  # the person goes on using ``a``
+        assert one_room.client.post(f"{one_room.url}/v1/chat/completions", timeout=60, json={
+            "model": "a", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2}).status_code == 200
+        assert c.batches.retrieve(batch.id).request_counts.completed == 0
+        assert loads(one_room, "b") == b_loads
+        time.sleep(1.0)
+    done = finished(c, batch.id, timeout=BATCH_QUIET * 3)
+    assert done.status == "completed" and done.request_counts.completed == 4, done
+    assert loads(one_room, "b") == b_loads + 1

@@ -142,6 +142,40 @@ def test_a_busy_model_recently_used_is_not_evicted_before_swap_wait() -> None:
     assert decide(new, [new], [hot], server, waited=1) == room.WAIT
 
 
+def test_a_model_serving_batch_lines_alone_yields_at_once_to_a_person() -> None:
+    """A batch never keeps a person waiting: its model, busy with batch lines only,
+    yields at once to a load a person's request waits for; to another batch's load only
+    after ``swap_wait``, as any busy model."""
+    m, server = models({"swap_wait": 30}, person={}, batch={}, worked={})
+    worked = running(m["worked"], leases=3, idle_for=0)
+    worked.batch_leases = 3
+    person = waiting(m["person"])
+    person.leases = 1  # a client's lease, waiting for the load
+    decision = decide(person, [person], [worked], server, waited=0.1)
+    assert decision.action == "yield" and decision.victim is worked, decision
+    batch = waiting(m["batch"])
+    batch.leases = batch.batch_leases = 2
+    worked.yield_to = None
+    assert decide(batch, [batch], [worked], server, waited=0.1) == room.WAIT
+    worked.batch_leases = 2  # one of its leases a person's: it is used in person
+    assert decide(person, [person], [worked], server, waited=0.1) == room.WAIT
+
+
+def test_a_batch_loads_a_model_only_into_room_no_person_uses() -> None:
+    m, server = models({"max_loaded_models": 1}, wanted={}, used={}, quiet={}, spare={})
+    used = running(m["used"])
+    used.interactive_at = NOW - 3  # a person's request 3 s ago
+    assert room.batch_may_run(m["wanted"], [used], server, {}, NOW) is False
+    quiet = running(m["quiet"])
+    quiet.interactive_at = NOW - room.BATCH_QUIET
+    quiet.leases = quiet.batch_leases = 4  # busy with another batch's lines
+    assert room.batch_may_run(m["wanted"], [quiet], server, {}, NOW) is True
+    assert room.batch_may_run(m["wanted"], [], server, {}, NOW) is True  # fits
+    assert room.batch_may_run(used, [quiet], server, {}, NOW) is True  # serves already
+    used.yield_to = "spare"  # making room for another: its batch lines wait
+    assert room.batch_may_run(used, [quiet], server, {}, NOW) is False
+
+
 def test_the_line_for_room_goes_by_priority_then_wait() -> None:
     m, server = models({"max_loaded_models": 3}, early={}, late={}, high={"priority": 1},
                        other={})

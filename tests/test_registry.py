@@ -76,3 +76,38 @@ def test_load_and_unload_take_an_exact_id_or_alias_only() -> None:
     for loose in ("LLAMA-3.1-70B", "llama-3.1", "lla"):  # case, substring: requests only
         with pytest.raises(ModelNotFound):
             reg.named(loose)
+
+
+def test_a_batch_line_takes_a_slot_only_when_no_one_else_waits() -> None:
+    """``Slots``: a freed slot goes to the first client's request waiting, and to a
+    batch's line only when none waits; a batch line never takes a free slot past a
+    waiter, and a client's request passes waiting batch lines."""
+    import asyncio
+
+    from router.registry import Slots
+
+    async def main() -> list[str]:
+        slots = Slots(1)
+        assert slots.try_take()
+        got: list[str] = []
+
+        async def take(name: str, later: bool) -> None:
+            await slots.take(later)
+            got.append(name)
+
+        batch = asyncio.create_task(take("batch", True))
+        await asyncio.sleep(0)
+        person = asyncio.create_task(take("person", False))
+        await asyncio.sleep(0)
+        assert not slots.try_take(later=True) and not slots.try_take()
+        slots.give()
+        await asyncio.sleep(0)
+        assert got == ["person"]
+        slots.give()
+        await asyncio.wait_for(batch, 1)
+        await person
+        slots.give()
+        assert slots.try_take(later=True)  # free, no one waiting
+        return got
+
+    assert asyncio.run(main()) == ["person", "batch"]

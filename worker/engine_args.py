@@ -45,6 +45,10 @@ def engine_args_for(spec: ModelSpec, model_path: str,
         "enable_prefix_caching": spec.enable_prefix_caching,
         "tensor_parallel_size": spec.tensor_parallel_size,
         "disable_log_stats": True,
+        # A request's priority orders the waiting ones (lower first) and what is preempted
+        # under KV-cache pressure (higher first): a batch's lines (``Generate.priority``
+        # 1) wait behind every client's own request (0), which keeps arrival order.
+        "scheduling_policy": "priority",
     }
     if spec.pipeline_parallel_size > 1:
         args["pipeline_parallel_size"] = spec.pipeline_parallel_size

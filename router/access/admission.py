@@ -65,6 +65,9 @@ OPEN = Principal("", "admin")
 ANONYMOUS = Principal("", "anonymous")
 """A request with no valid key to a path open without one (``/health``, the probes)."""
 PRINCIPAL_SCOPE_KEY = "modelyard.principal"
+BATCH_SCOPE_KEY = "modelyard.batch"
+"""In a request's scope: the batch whose line it is (``router.batches.runner``), which
+the relay runs at batch priority."""
 KEYS_SCOPE_KEY = "modelyard.keys"
 
 

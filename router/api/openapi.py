@@ -28,6 +28,7 @@ from router.api.openai.schema import ChatCompletionRequest, CompletionRequest
 from router.api.openai.tokens import DetokenizeRequest, TokenizeRequest
 from router.api.responses.schema import CreateResponseRequest, ResponseInput
 from router.api.scoring import RerankRequest, ScoreRequest
+from router.batches.openai_api import CreateBatch
 
 Schema = dict[str, Any]
 _REF = "#/components/schemas/{name}"
@@ -245,6 +246,25 @@ RESPONSES: dict[str, Schema] = {
                           "applied": _array(_STR), "restart_required": _array(_STR)}),
     "Ready": _obj({"ready": {"type": "boolean"}},
                   {"models": {"type": "object", "additionalProperties": _STR}}),
+    "File": _obj({"id": _STR, "object": _const("file"), "bytes": _INT, "created_at": _INT,
+                  "filename": _STR, "purpose": _STR, "status": _STR}),
+    "FileList": _obj({"object": _const("list"), "data": _array(_ref("File")),
+                      "first_id": _nullable(_STR), "last_id": _nullable(_STR),
+                      "has_more": {"type": "boolean"}}),
+    "FileDeleted": _obj({"id": _STR, "object": _const("file"),
+                         "deleted": {"type": "boolean"}}),
+    "Batch": _obj({"id": _STR, "object": _const("batch"), "endpoint": _STR,
+                   "input_file_id": _STR, "completion_window": _STR, "status": _STR,
+                   "created_at": _INT, "expires_at": _INT,
+                   "request_counts": _obj({"total": _INT, "completed": _INT, "failed": _INT})},
+                  {"output_file_id": _STR, "error_file_id": _STR, "in_progress_at": _INT,
+                   "finalizing_at": _INT, "completed_at": _INT, "failed_at": _INT,
+                   "expired_at": _INT, "cancelling_at": _INT, "cancelled_at": _INT,
+                   "metadata": {"type": "object", "additionalProperties": _STR},
+                   "errors": _obj({"object": _const("list"), "data": _array({})})}),
+    "BatchList": _obj({"object": _const("list"), "data": _array(_ref("Batch")),
+                       "first_id": _nullable(_STR), "last_id": _nullable(_STR),
+                       "has_more": {"type": "boolean"}}),
 }
 
 _ERRORS = {
@@ -399,6 +419,26 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "KeyCreated"),
     ("DELETE", "/v1/keys/{name}"): Operation("Revoke a named key (an admin key)", None,
                                              "KeyRevoked"),
+    ("GET", "/v1/files"): Operation(
+        "The key's files (an admin: every key's), newest first (`purpose`, `limit`, "
+        "`order`, `after`)", None, "FileList"),
+    ("POST", "/v1/files"): Operation(
+        "Upload a file: a multipart form with `file` and `purpose` (`batch` for a batch's "
+        "JSONL input)", None, "File"),
+    ("GET", "/v1/files/{file_id}"): Operation("A file", None, "File"),
+    ("DELETE", "/v1/files/{file_id}"): Operation("Delete a file", None, "FileDeleted"),
+    ("GET", "/v1/files/{file_id}/content"): Operation(
+        "A file's body (a batch's output or error file: one JSON line per request)", None,
+        None),
+    ("GET", "/v1/batches"): Operation(
+        "The key's batches (an admin: every key's), newest first (`limit`, `after`)", None,
+        "BatchList"),
+    ("POST", "/v1/batches"): Operation(
+        "Run an uploaded JSONL file of requests to one endpoint as a batch, when the "
+        "models have room, behind every client's own requests", CreateBatch, "Batch"),
+    ("GET", "/v1/batches/{batch_id}"): Operation("A batch and its progress", None, "Batch"),
+    ("POST", "/v1/batches/{batch_id}/cancel"): Operation(
+        "Cancel a batch: lines not run yet are answered `batch_cancelled`", None, "Batch"),
     ("GET", "/v1/usage"): Operation(
         "Usage from the ledger, summed per group: every key's for an admin or a viewer, "
         "else the key's own", None, "UsageReport",

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.access.admission import Principal, principal_of
+from router.access.admission import BATCH_SCOPE_KEY, Principal, principal_of
 from router.access.buckets import TokensPerMinute
 from router.access.budgets import Budgets, Reservation
 from router.access.ledger import Ledger
@@ -73,6 +73,11 @@ def protocol_route(path: str, handler: Callable[[Request], Awaitable[Response]],
     return Route(path, endpoint, methods=list(methods))
 
 
+BATCH_PRIORITY = 1
+"""A batch line's ``Generate.priority``; a client's own requests have 0, which a
+priority-scheduling engine serves first."""
+
+
 class Relay:
     """Runs generation requests for every protocol module; see the module docstring."""
 
@@ -110,7 +115,7 @@ class Relay:
         (seconds; the request's own) is ``_keep_alive``'s.
         """
         principal = principal_of(request.scope)
-        usage = Usage(principal.name)
+        usage = Usage(principal.name, request.scope.get(BATCH_SCOPE_KEY))
         if principal.limits.models:  # first: nothing else may tell that a model exists
             model = self._visible(model, principal, endpoint, streaming, usage)
         self._refuse_known_oversized(model, gens, endpoint, streaming, usage)
@@ -214,6 +219,9 @@ class Relay:
         if lease.adapter is not None:
             for gen in gens:
                 gen.lora = lease.adapter.lora
+        if usage.batch is not None:  # scheduled after any other request (vLLM: lower first)
+            for gen in gens:
+                gen.priority = BATCH_PRIORITY
         try:
             _refuse_oversized(lease.entry, gens)
             stream = link.submit(gens, usage)
@@ -300,7 +308,7 @@ class Relay:
         """``Supervisor.acquire_now``; its refusal logged. A key limited to some models
         comes here with the exact id ``_visible`` found among them."""
         try:
-            return self.supervisor.acquire_now(model, task)
+            return self.supervisor.acquire_now(model, task, batch=usage.batch is not None)
         except APIError as err:  # unknown model, wrong task
             self._log(endpoint, self._model_id(model), streaming, err.status, usage)
             raise
@@ -383,7 +391,7 @@ class Relay:
                     streaming: bool, usage: Usage) -> tuple[Lease, WorkerLink]:
         """``_acquire`` for a model ``_now`` found not ready or without a free slot."""
         try:
-            waiting = self.supervisor.acquire(model, task)
+            waiting = self.supervisor.acquire(model, task, batch=usage.batch is not None)
             if request is None:
                 return await waiting
             return await unless_disconnected(request, waiting, _release)
@@ -459,7 +467,7 @@ class Relay:
         the request named, on its base's ``link``; a tokenizer's is its base's), release. ``prompt_tokens`` reads
         what the result spent, for the log, the ledger and budgets."""
         principal = principal_of(request.scope)
-        usage = Usage(principal.name)
+        usage = Usage(principal.name, request.scope.get(BATCH_SCOPE_KEY))
         if principal.limits.models:  # first: nothing else may tell that a model exists
             model = self._visible(model, principal, endpoint, False, usage)
         if principal.limits.budgets or principal.limits.tpm:

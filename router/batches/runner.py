@@ -31,16 +31,13 @@ from typing import IO, Any, Protocol
 
 from starlette.types import ASGIApp, Message
 
-from router.access.admission import PRINCIPAL_SCOPE_KEY, Keys, Principal
+from router.access.admission import BATCH_SCOPE_KEY, PRINCIPAL_SCOPE_KEY, Keys, Principal
 from router.batches.store import BatchRow, BatchStore, Line
 from router.errors import APIError, ModelNotFound
-from router.registry import ModelRegistry
-from shared.config import ServerConfig
+from router.lifecycle.supervisor import Supervisor
 
 log = logging.getLogger("modelyard.router")
 
-BATCH_SCOPE_KEY = "modelyard.batch"
-"""In a request's scope: the batch whose line it is (the relay gives it batch priority)."""
 LEASE = 30.0
 """Seconds a router's hold on a batch lasts unless renewed: how long a batch waits after
 its router died before another takes it over."""
@@ -52,6 +49,8 @@ RETRIES = 3
 """Times a line answered 502 or 503 (a worker that died, the database away) runs again,
 ``RETRY_AFTER`` seconds later, doubling, before that answer is its result."""
 RETRY_AFTER = 2.0
+WAIT_FOR_ROOM = 1.0
+"""Seconds between looks at whether a batch's next model may run (``room.batch_may_run``)."""
 
 
 class Shape(Protocol):
@@ -148,12 +147,13 @@ class BatchRunner:
 
     def __init__(self, store: BatchStore, call: Callable[[str, bytes, Principal, str],
                                                          Awaitable[tuple[int, bytes]]],
-                 keys: Keys, registry: ModelRegistry, server: ServerConfig,
-                 shapes: dict[str, Shape]) -> None:
+                 keys: Keys, supervisor: Supervisor, shapes: dict[str, Shape]) -> None:
         self.store = store
         self.call = call
         self.keys = keys
-        self.registry = registry
+        self.supervisor = supervisor
+        self.registry = supervisor.registry
+        server = supervisor.server
         self.server = server
         self.shapes = shapes
         self.name = identity(store.folder)
@@ -280,8 +280,13 @@ class BatchRunner:
         per_key = self._key_lines.setdefault(
             batch.owner, asyncio.Semaphore(self.server.batch_key_concurrency))
         in_flight: set[asyncio.Task[None]] = set()
+        entry = self.registry.entries.get(model)
         try:
             for line in group:
+                while entry is not None and not self.supervisor.rooms.batch_may_run(entry):
+                    if self._should_stop(batch, me):
+                        break
+                    await asyncio.sleep(WAIT_FOR_ROOM)  # a person uses the room it needs
                 await per_key.acquire()
                 try:
                     await per_model.acquire()

@@ -51,6 +51,11 @@ class RoomMaker:
         return [e for e in (*self.registry, *self.removed) if e is not entry
                 and e.state in ("loading", "ready", "sleeping", "stopping")]
 
+    def batch_may_run(self, entry: ModelEntry) -> bool:
+        """``room.batch_may_run`` for ``entry`` as things stand."""
+        return room.batch_may_run(entry, self.loaded(entry), self.server, self.placer.gpus,
+                                  time.monotonic())
+
     async def _held_asleep(self, loaded: list[ModelEntry]) -> dict[str, dict[str, float]]:
         """What each sleeping model still holds on its GPUs (it counts against the budget
         by that, not by its full footprint)."""

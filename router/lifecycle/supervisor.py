@@ -158,14 +158,16 @@ class Supervisor:
         return [e for e in self.registry if e.spec.load_on_startup or e.id in preload]
 
     # -- requests ----------------------------------------------------------------------
-    async def acquire(self, name: str | None, task: str = "any") -> tuple[Lease, WorkerLink]:
+    async def acquire(self, name: str | None, task: str = "any", batch: bool = False
+                      ) -> tuple[Lease, WorkerLink]:
         """Resolve ``name``, lease the model and make sure its worker is ready.
 
         ``task`` (``generate``, ``embed``, ``score``: ``SERVED_BY``) must be what the
         model's preset serves, so a request for the wrong kind of model is refused
-        without loading it.
+        without loading it. A ``batch`` line's lease waits for a slot behind every other
+        request (``Slots``) and is no one's demand (``Lease``).
         """
-        now = self.acquire_now(name, task)
+        now = self.acquire_now(name, task, batch)
         if isinstance(now, tuple):
             return now
         named = self.registry.resolve(name)  # an adapter's name: its base is ``now``
@@ -178,7 +180,7 @@ class Supervisor:
                 raise ModelUnavailable(f"model '{now.id}' was making room for another model "
                                        f"for {self.server.load_timeout:g} s") from None
         # before any await: from here on nothing reaps this model
-        lease = Lease(now, named if named is not now else None)
+        lease = Lease(now, named if named is not now else None, batch)
         try:
             await self._take_slot(lease)
             return lease, await self.ensure_ready(now)
@@ -186,8 +188,8 @@ class Supervisor:
             lease.release()
             raise
 
-    def acquire_now(self, name: str | None,
-                    task: str = "any") -> tuple[Lease, WorkerLink] | ModelEntry:
+    def acquire_now(self, name: str | None, task: str = "any",
+                    batch: bool = False) -> tuple[Lease, WorkerLink] | ModelEntry:
         """``acquire`` without waiting: the lease and link of a ready model with a free
         slot, else the resolved entry for ``acquire`` to wait on."""
         named = self.registry.resolve(name)
@@ -200,8 +202,8 @@ class Supervisor:
                              param="model", code="wrong_model_task")
         slots = entry.slots
         if (entry.state == "ready" and entry.link is not None and entry.yield_to is None
-                and (slots is None or slots.try_take())):
-            lease = Lease(entry, named if named is not entry else None)
+                and (slots is None or slots.try_take(batch))):
+            lease = Lease(entry, named if named is not entry else None, batch)
             lease.slot = slots
             return lease, entry.link
         return entry
@@ -209,23 +211,24 @@ class Supervisor:
     async def _take_slot(self, lease: Lease) -> None:
         """One of the model's ``max_concurrent`` slots; wait in its queue for one."""
         entry, slots = lease.entry, lease.entry.slots
-        if slots is None or slots.try_take():
+        if slots is None or slots.try_take(lease.batch):
             lease.slot = slots
             return
-        if entry.queued >= self.server.max_queue_depth:
+        if not lease.batch and entry.queued >= self.server.max_queue_depth:
             raise TooManyRequests(f"model '{entry.id}' serves {entry.spec.max_concurrent} "
                                   f"requests and {entry.queued} more wait; retry later")
-        entry.queued += 1
+        queued = not lease.batch  # batch lines: bounded by their runner, not the queue
+        entry.queued += queued
         try:
             # A cancel (a client gone) always lands here as CancelledError, and ``take``
             # passes on a slot it was handed meanwhile: nothing is kept by nobody.
             async with asyncio.timeout(self.server.load_timeout):
-                await slots.take()
+                await slots.take(later=lease.batch)
         except TimeoutError:
             raise ModelUnavailable(f"model '{entry.id}' had no free slot within "
                                    f"{self.server.load_timeout:g} s") from None
         finally:
-            entry.queued -= 1
+            entry.queued -= queued
         lease.slot = slots  # no await since ``take``: the lease gives it back from here
 
     async def ensure_ready(self, entry: ModelEntry) -> WorkerLink:

@@ -71,12 +71,14 @@ class Usage:
     relay's per-batch path does no second pass; the relay fills in the timings.
     """
 
-    __slots__ = ("cached", "clamped", "completion", "finish", "first_at", "key", "prompt",
-                 "started")
+    __slots__ = ("batch", "cached", "clamped", "completion", "finish", "first_at", "key",
+                 "prompt", "started")
 
-    def __init__(self, key: str = "") -> None:
+    def __init__(self, key: str = "", batch: str | None = None) -> None:
         self.key = key
         """The name of the key that asked (``Principal.name``)."""
+        self.batch = batch
+        """The batch whose line this request is (``None``: a client's own)."""
         self.prompt: dict[str, int] = {}
         self.cached: dict[str, int] = {}
         self.completion = 0

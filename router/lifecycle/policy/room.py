@@ -5,7 +5,8 @@ in line stops one ``victim`` at a time: never a pinned one or one within its
 ``min_resident``; one that yields or sits idle first, a sleeping one before an awake one;
 then the lowest priority, the lowest ``expected_cost`` (measured load seconds x decaying
 request rate), the least recently used. A model still in use yields only after the waiter
-has waited ``swap_wait``, and only to a model of its priority or higher.
+has waited ``swap_wait``, and only to a model of its priority or higher; one that serves
+batch lines alone yields at once to a model a person waits for.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from shared.config import ServerConfig
 ACTIVE_GAP = 2.0
 """A model used this recently still has clients coming: a model waiting for room does not
 evict it at once, but after ``swap_wait``."""
+BATCH_QUIET = 10.0
+"""Seconds a model must have had no request of a person's before a batch may evict it
+(``batch_may_run``)."""
 UNKNOWN_LOAD_SECONDS = 30.0
 """A model's load time before one was measured (its eviction cost)."""
 
@@ -50,6 +54,32 @@ def is_idle(entry: ModelEntry) -> bool:
     return entry.leases == 0 and not (entry.link is not None and entry.link.busy)
 
 
+def batch_only(entry: ModelEntry) -> bool:
+    """Busy with batch lines alone (``Lease.batch``): no one waits on it in person."""
+    return entry.leases > 0 and entry.leases == entry.batch_leases
+
+
+def wanted_in_person(entry: ModelEntry) -> bool:
+    """A request that is no batch line holds a lease on ``entry`` (waiting for it)."""
+    return entry.leases > entry.batch_leases
+
+
+def batch_may_run(entry: ModelEntry, loaded: list[ModelEntry], server: ServerConfig,
+                  gpus: dict[int, GpuMemory], now: float) -> bool:
+    """Whether a batch may start a line on ``entry`` (``now``: ``time.monotonic()``): it
+    serves or loads already and makes room for no one; or its load fits beside the
+    ``loaded`` models; or none of those has had a person's request for ``BATCH_QUIET``
+    seconds. A batch fills idle room; it never evicts a model people use."""
+    if entry.yield_to is not None:
+        return False
+    if entry.state in ("ready", "loading", "sleeping"):
+        return True
+    if fits(entry.spec, [e.spec for e in loaded], server, gpus, {}):
+        return True
+    return all(not wanted_in_person(e) and now - e.interactive_at >= BATCH_QUIET
+               for e in loaded)
+
+
 def first_in_line(entry: ModelEntry, models: Iterable[ModelEntry]) -> bool:
     """Of the loads waiting for room among ``models``, ``entry``'s goes first: highest
     priority, then the longest wait. A waiting ``entry`` is in the line whether or not
@@ -71,8 +101,11 @@ def victim(entry: ModelEntry, loaded: Iterable[ModelEntry], now: float,
     if not candidates:
         return None
 
+    person = wanted_in_person(entry)
+
     def order(e: ModelEntry) -> tuple[bool, bool, int, float, float]:
-        free = e.yield_to == entry.id or (is_idle(e) and now - e.last_used >= ACTIVE_GAP)
+        free = (e.yield_to == entry.id or (is_idle(e) and now - e.last_used >= ACTIVE_GAP)
+                or (person and batch_only(e)))
         return (not free, e.state != "sleeping", e.spec.priority, expected_cost(e, now),
                 e.last_used)
 
@@ -107,6 +140,9 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
         return WAIT
     if is_idle(chosen) and (chosen.yield_to == entry.id or now - chosen.last_used >= ACTIVE_GAP):
         return RoomDecision("evict", chosen, why(chosen, now))
+    if chosen.yield_to is None and batch_only(chosen) and wanted_in_person(entry):
+        # a batch never keeps a person waiting: its lines there end, and it goes on later
+        return RoomDecision("yield", chosen, "batch lines only; " + why(chosen, now))
     if (chosen.yield_to is None and waited >= server.swap_wait
             and chosen.spec.priority <= entry.spec.priority):
         return RoomDecision("yield", chosen, why(chosen, now))
