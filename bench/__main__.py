@@ -11,7 +11,7 @@ import time
 from bench import report
 
 ALL = ["overhead", "relay", "coldstart", "scaling", "faults", "swap", "ledger",
-       "toolcalls", "lora"]
+       "toolcalls", "lora", "batch"]
 
 
 def main() -> int:

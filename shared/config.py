@@ -180,6 +180,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     folder. With neither, every registration is refused."""
     batch_model_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
     """Batch lines one model runs at once, over every batch and key."""
+    batch_shared_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
+    """The same while people use the model (a request of theirs in flight or within the
+    last 10 s): fewer lines in each engine step, so their tokens come sooner."""
     batch_key_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
     """Batch lines one key's batches run at once."""
     files_max_mib: Annotated[float, msgspec.Meta(gt=0)] = 200.0

@@ -34,7 +34,9 @@ from starlette.types import ASGIApp, Message
 from router.access.admission import BATCH_SCOPE_KEY, PRINCIPAL_SCOPE_KEY, Keys, Principal
 from router.batches.store import BatchRow, BatchStore, Line
 from router.errors import APIError, ModelNotFound
+from router.lifecycle.policy.room import BATCH_QUIET, wanted_in_person
 from router.lifecycle.supervisor import Supervisor
+from router.registry import ModelEntry
 
 log = logging.getLogger("modelyard.router")
 
@@ -49,6 +51,8 @@ RETRIES = 3
 """Times a line answered 502 or 503 (a worker that died, the database away) runs again,
 ``RETRY_AFTER`` seconds later, doubling, before that answer is its result."""
 RETRY_AFTER = 2.0
+SHARE_LOOK = 0.5
+"""Seconds between looks at a model's batch line limit while it is reached."""
 WAIT_FOR_ROOM = 1.0
 """Seconds between looks at whether a batch's next model may run (``room.batch_may_run``)."""
 
@@ -130,6 +134,29 @@ class LineCaller:
         return status, b"".join(chunks)
 
 
+class _Share:
+    """A model's batch lines in flight, over every batch, against a limit that changes
+    (``BatchRunner._allowed``)."""
+
+    __slots__ = ("_freed", "in_flight")
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self._freed = asyncio.Event()
+
+    async def take(self, allowed: Callable[[], int]) -> None:
+        while self.in_flight >= allowed():
+            self._freed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SHARE_LOOK):  # the limit may rise meanwhile
+                    await self._freed.wait()
+        self.in_flight += 1
+
+    def give(self) -> None:
+        self.in_flight -= 1
+        self._freed.set()
+
+
 class _Running:
     """One batch this router runs: its task and what stops it."""
 
@@ -158,7 +185,7 @@ class BatchRunner:
         self.shapes = shapes
         self.name = identity(store.folder)
         self._running: dict[str, _Running] = {}
-        self._model_lines: dict[str, asyncio.Semaphore] = {}
+        self._model_lines: dict[str, _Share] = {}
         self._key_lines: dict[str, asyncio.Semaphore] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -275,8 +302,7 @@ class BatchRunner:
     async def _run_group(self, batch: BatchRow, me: _Running, group: list[Line],
                          shape: Shape, done: list[Line]) -> None:
         model = self._served_by(group[0].model)
-        per_model = self._model_lines.setdefault(
-            model, asyncio.Semaphore(self.server.batch_model_concurrency))
+        per_model = self._model_lines.setdefault(model, _Share())
         per_key = self._key_lines.setdefault(
             batch.owner, asyncio.Semaphore(self.server.batch_key_concurrency))
         in_flight: set[asyncio.Task[None]] = set()
@@ -289,18 +315,18 @@ class BatchRunner:
                     await asyncio.sleep(WAIT_FOR_ROOM)  # a person uses the room it needs
                 await per_key.acquire()
                 try:
-                    await per_model.acquire()
+                    await per_model.take(lambda: self._allowed(entry))
                 except BaseException:
                     per_key.release()
                     raise
                 if self._should_stop(batch, me):
-                    per_model.release()
+                    per_model.give()
                     per_key.release()
                     break
                 task = asyncio.create_task(self._one(batch, line, shape, done, me))
 
                 def release(_: asyncio.Task[None]) -> None:
-                    per_model.release()
+                    per_model.give()
                     per_key.release()
 
                 task.add_done_callback(release)
@@ -315,6 +341,16 @@ class BatchRunner:
             for task in in_flight:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
+
+    def _allowed(self, entry: ModelEntry | None) -> int:
+        """Batch lines ``entry`` may run at once now: ``batch_model_concurrency``, or
+        ``batch_shared_concurrency`` while people use it (a request of a person in flight,
+        or one within ``BATCH_QUIET`` s): every line in the engine's batch slows each
+        step a person's tokens wait for."""
+        if entry is not None and (wanted_in_person(entry)
+                                  or time.monotonic() - entry.interactive_at < BATCH_QUIET):
+            return self.server.batch_shared_concurrency
+        return self.server.batch_model_concurrency
 
     def _should_stop(self, batch: BatchRow, me: _Running) -> bool:
         if me.stop is None and time.time() >= batch.expires:

@@ -1,0 +1,166 @@
+"""Batches that fill idle capacity, never in the way. One run, side by side, on one loaded
+model (the embedded one):
+
+1. A person alone: one short streamed chat a second; time to first token and between
+   tokens.
+2. The same person while a batch of ``LINES`` lines runs on the same model: the same
+   figures (targets: p99 of each at most 1.5x its value in 1.), and the batch's lines per
+   second meanwhile.
+3. The batch's throughput with no one else: the same ``LINES`` lines as a batch, against
+4. the same lines sent by a client at concurrency 16 (target: at least 0.8x).
+
+Every line and chat asks for a fixed number of tokens (``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+from bench.common import Server, StreamStats, modelyard, one_stream, pct, report
+
+LINES = 2000
+TOKENS = 16
+CHAT_TOKENS = 24
+CLIENT_CONCURRENCY = 16
+ALONE_SECONDS = 30.0
+
+PRESET = """server: {host: 127.0.0.1, port: {port}, spare_workers: 0, preload: [smollm2]}
+models:
+  smollm2:
+    model: "builtin:smollm2"
+    cpu_cores: "0-1"
+    max_model_len: 1024
+    max_num_seqs: 32
+"""
+
+
+def chat(i: int, tokens: int) -> dict[str, Any]:
+    return {"model": "smollm2", "max_tokens": tokens, "ignore_eos": True, "temperature": 0,
+            "messages": [{"role": "user", "content": f"Write a line about the number {i}."}]}
+
+
+def batch_file(first: int) -> bytes:
+    return "".join(json.dumps({"custom_id": f"line-{i}", "method": "POST",
+                               "url": "/v1/chat/completions", "body": chat(i, TOKENS)}) + "\n"
+                   for i in range(first, first + LINES)).encode()
+
+
+def start_batch(yard: Server, first: int) -> str:
+    made = httpx.post(f"{yard.url}/v1/files", timeout=60, data={"purpose": "batch"},
+                      files={"file": ("lines.jsonl", batch_file(first))})
+    made.raise_for_status()
+    batch = httpx.post(f"{yard.url}/v1/batches", timeout=60, json={
+        "input_file_id": made.json()["id"], "endpoint": "/v1/chat/completions",
+        "completion_window": "24h"})
+    batch.raise_for_status()
+    return str(batch.json()["id"])
+
+
+def batch_state(yard: Server, batch_id: str) -> dict[str, Any]:
+    got: dict[str, Any] = httpx.get(f"{yard.url}/v1/batches/{batch_id}", timeout=60).json()
+    return got
+
+
+def wait_running(yard: Server, batch_id: str) -> None:
+    while batch_state(yard, batch_id)["request_counts"]["completed"] < 1:
+        time.sleep(0.1)
+
+
+async def person(url: str, until: Any) -> StreamStats:
+    """One streamed chat a second (each begun a second after the last began) while
+    ``until()`` is false."""
+    stats = StreamStats()
+    async with httpx.AsyncClient(timeout=600) as client:
+        i = 0
+        while not until():
+            began = time.monotonic()
+            await one_stream(client, url + "/v1/chat/completions", chat(i, CHAT_TOKENS), stats)
+            i += 1
+            await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - began)))
+    return stats
+
+
+def figures(stats: StreamStats) -> dict[str, Any]:
+    return {"chats": len(stats.ttft), "errors": stats.errors,
+            "ttft_p50_ms": round(pct(stats.ttft, 50) * 1000, 1),
+            "ttft_p99_ms": round(pct(stats.ttft, 99) * 1000, 1),
+            "itl_p50_ms": round(pct(stats.itl, 50) * 1000, 1),
+            "itl_p99_ms": round(pct(stats.itl, 99) * 1000, 1)}
+
+
+def finished(yard: Server, batch_id: str) -> bool:
+    return batch_state(yard, batch_id)["status"] in ("completed", "failed", "cancelled",
+                                                    "expired")
+
+
+def batch_run(yard: Server, batch_id: str) -> dict[str, Any]:
+    state = batch_state(yard, batch_id)
+    seconds = state["completed_at"] - state["in_progress_at"]
+    done = state["request_counts"]["completed"]
+    return {"status": state["status"], "lines": done,
+            "failed": state["request_counts"]["failed"], "seconds": seconds,
+            "lines_per_s": round(done / max(seconds, 1), 2)}
+
+
+async def client_run(url: str, first: int) -> dict[str, Any]:
+    """The batch's lines sent by a client, ``CLIENT_CONCURRENCY`` at once."""
+    todo = iter(range(first, first + LINES))
+    done = failed = 0
+    limits = httpx.Limits(max_connections=CLIENT_CONCURRENCY + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def lane() -> None:
+            nonlocal done, failed
+            for i in todo:
+                r = await client.post(url + "/v1/chat/completions", json=chat(i, TOKENS))
+                done += r.status_code == 200
+                failed += r.status_code != 200
+        began = time.perf_counter()
+        await asyncio.gather(*(lane() for _ in range(CLIENT_CONCURRENCY)))
+        seconds = time.perf_counter() - began
+    return {"lines": done, "failed": failed, "seconds": round(seconds, 1),
+            "lines_per_s": round(done / seconds, 2)}
+
+
+def main() -> None:
+    out: dict[str, Any] = {"lines": LINES, "tokens_per_line": TOKENS,
+                           "chat_tokens": CHAT_TOKENS}
+    with modelyard(PRESET, name="batch") as yard:
+        yard.wait("/v1/models/smollm2", ok=lambda m: m.get("state") == "ready")
+        warm = time.monotonic() + 3
+        asyncio.run(person(yard.url, lambda: time.monotonic() > warm))
+        stop = time.monotonic() + ALONE_SECONDS
+        out["person_alone"] = figures(asyncio.run(person(yard.url,
+                                                         lambda: time.monotonic() > stop)))
+        busy = start_batch(yard, 0)
+        wait_running(yard, busy)
+        beside = asyncio.run(person(yard.url, lambda: finished(yard, busy)))
+        out["person_beside_batch"] = figures(beside)
+        out["batch_beside_person"] = batch_run(yard, busy)
+        alone = start_batch(yard, LINES)
+        while not finished(yard, alone):
+            time.sleep(0.5)
+        out["batch_alone"] = batch_run(yard, alone)
+        out["client_16"] = asyncio.run(client_run(yard.url, 2 * LINES))
+    alone_p, beside_p = out["person_alone"], out["person_beside_batch"]
+    out["ratio_ttft_p99"] = round(beside_p["ttft_p99_ms"] / alone_p["ttft_p99_ms"], 2)
+    out["ratio_itl_p99"] = round(beside_p["itl_p99_ms"] / alone_p["itl_p99_ms"], 2)
+    out["ratio_batch_vs_client_16"] = round(
+        out["batch_alone"]["lines_per_s"] / out["client_16"]["lines_per_s"], 3)
+    rows = [("what", "value"),
+            ("person's TTFT p99 beside a batch / alone (target <= 1.5)",
+             str(out["ratio_ttft_p99"])),
+            ("person's inter-token p99 beside a batch / alone (target <= 1.5)",
+             str(out["ratio_itl_p99"])),
+            ("batch alone / a client at concurrency 16, lines/s (target >= 0.8)",
+             str(out["ratio_batch_vs_client_16"])),
+            ("batch beside the person, lines/s", str(out["batch_beside_person"]["lines_per_s"]))]
+    report("batch", out, rows)
+
+
+if __name__ == "__main__":
+    main()
