@@ -16,18 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Any
 
 import httpx
 
 from bench.common import Server, StreamStats, modelyard, one_stream, pct, report
+from router.lifecycle.policy.room import BATCH_QUIET
 
-LINES = 2000
+LINES = int(os.environ.get("BENCH_BATCH_LINES", "2000"))
 TOKENS = 16
 CHAT_TOKENS = 24
 CLIENT_CONCURRENCY = 16
-ALONE_SECONDS = 30.0
+ALONE_SECONDS = float(os.environ.get("BENCH_BATCH_ALONE", "30"))
 
 PRESET = """server: {host: 127.0.0.1, port: {port}, spare_workers: 0, preload: [smollm2]}
 models:
@@ -141,6 +143,7 @@ def main() -> None:
         beside = asyncio.run(person(yard.url, lambda: finished(yard, busy)))
         out["person_beside_batch"] = figures(beside)
         out["batch_beside_person"] = batch_run(yard, busy)
+        time.sleep(BATCH_QUIET + 1)  # no one's request lately: the batch may use it all
         alone = start_batch(yard, LINES)
         while not finished(yard, alone):
             time.sleep(0.5)

@@ -262,6 +262,31 @@ def lora(r: Result) -> str:
                                ("two full models", alt["two_full_models"]))])])
 
 
+def batch(r: Result) -> str:
+    people = [("alone", r["person_alone"]), ("beside the batch", r["person_beside_batch"])]
+    runs = [("the batch, beside the person", r["batch_beside_person"]),
+            ("the batch alone", r["batch_alone"]),
+            ("the same lines from a client, 16 at once", r["client_16"])]
+    return "\n\n".join([
+        provenance("batch", r, f"{r['lines']} chat lines of {r['tokens_per_line']} tokens "
+                   f"(`ignore_eos`) on the loaded model; the person: one streamed chat of "
+                   f"{r['chat_tokens']} tokens a second"),
+        table(["a person's chats", "chats", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+               "ITL p99 ms"],
+              [(name, v["chats"], v["ttft_p50_ms"], v["ttft_p99_ms"], v["itl_p50_ms"],
+                v["itl_p99_ms"]) for name, v in people]),
+        table(["lines", "done", "failed", "seconds", "lines/s"],
+              [(name, v["lines"], v["failed"], v["seconds"], v["lines_per_s"])
+               for name, v in runs]),
+        table(["ratio", ""], [
+            ("person's TTFT p99 beside the batch / alone (target <= 1.5)",
+             r["ratio_ttft_p99"]),
+            ("person's inter-token p99 beside the batch / alone (target <= 1.5)",
+             r["ratio_itl_p99"]),
+            ("the batch alone / a client at concurrency 16 (target >= 0.8)",
+             r["ratio_batch_vs_client_16"])])])
+
+
 def flat(name: str, r: Result) -> str:
     """A results file with no table of its own: every figure, by its path in the JSON."""
     def leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
@@ -278,7 +303,8 @@ def flat(name: str, r: Result) -> str:
 
 TABLES: dict[str, Callable[[Result], str]] = {
     "overhead": overhead, "relay": relay, "coldstart": coldstart, "scaling": scaling,
-    "faults": faults, "swap": swap, "ledger": ledger, "toolcalls": toolcalls, "lora": lora}
+    "faults": faults, "swap": swap, "ledger": ledger, "toolcalls": toolcalls, "lora": lora,
+    "batch": batch}
 
 
 def block(name: str, results: Path = RESULTS) -> str:
