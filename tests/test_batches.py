@@ -30,6 +30,7 @@ server:
   api_keys: [k-alice-batch-1a, k-bob-batch-2b]
   admin_api_keys: [k-admin-batch-3c]
   batch_model_concurrency: 4
+  files_max_mib: 0.1  # about 100 KiB: test_an_upload_past_files_max_mib_is_refused
 models:
   m: {model: /synthetic, engine: synthetic}
   other: {model: /synthetic, engine: synthetic}
@@ -292,3 +293,29 @@ def test_a_batch_never_evicts_the_model_a_person_uses(one_room: RouterProcess) -
     done = finished(c, batch.id, timeout=BATCH_QUIET * 3)
     assert done.status == "completed" and done.request_counts.completed == 4, done
     assert loads(one_room, "b") == b_loads + 1
+
+
+def test_an_upload_past_files_max_mib_is_refused(router: RouterProcess) -> None:
+    """Declared (a length) or not (chunked), a body past ``files_max_mib`` is a 413, and
+    nothing of it is kept."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {ALICE}"}
+    big = httpx.post(f"{router.url}/v1/files", headers=headers, timeout=60,
+                     data={"purpose": "batch"}, files={"file": ("big.jsonl", b"x" * 300_000)})
+    assert big.status_code == 413, big.text
+    boundary = "modelyard-test-boundary"
+    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n'
+            f'batch\r\n--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+            f'filename="big.jsonl"\r\nContent-Type: application/jsonl\r\n\r\n').encode()
+
+    def chunked() -> Iterator[bytes]:
+        yield head
+        for _ in range(300):
+            yield b"x" * 1024
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    streamed = httpx.post(f"{router.url}/v1/files", content=chunked(), timeout=60, headers={
+        **headers, "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert streamed.status_code == 413, streamed.text
+    assert "big.jsonl" not in [f.filename for f in client(router).files.list().data]

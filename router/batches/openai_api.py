@@ -34,6 +34,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
+from starlette.types import Message
 
 from router.access.admission import Principal, principal_of
 from router.api.relay import Relay, protocol_route
@@ -170,6 +171,7 @@ class FilesAndBatches:
             raise PayloadTooLarge(f"a file may have at most {limit} bytes "
                                   "(server.files_max_mib)")
         self.store.folder.mkdir(parents=True, exist_ok=True)
+        request = _bounded(request, limit + 2**16)  # a chunked body is counted as it comes
         try:
             async with request.form(max_files=1, max_fields=8) as form:
                 purpose = form.get("purpose")
@@ -370,6 +372,23 @@ def _window(text: str) -> int:
         raise BadRequest(f"completion_window '{text[:20]}' must be a duration such as '24h' "
                          "(s, m or h; at most 168h)", param="completion_window")
     return seconds
+
+
+def _bounded(request: Request, limit: int) -> Request:
+    """``request`` whose body, read through it, raises ``PayloadTooLarge`` past ``limit``
+    bytes (Starlette spools a multipart body whole before a handler sees it)."""
+    size = 0
+
+    async def receive() -> Message:
+        nonlocal size
+        message = await request.receive()
+        size += len(message.get("body", b""))
+        if size > limit:
+            raise PayloadTooLarge(f"a file may have at most {limit - 2**16} bytes "
+                                  "(server.files_max_mib)")
+        return message
+
+    return Request(request.scope, receive)
 
 
 def _filename(upload: UploadFile) -> str:
