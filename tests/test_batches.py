@@ -35,14 +35,30 @@ models:
   m: {model: /synthetic, engine: synthetic}
   other: {model: /synthetic, engine: synthetic}
   slow: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 10}}
+  base: {model: /synthetic, engine: synthetic, max_loras: 2}
+  poet: {base: base, adapter: {poet}}
 """
 
 
+def adapter_folder(path: Path) -> str:
+    """A LoRA folder the synthetic engine takes (it reads the config only)."""
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}))
+    (path / "adapter_model.safetensors").write_bytes(b"")
+    return str(path)
+
+
 @pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+def poet(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return adapter_folder(tmp_path_factory.mktemp("adapters") / "poet")
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory, poet: str) -> Iterator[RouterProcess]:
     cache = tmp_path_factory.mktemp("batch-cache")
     with running_router(PRESET, tmp_path_factory.mktemp("batches"), "batches",
-                        {"cache": str(cache)}) as r:
+                        {"cache": str(cache), "poet": poet}) as r:
         yield r
 
 
@@ -126,6 +142,20 @@ def test_a_batch_runs_every_line_once_bad_lines_in_the_error_file(
     assert batch.id in [b.id for b in listed.data]
 
 
+def test_a_line_may_name_a_lora_adapter(router: RouterProcess) -> None:
+    """An adapter is a model name like any other in a batch's line: its base serves it
+    with the adapter (the synthetic engine answers with the adapter's name)."""
+    c = client(router)
+    items = [line("plain", model="base"), line("tuned", model="poet")]
+    done = finished(c, c.batches.create(input_file_id=upload(c, items),
+                                        endpoint="/v1/chat/completions",
+                                        completion_window="24h").id)
+    got = results(c, done)
+    assert got["tuned"]["response"]["body"]["model"] == "poet"
+    assert "poet" in got["tuned"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert "poet" not in got["plain"]["response"]["body"]["choices"][0]["message"]["content"]
+
+
 def test_another_key_finds_nothing_an_admin_everything(router: RouterProcess) -> None:
     alice, bob, admin = client(router), client(router, BOB), client(router, ADMIN)
     file_id = upload(alice, [line("x")])
@@ -198,7 +228,8 @@ def test_a_router_killed_mid_batch_resumes_it_every_line_once(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     cache, work = tmp_path_factory.mktemp("kill-cache"), tmp_path_factory.mktemp("kill")
     items = [line(f"k-{i}", model="slow", max_tokens=10) for i in range(24)]
-    with running_router(PRESET, work, "batch-kill", {"cache": str(cache)}) as r:
+    subst = {"cache": str(cache), "poet": adapter_folder(work / "poet")}
+    with running_router(PRESET, work, "batch-kill", subst) as r:
         c = client(r)
         batch = c.batches.create(input_file_id=upload(c, items),
                                  endpoint="/v1/chat/completions", completion_window="24h")
@@ -209,7 +240,7 @@ def test_a_router_killed_mid_batch_resumes_it_every_line_once(
         assert r.proc is not None
         r.proc.send_signal(signal.SIGKILL)
         r.proc.wait()
-    with running_router(PRESET, work, "batch-kill", {"cache": str(cache)}) as again:
+    with running_router(PRESET, work, "batch-kill", subst) as again:
         c = client(again)
         done = finished(c, batch.id, timeout=120)
         assert done.status == "completed" and done.request_counts.completed == 24, done
