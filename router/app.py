@@ -43,6 +43,7 @@ from router.api.scoring import ScoringAPI
 from router.api.status import StatusPage
 from router.api.usage import UsageAPI
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
+from router.batches.anthropic_api import AnthropicShape, MessageBatches
 from router.batches.openai_api import FilesAndBatches, OpenAIShape
 from router.batches.runner import BatchRunner, LineCaller
 from router.batches.store import SCHEMA as BATCH_TABLES
@@ -135,8 +136,9 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     batch_store = BatchStore(database, Path(server.cache_dir or default_cache_dir()) / "files",
                              int(server.files_quota_mib * 2**20))
     runner = BatchRunner(batch_store, LineCaller(lambda: app.inner()), keys, supervisor,
-                         {"openai": OpenAIShape()})
+                         {"openai": OpenAIShape(), "anthropic": AnthropicShape()})
     batches = FilesAndBatches(batch_store, runner, relay, server)
+    message_batches = MessageBatches(batch_store, runner, relay, server)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -175,7 +177,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
 
     routes = (metrics.counted(openai.routes() + anthropic.routes() + responses.routes()
                               + ScoringAPI(relay, server.max_body_bytes).routes())
-              + batches.routes()
+              + batches.routes() + message_batches.routes()
               + watch.routes() + AdapterAPI(admin).routes() + admin.routes() + named.routes()
               + UsageAPI(ledger, registry).routes() + metrics.routes()
               + OpenAPIDocument(keys).routes() + StatusPage().routes())

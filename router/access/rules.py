@@ -98,6 +98,13 @@ TABLE: dict[tuple[str, str], Rule] = {
     ("POST", "/v1/batches"): _rule(API, f"{ALLOWED_MODELS} (each line's); {OWN_FILES}"),
     ("GET", "/v1/batches/{batch_id}"): _rule(READ, OWN_BATCHES),
     ("POST", "/v1/batches/{batch_id}/cancel"): _rule(API, OWN_BATCHES),
+    ("GET", "/v1/messages/batches"): _rule(READ, OWN_BATCHES),
+    ("POST", "/v1/messages/batches"): _rule(API, f"{ALLOWED_MODELS} (each request's); "
+                                                 "nothing of other keys"),
+    ("GET", "/v1/messages/batches/{message_batch_id}"): _rule(READ, OWN_BATCHES),
+    ("DELETE", "/v1/messages/batches/{message_batch_id}"): _rule(API, OWN_BATCHES),
+    ("POST", "/v1/messages/batches/{message_batch_id}/cancel"): _rule(API, OWN_BATCHES),
+    ("GET", "/v1/messages/batches/{message_batch_id}/results"): _rule(READ, OWN_BATCHES),
     # Models and what happens to them.
     ("GET", "/v1/models"): _rule(READ, ALLOWED_MODELS),
     ("GET", "/v1/models/{model_id:path}"): _rule(READ, ALLOWED_MODELS + "; a failure's log "

@@ -28,6 +28,7 @@ from router.api.openai.schema import ChatCompletionRequest, CompletionRequest
 from router.api.openai.tokens import DetokenizeRequest, TokenizeRequest
 from router.api.responses.schema import CreateResponseRequest, ResponseInput
 from router.api.scoring import RerankRequest, ScoreRequest
+from router.batches.anthropic_api import CreateMessageBatch
 from router.batches.openai_api import CreateBatch
 
 Schema = dict[str, Any]
@@ -265,6 +266,18 @@ RESPONSES: dict[str, Schema] = {
     "BatchList": _obj({"object": _const("list"), "data": _array(_ref("Batch")),
                        "first_id": _nullable(_STR), "last_id": _nullable(_STR),
                        "has_more": {"type": "boolean"}}),
+    "MessageBatch": _obj({
+        "id": _STR, "type": _const("message_batch"),
+        "processing_status": {"type": "string", "enum": ["in_progress", "canceling", "ended"]},
+        "request_counts": _obj({"processing": _INT, "succeeded": _INT, "errored": _INT,
+                                "canceled": _INT, "expired": _INT}),
+        "created_at": _STR, "expires_at": _STR, "ended_at": _nullable(_STR),
+        "cancel_initiated_at": _nullable(_STR), "archived_at": _nullable(_STR),
+        "results_url": _nullable(_STR)}),
+    "MessageBatchList": _obj({"data": _array(_ref("MessageBatch")),
+                              "has_more": {"type": "boolean"}, "first_id": _nullable(_STR),
+                              "last_id": _nullable(_STR)}),
+    "MessageBatchDeleted": _obj({"id": _STR, "type": _const("message_batch_deleted")}),
 }
 
 _ERRORS = {
@@ -315,6 +328,7 @@ class Operation(msgspec.Struct, frozen=True):
     query: dict[str, Schema] | None = None  # query parameters, all optional
     created: bool = False  # success is a 201
     conflict: str | None = None  # what a 409 means here
+    jsonl: bool = False  # 200 is application/x-jsonl (JSON lines)
 
 
 _GENERATE = ("Generation: the model's worker runs it; `\"stream\": true` answers with "
@@ -439,6 +453,24 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/batches/{batch_id}"): Operation("A batch and its progress", None, "Batch"),
     ("POST", "/v1/batches/{batch_id}/cancel"): Operation(
         "Cancel a batch: lines not run yet are answered `batch_cancelled`", None, "Batch"),
+    ("GET", "/v1/messages/batches"): Operation(
+        "Anthropic Message Batches: the key's (an admin: every key's), newest first "
+        "(`limit`, `after_id`, `before_id`)", None, "MessageBatchList", anthropic=True),
+    ("POST", "/v1/messages/batches"): Operation(
+        "Run Messages requests as an Anthropic Message Batch, when the models have room, "
+        "behind every client's own requests", CreateMessageBatch, "MessageBatch",
+        anthropic=True),
+    ("GET", "/v1/messages/batches/{message_batch_id}"): Operation(
+        "A Message Batch and its progress", None, "MessageBatch", anthropic=True),
+    ("DELETE", "/v1/messages/batches/{message_batch_id}"): Operation(
+        "Delete a Message Batch that has ended, with its results", None,
+        "MessageBatchDeleted", anthropic=True),
+    ("POST", "/v1/messages/batches/{message_batch_id}/cancel"): Operation(
+        "Cancel a Message Batch: requests not run yet end `canceled`", None,
+        "MessageBatch", anthropic=True),
+    ("GET", "/v1/messages/batches/{message_batch_id}/results"): Operation(
+        "An ended Message Batch's results: one JSON line per request (`custom_id`, "
+        "`result`), `application/x-jsonl`", None, None, anthropic=True, jsonl=True),
     ("GET", "/v1/usage"): Operation(
         "Usage from the ledger, summed per group: every key's for an admin or a viewer, "
         "else the key's own", None, "UsageReport",
@@ -467,6 +499,8 @@ def _operation(method: str, path: str, op: Operation, auth: bool) -> dict[str, A
         ok["content"] = {"text/plain": {"schema": _STR}}
     elif op.html:
         ok["content"] = {"text/html": {"schema": _STR}}
+    elif op.jsonl:
+        ok["content"] = {"application/x-jsonl": {"schema": _STR}}
     elif op.ok is not None:
         ok["content"] = _json(_ref(op.ok))
         if op.streams is not None:

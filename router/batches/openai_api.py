@@ -39,6 +39,7 @@ from starlette.types import Message
 from router.access.admission import Principal, principal_of
 from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body
+from router.batches.checks import Refused, not_found, query_int, request_model, sees
 from router.batches.runner import BatchRunner
 from router.batches.store import BatchRow, BatchStore, FileRow, Line, QuotaExceeded, new_id
 from router.errors import APIError, BadRequest, PayloadTooLarge
@@ -59,16 +60,6 @@ class CreateBatch(msgspec.Struct, forbid_unknown_fields=True):
     completion_window: str
     metadata: dict[str, str] | None = None
     output_expires_after: dict[str, Any] | None = None
-
-
-def not_found(kind: str, ident: str) -> APIError:
-    return APIError(f"No such {kind}: '{ident}'", status=404, type="invalid_request_error",
-                    param="id", code=f"{kind}_not_found")
-
-
-def _sees(principal: Principal) -> str | None:
-    """The owner whose rows a caller may see: its own; an admin's ``None`` (all)."""
-    return None if principal.admin else principal.name
 
 
 def file_object(row: FileRow) -> dict[str, Any]:
@@ -154,11 +145,11 @@ class FilesAndBatches:
         if request.method == "POST":
             return await self.upload(request)
         principal = principal_of(request.scope)
-        limit = _query_int(request, "limit", 10_000, 1, 10_000)
+        limit = query_int(request, "limit", 10_000, 1, 10_000)
         order = request.query_params.get("order", "desc")
         if order not in ("asc", "desc"):
             raise BadRequest("'order' must be 'asc' or 'desc'", param="order")
-        rows = await self.store.files(_sees(principal), request.query_params.get("purpose"),
+        rows = await self.store.files(sees(principal), request.query_params.get("purpose"),
                                       request.query_params.get("after"), limit,
                                       newest_first=order == "desc")
         return JSONResponse(_page([file_object(r) for r in rows[:limit]], len(rows) > limit))
@@ -199,7 +190,7 @@ class FilesAndBatches:
 
     async def _owned_file(self, request: Request) -> FileRow:
         fid = request.path_params["file_id"]
-        row = await self.store.file(fid, _sees(principal_of(request.scope)))
+        row = await self.store.file(fid, sees(principal_of(request.scope)))
         if row is None:
             raise not_found("file", fid)
         return row
@@ -229,8 +220,8 @@ class FilesAndBatches:
     async def batches(self, request: Request) -> Response:
         if request.method == "POST":
             return await self.create(request)
-        limit = _query_int(request, "limit", 20, 1, 100)
-        rows = await self.store.batches(_sees(principal_of(request.scope)), "openai",
+        limit = query_int(request, "limit", 20, 1, 100)
+        rows = await self.store.batches(sees(principal_of(request.scope)), "openai",
                                         request.query_params.get("after"), None, limit)
         return JSONResponse(_page([batch_object(r) for r in rows[:limit]], len(rows) > limit))
 
@@ -242,7 +233,7 @@ class FilesAndBatches:
                              f"{', '.join(ENDPOINTS)}", param="endpoint",
                              code="unsupported_endpoint")
         window = _window(req.completion_window)
-        source = await self.store.file(req.input_file_id, _sees(principal))
+        source = await self.store.file(req.input_file_id, sees(principal))
         if source is None or source.kind != "upload":
             raise not_found("file", req.input_file_id)
         if source.purpose != "batch":
@@ -316,23 +307,14 @@ class FilesAndBatches:
         if item.get("url") != endpoint:
             url = item.get("url")
             return ("invalid_url", f"url '{url}' is not the batch's endpoint '{endpoint}'"), ""
-        body = item.get("body")
-        if not isinstance(body, dict):
-            return ("invalid_body", "'body' must be a JSON object"), ""
-        if body.get("stream"):
-            return ("invalid_body", "'stream' is not supported in a batch"), ""
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            return ("missing_model", "'body.model' must name a model"), ""
-        try:
-            entry = self.relay.resolve_for(model, principal)
-        except APIError as err:
-            return (err.code or "model_not_found", err.message), ""
-        return None, entry.id
+        found = request_model(item.get("body"), "body", self.relay, principal)
+        if isinstance(found, Refused):
+            return (found.code, found.message), ""
+        return None, found
 
     async def _owned_batch(self, request: Request) -> BatchRow:
         bid = request.path_params["batch_id"]
-        row = await self.store.batch(bid, _sees(principal_of(request.scope)))
+        row = await self.store.batch(bid, sees(principal_of(request.scope)))
         if row is None or row.shape != "openai":
             raise not_found("batch", bid)
         return row
@@ -352,16 +334,6 @@ def _page(data: list[dict[str, Any]], more: bool) -> dict[str, Any]:
     return {"object": "list", "data": data,
             "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": more}
-
-
-def _query_int(request: Request, name: str, default: int, lo: int, hi: int) -> int:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    if not raw.isdigit() or not lo <= int(raw) <= hi:
-        raise BadRequest(f"'{name}' must be an integer between {lo} and {hi}, got "
-                         f"'{raw[:20]}'", param=name, code="invalid_value")
-    return int(raw)
 
 
 def _window(text: str) -> int:
