@@ -30,6 +30,8 @@ from router.access.rules import AccessRules
 from router.api.adapters import AdapterAPI
 from router.api.admin import AdminAPI
 from router.api.anthropic import AnthropicAPI
+from router.api.batches.message_batches import AnthropicShape, MessageBatches
+from router.api.batches.openai_files import FilesAndBatches, OpenAIShape
 from router.api.events import EventsAPI
 from router.api.hotpath import HotPath
 from router.api.keys import KeysAPI
@@ -43,8 +45,6 @@ from router.api.scoring import ScoringAPI
 from router.api.status import StatusPage
 from router.api.usage import UsageAPI
 from router.api.wire import api_error_handler, http_error_handler, server_error_handler
-from router.batches.anthropic_api import AnthropicShape, MessageBatches
-from router.batches.openai_api import FilesAndBatches, OpenAIShape
 from router.batches.runner import BatchRunner, LineCaller
 from router.batches.store import SCHEMA as BATCH_TABLES
 from router.batches.store import BatchStore

@@ -4,7 +4,7 @@
 decoding and error answers (``wire``), the direct path for chat and completions
 (``hotpath``), loading progress for a waiting stream (``progress``), Codex's model
 catalog (``codex_catalog``) and, below the middleware, the uvicorn protocol
-(``http_protocol``). Only this package and the entry points (``router.app``,
+(``http_protocol``); the batch APIs (``batches``). Only this package and the entry points (``router.app``,
 ``router.cli``) import it. The worker is another process, whose only common code with
 the router is in ``shared/``.
 

@@ -23,13 +23,13 @@ from router.access.key_store import KeyCreate
 from router.api.adapters import AdapterRegistration
 from router.api.admin import ModelAction
 from router.api.anthropic.schema import CountTokensRequest, MessagesRequest
+from router.api.batches.message_batches import CreateMessageBatch
+from router.api.batches.openai_files import CreateBatch
 from router.api.openai.embeddings import EmbeddingRequest
 from router.api.openai.schema import ChatCompletionRequest, CompletionRequest
 from router.api.openai.tokens import DetokenizeRequest, TokenizeRequest
 from router.api.responses.schema import CreateResponseRequest, ResponseInput
 from router.api.scoring import RerankRequest, ScoreRequest
-from router.batches.anthropic_api import CreateMessageBatch
-from router.batches.openai_api import CreateBatch
 
 Schema = dict[str, Any]
 _REF = "#/components/schemas/{name}"

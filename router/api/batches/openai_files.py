@@ -37,9 +37,9 @@ from starlette.routing import Route
 from starlette.types import Message
 
 from router.access.admission import Principal, principal_of
+from router.api.batches.checks import Refused, not_found, query_int, request_model, sees
 from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body
-from router.batches.checks import Refused, not_found, query_int, request_model, sees
 from router.batches.runner import BatchRunner
 from router.batches.store import BatchRow, BatchStore, FileRow, Line, QuotaExceeded, new_id
 from router.errors import APIError, BadRequest, PayloadTooLarge
