@@ -136,7 +136,8 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     batch_store = BatchStore(database, Path(server.cache_dir or default_cache_dir()) / "files",
                              int(server.files_quota_mib * 2**20))
     runner = BatchRunner(batch_store, LineCaller(lambda: app.inner()), keys, supervisor,
-                         {"openai": OpenAIShape(), "anthropic": AnthropicShape()})
+                         {"openai": OpenAIShape(), "anthropic": AnthropicShape()},
+                         metrics.metrics)
     batches = FilesAndBatches(batch_store, runner, relay, server)
     message_batches = MessageBatches(batch_store, runner, relay, server)
 

@@ -211,6 +211,74 @@ def test_cancel_mid_way_answers_the_rest_as_cancelled(router: RouterProcess) -> 
     assert 0 < done.request_counts.completed < 40 and len(cancelled) >= 20, done
 
 
+def metric(r: RouterProcess, caller: str, name: str, **labels: str) -> float:
+    """One sample of ``/metrics`` as ``caller`` (a key) reads it (0 where there is none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = r.client.get(f"{r.url}/metrics",
+                        headers={"Authorization": f"Bearer {caller}"}).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and s.labels == labels)
+
+
+def batch_events(r: RouterProcess, key: str, batch_id: str) -> list[dict[str, Any]]:
+    reply = r.client.get(f"{r.url}/v1/events", headers={"Authorization": f"Bearer {key}"})
+    return [e for e in reply.json()["data"] if e["type"] == "batch" and e["batch"] == batch_id]
+
+
+def test_a_batch_tells_its_owner_its_progress_and_counts_its_lines(
+        router: RouterProcess) -> None:
+    """Events: ``created``, ``in_progress``, ``progress`` (12 lines of 1 s, 4 at once, run
+    at least 3 s: past ``PROGRESS_EVERY``), ``ended``, to Alice and an admin, never to Bob.
+    Metrics: the lines counted by state as they finish, the pending gauge while it runs."""
+    c = client(router)
+    items = [line(f"p-{i}", model="slow", max_tokens=10) for i in range(12)]
+    items.append(line("refused", model="no-such-model"))
+    batch = c.batches.create(input_file_id=upload(c, items), endpoint="/v1/chat/completions",
+                             completion_window="24h")
+    created = batch_events(router, ALICE, batch.id)
+    assert created[0]["action"] == "created" and created[0]["total"] == 13
+    alice_key = created[0]["key"]
+    before = {state: metric(router, ALICE, "modelyard_key_batch_lines_total", key=alice_key,
+                            state=state) for state in ("succeeded", "errored")}
+    assert before["errored"] >= 1  # the refused line, counted when the batch was made
+    seen_pending = 0.0
+    deadline = time.monotonic() + 60
+    while c.batches.retrieve(batch.id).status in ("validating", "in_progress"):
+        seen_pending = max(seen_pending, metric(router, ALICE,
+                                                "modelyard_key_batch_lines_pending",
+                                                key=alice_key))
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    done = finished(c, batch.id)
+    assert done.status == "completed" and done.request_counts.completed == 12, done
+    assert 0 < seen_pending <= 12
+    events = batch_events(router, ALICE, batch.id)
+    actions = [e["action"] for e in events]
+    assert actions[:2] == ["created", "in_progress"] and actions[-1] == "ended", actions
+    assert set(actions[2:-1]) == {"progress"}, actions
+    progress = [e["done"] for e in events if e["action"] == "progress"]
+    assert progress == sorted(progress) and 1 <= progress[0] and progress[-1] < 13
+    end = events[-1]
+    assert (end["status"], end["done"], end["total"], end["succeeded"], end["errored"]) == (
+        "completed", 13, 13, 12, 1)
+    assert all(e["key"] == alice_key for e in events)
+    assert batch_events(router, BOB, batch.id) == []
+    assert [e["id"] for e in batch_events(router, ADMIN, batch.id)] == [
+        e["id"] for e in events]
+    assert metric(router, ALICE, "modelyard_key_batch_lines_total", key=alice_key,
+                  state="succeeded") == before["succeeded"] + 12
+    assert metric(router, ALICE, "modelyard_batch_lines_total", state="succeeded") >= 12
+    assert metric(router, BOB, "modelyard_key_batch_lines_total", key=alice_key,
+                  state="succeeded") == 0  # another key's series is not shown
+    deadline = time.monotonic() + 10  # its runner lets it go just after it ended
+    while metric(router, ADMIN, "modelyard_batches", status="in_progress") + metric(
+            router, ADMIN, "modelyard_batches", status="finalizing"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert metric(router, ADMIN, "modelyard_key_batch_lines_pending", key=alice_key) == 0
+
+
 def test_a_batch_past_its_window_expires(router: RouterProcess) -> None:
     c = client(router)
     items = [line(f"e-{i}", model="slow", max_tokens=20) for i in range(30)]

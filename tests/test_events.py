@@ -1,7 +1,7 @@
 """The event bus, ``GET /v1/events`` and ``GET /v1/models/{id}/logs``.
 
 Units: the bus (replay, a slow subscriber loses its oldest events and is told, publishing
-never waits), the log follower (last lines, appended lines, a replaced or truncated log),
+never waits), who sees a batch's events, the log follower (last lines, appended lines, a replaced or truncated log),
 which paths need a key. Integration: one router (``max_loaded_models: 1``, two ids of the
 embedded model) and two model starts: a load's state changes and phases, a request's
 summary, an eviction with its reason, and a worker log's last lines then a live line.
@@ -145,6 +145,29 @@ def test_last_lines_and_following_a_log_that_grows_and_is_replaced(tmp_path: Pat
     assert follower.read() == ["fresh 1", "fresh 2"]
     log.write_text("cut\n")  # truncated in place
     assert follower.read() == ["cut"]
+
+
+# -- who sees which events ---------------------------------------------------------------
+
+
+def test_a_batch_event_is_its_owners_and_an_unlimited_admins_or_viewers() -> None:
+    """As per-key metrics: a user sees its own batches' events, an admin or a viewer all,
+    unless held to some models (another key's batch may run any model)."""
+    from router.access.admission import Principal
+    from router.access.key_store import KeySpec
+    from router.api.events import seen_by
+
+    bus = EventBus()
+    event = bus.publish("batch", None, action="progress", batch="batch_1", key="key-alice",
+                        status="in_progress", total=4, done=1)
+    alice, bob = Principal("key-alice", "user"), Principal("key-bob", "user")
+    assert seen_by(event, alice) == event
+    assert seen_by(event, bob) is None
+    assert seen_by(event, Principal("key-admin", "admin")) == event
+    assert seen_by(event, Principal("key-viewer", "viewer")) == event
+    held = KeySpec(models=["m*"])
+    assert seen_by(event, Principal("key-viewer", "viewer", held)) is None
+    assert seen_by(event, Principal("key-alice", "user", held)) == event
 
 
 # -- which paths need a key --------------------------------------------------------------

@@ -318,3 +318,67 @@ def test_counters_equal_the_requests_sent(router: Any, client: Any) -> None:
         after, "modelyard_time_to_first_token_seconds_count", model="smollm2")
     assert body["models"]["-"]["requests"]["chat"]["400"] == value(
         after, "modelyard_requests_total", model="-", endpoint="chat", status="400")
+
+
+def test_batch_lines_are_counted_by_state_and_the_runners_batches_read_at_scrape() -> None:
+    m = Metrics(models())
+    running: list[tuple[str, str, int]] = [("in_progress", "key-alice", 7),
+                                           ("cancelling", "key-bob", 2),
+                                           ("in_progress", "", 1)]
+    m.watch_batches(lambda: running)
+    m.batch_lines("key-alice", "succeeded", 3)
+    m.batch_lines("key-alice", "errored")
+    m.batch_lines("", "canceled")  # no keys: counted, no per-key series
+    found = samples(exposition(m))
+    assert value(found, "modelyard_batch_lines_total", state="succeeded") == 3
+    assert value(found, "modelyard_batch_lines_total", state="errored") == 1
+    assert value(found, "modelyard_batch_lines_total", state="canceled") == 1
+    assert ("modelyard_batch_lines_total", frozenset({("state", "expired")})) in found
+    assert value(found, "modelyard_key_batch_lines_total", key="key-alice",
+                 state="succeeded") == 3
+    assert {dict(labels)["key"] for name, labels in found
+            if name == "modelyard_key_batch_lines_total"} == {"key-alice"}
+    assert value(found, "modelyard_batches", status="in_progress") == 2
+    assert value(found, "modelyard_batches", status="cancelling") == 1
+    assert ("modelyard_batches", frozenset({("status", "finalizing")})) in found  # a 0
+    assert value(found, "modelyard_batch_lines_pending") == 10
+    assert value(found, "modelyard_key_batch_lines_pending", key="key-alice") == 7
+    running.clear()  # read again at the next scrape
+    found = samples(exposition(m))
+    assert value(found, "modelyard_batches", status="in_progress") == 0
+    assert value(found, "modelyard_batch_lines_pending") == 0
+    assert ("modelyard_key_batch_lines_pending", frozenset({("key", "key-alice")})) \
+        not in found
+
+
+def test_batch_statuses_and_line_states_are_the_stores() -> None:
+    from router.batches.store import ACTIVE, LINE_STATES
+    from router.observe.metrics import BATCH_ACTIVE, BATCH_LINE_STATES
+
+    assert set(BATCH_ACTIVE) == set(ACTIVE) and BATCH_LINE_STATES == LINE_STATES
+
+
+def test_another_keys_batch_series_are_hidden_as_its_request_series() -> None:
+    from router.access.admission import Principal
+    from router.access.key_store import KeySpec
+    from router.api.metrics import MetricsAPI
+
+    m = Metrics(models())
+    m.watch_batches(lambda: [("in_progress", "key-alice", 4), ("in_progress", "key-bob", 5)])
+    m.batch_lines("key-alice", "succeeded")
+    m.batch_lines("key-bob", "succeeded")
+    api = MetricsAPI(m)
+
+    def keys_seen(principal: Principal) -> set[str]:
+        from prometheus_client import generate_latest
+
+        text = generate_latest(api.seen_by(principal)).decode()  # type: ignore[arg-type]
+        return {dict(labels)["key"] for name, labels in samples(text)
+                if name in ("modelyard_key_batch_lines_total",
+                            "modelyard_key_batch_lines_pending")}
+
+    assert keys_seen(Principal("key-alice", "user")) == {"key-alice"}
+    assert keys_seen(Principal("key-alice", "viewer", KeySpec(models=["chat-a"]))) == {
+        "key-alice"}
+    assert keys_seen(Principal("key-carol", "viewer")) == {"key-alice", "key-bob"}
+    assert keys_seen(Principal("key-admin", "admin")) == {"key-alice", "key-bob"}

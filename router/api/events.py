@@ -45,8 +45,13 @@ def seen_by(event: Event, principal: Principal,
             names_of: Callable[[str], list[str]] = lambda model: [model]) -> Event | None:
     """``event`` as ``principal`` may see it: nothing of a model outside its globs
     (``names_of``: a model id's names); an admin or a viewer, whole; a user, its own
-    requests only, and a failure's reason without the log tail under it (a worker's log
-    can quote other users' prompts)."""
+    requests and batches only, and a failure's reason without the log tail under it (a
+    worker's log can quote other users' prompts). Another key's batch is shown as its
+    per-key metrics are (``router.api.metrics``): to an admin or a viewer held to no
+    model globs, whose lines could be of any model."""
+    if event["type"] == "batch" and event.get("key") != principal.name and (
+            not principal.sees_all or principal.limits.models):
+        return None
     model = event.get("model")
     if principal.limits.models and model and model != "-" and not principal.limits.allows(
             names_of(model)):

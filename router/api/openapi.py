@@ -223,7 +223,7 @@ RESPONSES: dict[str, Schema] = {
                                "rss_mib": _NUM, "age_seconds": _NUM})),
         "tasks": _INT}),
     "Event": _obj({"type": {"type": "string", "enum": [
-        "hello", "activity", "state", "load", "eviction", "request", "dropped"]},
+        "hello", "activity", "state", "load", "eviction", "request", "batch", "dropped"]},
         "id": _nullable(_INT), "time": _NUM, "model": _nullable(_STR)}),
     "EventList": _obj({"object": _const("list"), "data": _array(_ref("Event"))}),
     "LogLines": _obj({"object": _const("list"), "model": _STR, "data": _array(_STR)}),
@@ -414,7 +414,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/openapi.json"): Operation("This document", None, None),
     ("GET", "/v1/events"): Operation(
         "The router's events (model states, loads with their phases, evictions with their "
-        "reason, one summary per request): the recent ones as JSON, or with `Accept: "
+        "reason, one summary per request, batches made, progressing and ended): the recent "
+        "ones as JSON, or with `Accept: "
         "text/event-stream` a stream of named events that goes on (a comment every 15 s)",
         None, "EventList", "Event", named_events=True,
         query={"replay": {"type": "string", "enum": ["0", "1", "true", "false"]}}),

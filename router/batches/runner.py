@@ -14,6 +14,13 @@ models under ``max_loaded_models: 1`` loads each once. At most
 run at once, over every batch. Results are written every ``FLUSH_EVERY`` seconds (each
 line once: ``BatchStore.finish``); a router that stops, cleanly or not, leaves the lines
 it had not written pending, and whoever holds the batch next runs them.
+
+What a batch does is told as ``batch`` events on the router's event bus (``tell``:
+``created`` and ``cancelling`` from the API's handlers, ``in_progress``, ``progress`` at
+most every ``PROGRESS_EVERY`` seconds while lines finish, and ``ended``), each with the
+batch's id, owner (``key``), status and counts; and in the router's metrics: lines
+counted by state as each finishes, and the batches held now with their pending lines,
+read at each scrape (``active``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from router.batches.store import BatchRow, BatchStore, Line
 from router.errors import APIError, ModelNotFound
 from router.lifecycle.policy.room import BATCH_QUIET, wanted_in_person
 from router.lifecycle.supervisor import Supervisor
+from router.observe.metrics import ActiveBatch, Metrics
 from router.registry import ModelEntry
 
 log = logging.getLogger("modelyard.router")
@@ -55,6 +63,17 @@ SHARE_LOOK = 0.5
 """Seconds between looks at a model's batch line limit while it is reached."""
 WAIT_FOR_ROOM = 1.0
 """Seconds between looks at whether a batch's next model may run (``room.batch_may_run``)."""
+PROGRESS_EVERY = 2.0
+"""Seconds at least between a running batch's ``progress`` events (none while no line
+finished since the last)."""
+
+
+def batch_event(batch: BatchRow) -> dict[str, Any]:
+    """A ``batch`` event's own fields: what a batch's owner may know of it at a glance."""
+    return {"batch": batch.id, "key": batch.owner, "shape": batch.shape,
+            "endpoint": batch.endpoint, "status": batch.status, "total": batch.total,
+            "done": batch.done, "succeeded": batch.succeeded, "errored": batch.errored,
+            "canceled": batch.canceled, "expired": batch.expired}
 
 
 class Shape(Protocol):
@@ -158,15 +177,20 @@ class _Share:
 
 
 class _Running:
-    """One batch this router runs: its task and what stops it."""
+    """One batch this router runs: its task and what stops it. ``batch``'s status and
+    counts are kept current as its lines finish (what events and metrics tell; the
+    database has the lines written)."""
 
-    __slots__ = ("batch", "stop", "task")
+    __slots__ = ("batch", "stop", "task", "told_at", "told_done")
 
     def __init__(self, batch: BatchRow, task: asyncio.Task[None]) -> None:
         self.batch = batch
         self.task = task
         self.stop: str | None = None
         """Why it stops early: ``canceled`` (its owner), ``expired`` or ``revoked``."""
+        self.told_at = time.monotonic()
+        self.told_done = batch.done
+        """When its last ``progress`` (or ``in_progress``) event was told, and its count."""
 
 
 class BatchRunner:
@@ -174,7 +198,8 @@ class BatchRunner:
 
     def __init__(self, store: BatchStore, call: Callable[[str, bytes, Principal, str],
                                                          Awaitable[tuple[int, bytes]]],
-                 keys: Keys, supervisor: Supervisor, shapes: dict[str, Shape]) -> None:
+                 keys: Keys, supervisor: Supervisor, shapes: dict[str, Shape],
+                 metrics: Metrics) -> None:
         self.store = store
         self.call = call
         self.keys = keys
@@ -183,6 +208,9 @@ class BatchRunner:
         server = supervisor.server
         self.server = server
         self.shapes = shapes
+        self.events = supervisor.events
+        self.metrics = metrics
+        metrics.watch_batches(self.active)
         self.name = identity(store.folder)
         self._running: dict[str, _Running] = {}
         self._model_lines: dict[str, _Share] = {}
@@ -196,6 +224,28 @@ class BatchRunner:
     def wake(self) -> None:
         """Look for work now (a batch was made or cancelled)."""
         self._wake.set()
+
+    def tell(self, batch: BatchRow, action: str) -> None:
+        """Publish a ``batch`` event of ``batch`` as it stands (see the module doc)."""
+        self.events.publish("batch", None, action=action, **batch_event(batch))
+
+    def created(self, batch: BatchRow) -> None:
+        """``batch`` was made (its refused lines ``errored`` already): told, counted, and
+        run soon."""
+        if batch.errored:
+            self.metrics.batch_lines(batch.owner, "errored", batch.errored)
+        self.tell(batch, "created")
+        self.wake()
+
+    def cancelling(self, batch: BatchRow) -> None:
+        """Its owner cancelled ``batch`` (now ``cancelling``): told, and stopped soon."""
+        self.tell(batch, "cancelling")
+        self.wake()
+
+    def active(self) -> list[ActiveBatch]:
+        """The batches this router runs now: status, owner and lines still pending."""
+        return [(r.batch.status, r.batch.owner, max(0, r.batch.total - r.batch.done))
+                for r in self._running.values()]
 
     async def close(self) -> None:
         """Stop running (the router stops): lines that ran are written, the others stay
@@ -226,6 +276,8 @@ class BatchRunner:
                     task.add_done_callback(self._ended)
                 elif batch.status == "cancelling" and running.stop is None:
                     running.stop = "canceled"
+                    if running.batch.status == "in_progress":
+                        running.batch.status = "cancelling"
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(CLAIM_EVERY):
@@ -254,12 +306,13 @@ class BatchRunner:
         me = self._running[batch.id]
         if batch.status == "validating":
             await self.store.set_status(batch, "in_progress", self.name)
+            self.tell(batch, "in_progress")
         if batch.status == "cancelling":
             me.stop = "canceled"
         pending = [] if me.stop else await self.store.pending(batch.id)
         shape = self.shapes[batch.shape]
         done: list[Line] = []
-        flusher = asyncio.create_task(self._flush_every(batch, done))
+        flusher = asyncio.create_task(self._flush_every(batch, me, done))
         try:
             for group in self._groups(pending):
                 await self._run_group(batch, me, group, shape, done)
@@ -279,6 +332,8 @@ class BatchRunner:
             rest = await self.store.pending(batch.id)
             done.extend(Line(ln.line, ln.custom_id, ln.model, "", state,
                              shape.unrun(ln, state, message)) for ln in rest)
+            for _ in rest:
+                self._finished(batch, state)
             await self._flush(batch, done)
         await self._finalize(batch, me.stop)
 
@@ -372,11 +427,21 @@ class BatchRunner:
             await asyncio.sleep(RETRY_AFTER * 2**attempt)
         state, text = shape.result(line, status, body)
         done.append(Line(line.line, line.custom_id, line.model, "", state, text))
+        self._finished(batch, state)
 
-    async def _flush_every(self, batch: BatchRow, done: list[Line]) -> None:
+    def _finished(self, batch: BatchRow, state: str) -> None:
+        """One of ``batch``'s lines ended as ``state``: in its counts and the metrics."""
+        setattr(batch, state, getattr(batch, state) + 1)
+        self.metrics.batch_lines(batch.owner, state)
+
+    async def _flush_every(self, batch: BatchRow, me: _Running, done: list[Line]) -> None:
         while True:
             await asyncio.sleep(FLUSH_EVERY)
             await self._flush(batch, done)
+            now = time.monotonic()
+            if batch.done != me.told_done and now - me.told_at >= PROGRESS_EVERY:
+                me.told_at, me.told_done = now, batch.done
+                self.tell(batch, "progress")
 
     async def _flush(self, batch: BatchRow, done: list[Line]) -> None:
         if not done:
@@ -394,6 +459,7 @@ class BatchRunner:
         if fresh is None:
             return
         await self.store.set_status(fresh, "finalizing", self.name)
+        batch.status = "finalizing"
         files: dict[str, str | None] = {}
         if fresh.shape == "openai":
             files["output_file"] = await self.store.add_result_file(
@@ -407,6 +473,7 @@ class BatchRunner:
                              "message": "the key that made the batch no longer admits "
                                         "requests", "param": None}]
         await self.store.set_status(fresh, status, self.name, **files)
+        self.tell(fresh, "ended")
         log.info("batch %s %s: %d succeeded, %d errored, %d canceled, %d expired", fresh.id,
                  status, fresh.succeeded, fresh.errored, fresh.canceled, fresh.expired)
 

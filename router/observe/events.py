@@ -8,7 +8,13 @@ An event is a plain dict: ``type``, ``id`` (a counter, from 1), ``time`` (Unix s
     load      a load finished: ``load_seconds``, ``load_phases``, ``pid``
     eviction  a model stops (or yields) to make room: ``for`` (the model that needs the
               room), ``action`` (``stop`` or ``yield``), ``reason`` (``policy.room.why``)
-    request   one finished request: what its request-log line says
+    request   one finished request: what its request-log line says (``key``: the name
+              of the key that asked)
+    batch     a batch changed (``router.batches.runner``): ``action`` (``created``,
+              ``in_progress``, ``progress``, ``cancelling``, ``ended``), ``batch`` (its
+              id), ``key`` (its owner's name), ``shape``, ``endpoint``, ``status``,
+              ``total``, ``done`` and the counts ``succeeded``, ``errored``, ``canceled``,
+              ``expired``
     dropped   (only to one subscriber) ``count`` events it was too slow to take
 
 Publishing never waits: each subscriber has a bounded queue, and a subscriber that falls

@@ -9,6 +9,12 @@ at scrape time, so the supervisor keeps no gauges of its own.
 
 Every series is labelled with a model id the preset declares, or ``-`` for a request
 that named no model the router knows: a client cannot grow the label set.
+
+Batch metrics: the lines the batch runner finished, by state, counted as each finishes
+(``Metrics.batch_lines``); the batches this router runs, by status, and their lines still
+pending, read at scrape time from the runner (``Metrics.watch_batches``). Per-key series
+(``key`` label: the name of the key that asked or owns the batch) are only shown as
+``router.api.metrics.MetricsAPI.seen_by`` allows.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from typing import Any
 
@@ -43,6 +49,14 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
                640.0, 1280.0)
 QUANTILES = (0.5, 0.9, 0.99)
+BATCH_LINE_STATES = ("succeeded", "errored", "canceled", "expired")
+"""What a batch's line ends as (``router.batches.store.LINE_STATES``)."""
+BATCH_ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+"""The statuses of a batch a runner still holds (``router.batches.store.ACTIVE``)."""
+
+ActiveBatch = tuple[str, str, int]
+"""A batch a runner holds now: its status, its owner (a key's name, ``""`` with no keys)
+and its lines still pending."""
 
 
 class RequestMark:
@@ -96,6 +110,49 @@ class _ModelCollector:
             if entry.engine_in_flight is not None and entry.state == "ready":
                 engine.add_metric([entry.id], entry.engine_in_flight)
         yield from (state, in_flight, queued, load, restarts, evictions, engine)
+
+
+class _BatchCollector:
+    """The batch runner's figures: lines finished (counted as they finish) and the
+    batches it holds now (``view``, read at each scrape)."""
+
+    def __init__(self) -> None:
+        self.lines = dict.fromkeys(BATCH_LINE_STATES, 0)
+        self.key_lines: dict[tuple[str, str], int] = {}
+        self.view: Callable[[], Iterable[ActiveBatch]] = tuple
+
+    def collect(self) -> Iterator[Metric]:
+        lines = CounterMetricFamily("modelyard_batch_lines", "Batch lines finished, by "
+                                    "state (a line refused when its batch was made counts "
+                                    "as errored then)", labels=["state"])
+        for state, n in self.lines.items():
+            lines.add_metric([state], n)
+        key_lines = CounterMetricFamily("modelyard_key_batch_lines", "Batch lines "
+                                        "finished, by the name of the key that owns the "
+                                        "batch and state", labels=["key", "state"])
+        for (key, state), n in self.key_lines.items():
+            key_lines.add_metric([key, state], n)
+        batches = GaugeMetricFamily("modelyard_batches", "Batches this router runs now, by "
+                                    "status", labels=["status"])
+        pending = GaugeMetricFamily("modelyard_batch_lines_pending", "Lines not yet run "
+                                    "of the batches this router runs")
+        key_pending = GaugeMetricFamily("modelyard_key_batch_lines_pending", "Lines not yet "
+                                        "run of the batches this router runs, by the name "
+                                        "of the key that owns them", labels=["key"])
+        by_status = dict.fromkeys(BATCH_ACTIVE, 0)
+        by_key: dict[str, int] = {}
+        total = 0
+        for status, owner, left in self.view():
+            by_status[status] = by_status.get(status, 0) + 1
+            total += left
+            if owner:
+                by_key[owner] = by_key.get(owner, 0) + left
+        for status, n in by_status.items():
+            batches.add_metric([status], n)
+        pending.add_metric([], total)
+        for key, left in by_key.items():
+            key_pending.add_metric([key], left)
+        yield from (lines, key_lines, batches, pending, key_pending)
 
 
 class _Histogram:
@@ -194,6 +251,19 @@ class Metrics:
         self._counts = _RequestCollector()
         self.registry.register(self._counts)
         self.registry.register(_ModelCollector(models))
+        self._batches = _BatchCollector()
+        self.registry.register(self._batches)
+
+    def batch_lines(self, owner: str, state: str, count: int = 1) -> None:
+        """Count ``count`` lines of ``owner``'s batch finished as ``state``."""
+        batches = self._batches
+        batches.lines[state] = batches.lines.get(state, 0) + count
+        if owner:  # no keys: one user, no per-key series (as requests)
+            batches.key_lines[owner, state] = batches.key_lines.get((owner, state), 0) + count
+
+    def watch_batches(self, view: Callable[[], Iterable[ActiveBatch]]) -> None:
+        """Read the batches a runner holds from ``view`` at each scrape."""
+        self._batches.view = view
 
     def label(self, model: str) -> str:
         """The model id for ``model`` as a request named it, or ``-`` if none fits."""

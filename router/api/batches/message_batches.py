@@ -164,7 +164,7 @@ class MessageBatches:
                        None, "24h", "validating", now, now + WINDOW, total=len(lines),
                        errored=sum(ln.state == "errored" for ln in lines))
         await self.store.add_batch(row, lines)
-        self.runner.wake()
+        self.runner.created(row)
         return JSONResponse(message_batch(row))
 
     def check_requests(self, requests: list[MessageBatchItem], principal: Principal
@@ -215,7 +215,8 @@ class MessageBatches:
         cancelled = await self.store.request_cancel(row.id, None)
         if cancelled is None:  # deleted meanwhile
             raise not_found("message_batch", row.id)
-        self.runner.wake()
+        if cancelled.status != row.status:  # not cancelled (or ended) already
+            self.runner.cancelling(cancelled)
         return JSONResponse(message_batch(cancelled))
 
     async def results(self, request: Request) -> Response:

@@ -247,7 +247,7 @@ class FilesAndBatches:
                        metadata=req.metadata, total=len(lines),
                        errored=sum(ln.state == "errored" for ln in lines))
         await self.store.add_batch(row, lines)
-        self.runner.wake()
+        self.runner.created(row)
         return JSONResponse(batch_object(row))
 
     def check_lines(self, text: str, endpoint: str, principal: Principal) -> list[Line]:
@@ -326,7 +326,8 @@ class FilesAndBatches:
         row = await self._owned_batch(request)
         cancelled = await self.store.request_cancel(row.id, None)
         assert cancelled is not None
-        self.runner.wake()
+        if cancelled.status != row.status:  # not cancelled (or ended) already
+            self.runner.cancelling(cancelled)
         return JSONResponse(batch_object(cancelled))
 
 
