@@ -11,6 +11,11 @@ the adapter makes it ``resident``, and its Unload and Load move it out of and in
 engine while the base serves on; an adapter found in the base's ``adapters_dir`` by a
 chat gets its row under the base's (``tests/artifacts/status-page-adapters.png``). This
 one is not ``integration``: it starts no vLLM.
+
+Against a router with synthetic models and keys, the batches panel lists the page's key's
+batches (not another key's): one made through the API reaches ``completed`` with its
+progress; a slow one shows its progress, lines per second and ETA while it runs, and its
+Cancel ends it ``cancelled`` (``tests/artifacts/status-page-batches.png``). No vLLM either.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import pytest
 from playwright.sync_api import Browser, Page, Playwright, sync_playwright
 
 from tests.conftest import ROOT, RouterProcess, router_with_runtime
+from tests.test_batches import client, finished, line, upload
 
 CHROMIUM = "/usr/bin/chromium"
 # Without these, Chromium on a machine with no network and no display misbehaves.
@@ -48,11 +54,14 @@ models:
 
 
 def open_page(p: Playwright, r: RouterProcess, problems: list[str],
-              requests_outside: list[str]) -> tuple[Browser, Page]:
-    """Chromium on ``r``'s status page; console errors and warnings, page errors and any
-    request that leaves the router go into the lists."""
+              requests_outside: list[str], key: str = "") -> tuple[Browser, Page]:
+    """Chromium on ``r``'s status page (with ``key`` as if typed in before it loaded);
+    console errors and warnings, page errors and any request that leaves the router go
+    into the lists."""
     browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
     page = browser.new_page(viewport={"width": 1400, "height": 1100})
+    if key:
+        page.add_init_script(f"sessionStorage.setItem('modelyard-api-key', {json.dumps(key)})")
     page.on("console", lambda m: problems.append(f"console {m.type}: {m.text}")
             if m.type in ("error", "warning") else None)
     page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
@@ -217,5 +226,82 @@ def test_the_status_page_lists_an_adapter_under_its_base(tmp_path: Path) -> None
                                                or "")
         finally:
             browser.close()
+    assert not problems, problems
+    assert not requests_outside, requests_outside
+
+
+ALICE, BOB = "k-page-alice-1a", "k-page-bob-2b"
+BATCH_PRESET = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  runtime_dir: {runtime}
+  cache_dir: {cache}
+  spare_workers: 0
+  api_keys: [k-page-alice-1a, k-page-bob-2b]
+  admin_api_keys: [k-page-admin-3c]
+  batch_model_concurrency: 2
+models:
+  page-fast: {model: /synthetic, engine: synthetic}
+  page-slow: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 10}}
+"""
+
+
+def test_the_status_page_shows_batches_progress_and_cancels_one(tmp_path: Path) -> None:
+    assert Path(CHROMIUM).exists(), "chromium is listed in system-packages.txt"
+    problems: list[str] = []
+    requests_outside: list[str] = []
+    preset = BATCH_PRESET.replace("{cache}", str(tmp_path / "cache"))
+    with router_with_runtime(preset, tmp_path, "page-batch") as r, sync_playwright() as p:
+        alice, bob = client(r, ALICE), client(r, BOB)
+        theirs = bob.batches.create(input_file_id=upload(bob, [line("b", model="page-fast")]),
+                                    endpoint="/v1/chat/completions", completion_window="24h")
+        browser, page = open_page(p, r, problems, requests_outside, key=ALICE)
+        refused: list[str] = []
+        page.on("response", lambda got: refused.append(got.url) if got.status >= 400 else None)
+        try:
+            page.wait_for_selector("#conn.conn-on", timeout=15_000)
+            quick = alice.batches.create(
+                input_file_id=upload(alice, [line(f"q-{i}", model="page-fast")
+                                             for i in range(4)]),
+                endpoint="/v1/chat/completions", completion_window="24h")
+            row = f'tr[data-batch="{quick.id}"]'
+            page.wait_for_selector(f'{row}[data-status="completed"]', timeout=30_000)
+            assert page.text_content(f"{row} .progress") == "4/4"
+            assert page.text_content(f"{row} .failed") == "0"
+            assert page.get_attribute(f"{row} .bar .ok", "style") == "width: 100%;"
+            assert page.locator(f'{row} button[data-action="cancel"]').count() == 0
+
+            slow = alice.batches.create(
+                input_file_id=upload(alice, [line(f"s-{i}", model="page-slow", max_tokens=20)
+                                             for i in range(6)]),
+                endpoint="/v1/chat/completions", completion_window="24h")
+            row = f'tr[data-batch="{slow.id}"]'
+            # 2 lines at once, 2 s each: the first two end, and a progress event tells it
+            page.wait_for_function(
+                f"(document.querySelector('{row}[data-status=\"in_progress\"] .progress') "
+                "|| {textContent: '0/'}).textContent.startsWith('0/') === false",
+                timeout=30_000)
+            assert page.text_content(f"{row} .rate") != "–"
+            assert page.text_content(f"{row} .eta") != "–"
+            assert page.locator("#events li[data-type='batch']").count() >= 3
+            ARTIFACT.parent.mkdir(exist_ok=True)
+            page.screenshot(path=str(ARTIFACT.with_name("status-page-batches.png")),
+                            full_page=True)
+
+            page.click(f'{row} button[data-action="cancel"]')
+            page.wait_for_selector(f'{row}[data-status="cancelled"]', timeout=30_000)
+            assert page.text_content(f"{row} .progress") == "6/6"  # the rest: cancelled
+            assert int(page.text_content(f"{row} .failed") or 0) >= 1
+            done = finished(alice, slow.id)
+            assert done.status == "cancelled" and done.request_counts.completed < 6, done
+            assert page.locator(f'tr[data-batch="{theirs.id}"]').count() == 0  # Bob's
+            assert page.locator("#batches tbody tr").count() == 2
+        finally:
+            browser.close()
+    # A user key may not read worker logs (an admin's): the log panel's 403s, and only
+    # those, are expected.
+    assert refused and all("/logs?" in url for url in refused), refused
+    problems = [text for text in problems if "status of 403 (Forbidden)" not in text]
     assert not problems, problems
     assert not requests_outside, requests_outside

@@ -1,6 +1,9 @@
 // modelyard status page: one GET /v1/models, then the /v1/events stream; worker logs from
 // /v1/models/{id}/logs?follow=1; a chat playground on /v1/chat/completions; this month's
-// usage from /v1/usage (every 10 s, and soon after a request). Streams are
+// usage from /v1/usage (every 10 s, and soon after a request); the key's batches from
+// /v1/batches (soon after each live "batch" event, and every 5 s while one is active),
+// their lines per second and ETA reckoned here from each batch's in_progress_at and
+// counts, with a Cancel for those still running. Streams are
 // read with fetch (not EventSource) so the API key travels as an Authorization header,
 // never in a URL. A LoRA adapter model (its object has ``parent``: its base) is a row
 // under its base's; it has no events of its own, so the list is fetched again (at most
@@ -311,6 +314,8 @@ function describe(ev) {
         + Object.entries(ev.load_phases || {}).map(([k, v]) => `${k} ${v.toFixed(2)} s`).join(", ");
     case "eviction":
       return `${ev.model} ${ev.action === "yield" ? "yields" : "evicted"} for ${ev.for}: ${ev.reason}`;
+    case "batch":
+      return `${ev.batch} ${ev.action}: ${ev.done}/${ev.total} lines (${ev.status})`;
     case "dropped":
       return `${ev.count} event(s) dropped (this page read too slowly)`;
     default:
@@ -366,10 +371,12 @@ function onEvent(name, data) {
     setConn(true);
     apply(ev);
     refreshModels();
+    refreshBatches();
     return;
   }
   logEvent(ev);
   if (!live) return;
+  if (ev.type === "batch") batchesSoon();
   if (pending) pending.push(ev); else apply(ev);
 }
 
@@ -517,6 +524,92 @@ function usageAfterRequest() {
   if (usageSoon === null) usageSoon = setTimeout(refreshUsage, 1500);
 }
 
+// -- batches -----------------------------------------------------------------------------
+const BATCHES_EVERY_MS = 5000;
+const RUNNING = new Set(["validating", "in_progress", "finalizing", "cancelling"]);
+const CANCELLABLE = new Set(["validating", "in_progress"]);
+const ENDED_AT = ["completed_at", "cancelled_at", "expired_at", "failed_at", "finalizing_at"];
+let batchesTimer = null;
+let anyRunning = false;
+
+// Lines per second since the batch began running (to its end, once it has ended), and the
+// seconds its pending lines will take at that rate; null where there is no rate yet.
+function batchPace(b, done) {
+  if (!b.in_progress_at || !done) return { rate: null, eta: null };
+  const ended = ENDED_AT.map((k) => b[k]).find((t) => t);
+  const end = RUNNING.has(b.status) || !ended ? Date.now() / 1000 : ended;
+  const seconds = end - b.in_progress_at;
+  if (seconds <= 0) return { rate: null, eta: null };
+  const rate = done / seconds;
+  const left = b.request_counts.total - done;
+  return { rate, eta: RUNNING.has(b.status) && left > 0 ? left / rate : null };
+}
+
+function duration(seconds) {
+  if (seconds === null) return "–";
+  if (seconds < 60) return seconds.toFixed(0) + " s";
+  if (seconds < 3600) return (seconds / 60).toFixed(1) + " min";
+  return (seconds / 3600).toFixed(1) + " h";
+}
+
+function batchRow(b) {
+  const counts = b.request_counts || { total: 0, completed: 0, failed: 0 };
+  const done = counts.completed + counts.failed;
+  const total = counts.total || 0;
+  const bar = el("div", { class: "bar", title: done + " of " + total + " lines" });
+  for (const [part, cls] of [[counts.completed, "ok"], [counts.failed, "bad"]]) {
+    const seg = el("span", { class: cls });
+    seg.style.width = (total ? (100 * part) / total : 0) + "%";
+    bar.append(seg);
+  }
+  const { rate, eta } = batchPace(b, done);
+  const actions = el("td", {});
+  if (CANCELLABLE.has(b.status)) {
+    const cancel = el("button", { type: "button", "data-action": "cancel" }, "Cancel");
+    cancel.addEventListener("click", () => cancelBatch(b.id, cancel));
+    actions.append(cancel);
+  }
+  return el("tr", { "data-batch": b.id, "data-status": b.status },
+    el("td", { class: "id" }, el("strong", {}, b.id),
+      el("div", { class: "endpoint" }, b.endpoint)),
+    el("td", {}, el("span", { class: "state state-" + b.status }, b.status)),
+    el("td", { class: "progress-cell" },
+      el("span", { class: "progress" }, done + "/" + total), bar),
+    el("td", { class: "num failed" }, String(counts.failed)),
+    el("td", { class: "num rate" }, fixed(rate, 1)),
+    el("td", { class: "num eta" }, duration(eta)),
+    el("td", {}, el("time", {}, clock(b.created_at))),
+    actions);
+}
+
+async function refreshBatches() {
+  try {
+    const list = (await api("/v1/batches?limit=100")).data;
+    $("batches").tBodies[0].replaceChildren(...list.map(batchRow));
+    anyRunning = list.some((b) => RUNNING.has(b.status));
+    $("batches-note").textContent = list.length ? "" : "no batches";
+  } catch (err) {
+    $("batches-note").textContent = "/v1/batches: " + err.message;
+  }
+}
+
+// Several events in a moment (a batch's lines end together): one look after them.
+function batchesSoon() {
+  if (batchesTimer === null) {
+    batchesTimer = setTimeout(() => { batchesTimer = null; refreshBatches(); }, 300);
+  }
+}
+
+async function cancelBatch(id, button) {
+  button.disabled = true;
+  try {
+    await api("/v1/batches/" + encodeURIComponent(id) + "/cancel", {});
+  } catch (err) {
+    $("batches-note").textContent = "cancel " + id + ": " + err.message;
+  }
+  refreshBatches();
+}
+
 // -- start -------------------------------------------------------------------------------
 function start() {
   $("key").value = apiKey();
@@ -527,6 +620,7 @@ function start() {
     followEvents();
     followLog();
     refreshUsage();
+    refreshBatches();
   });
   $("chat-form").addEventListener("submit", sendChat);
   $("chat-stop").addEventListener("click", () => chatAbort && chatAbort.abort());
@@ -539,6 +633,7 @@ function start() {
   followEvents();
   refreshUsage();
   setInterval(refreshUsage, USAGE_EVERY_MS);
+  setInterval(() => { if (anyRunning) refreshBatches(); }, BATCHES_EVERY_MS); // pace, ETA
   // The log list needs the model ids: the first snapshot brings them.
   const waitForModels = setInterval(() => {
     if (models.size) { clearInterval(waitForModels); followLog(); }
