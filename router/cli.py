@@ -1,14 +1,21 @@
-"""The ``modelyard`` command: ``modelyard serve --config configs/default.yaml``."""
+"""The ``modelyard`` command: ``modelyard serve --config configs/default.yaml``;
+``modelyard keys ...`` (named keys, in the preset's database); ``modelyard batches ...``
+(a running router's batches, over HTTP)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import gc
+import json
 import logging
+import os
 import socket
 import sys
+import time
+from typing import Any
 
+import httpx
 import msgspec
 import uvicorn
 
@@ -21,6 +28,8 @@ from shared.config import ConfigError, ServerConfig, load_preset
 
 GC_THRESHOLD = 50_000
 """Container allocations (less frees) between the router's youngest collections."""
+DEFAULT_URL = "http://127.0.0.1:8080"
+"""The router ``modelyard batches`` asks unless ``--url`` or ``MODELYARD_URL`` says."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     action.add_parser("list", help="every key (never a secret)")
     revoke = action.add_parser("revoke", help="revoke a key (its name stays taken)")
     revoke.add_argument("name")
+    batches = sub.add_parser("batches", help="a running router's batches (/v1/batches)")
+    batches.add_argument("--url", default=os.environ.get("MODELYARD_URL", DEFAULT_URL),
+                         help=f"the router (default: $MODELYARD_URL or {DEFAULT_URL})")
+    batches.add_argument("--key", default=os.environ.get("MODELYARD_API_KEY", ""),
+                         help="the API key (default: $MODELYARD_API_KEY); a user key sees "
+                              "its own batches, an admin key all")
+    what = batches.add_subparsers(dest="action", required=True)
+    listed = what.add_parser("list", help="the newest batches, one line each")
+    listed.add_argument("--limit", type=int, default=20, help="how many (1 to 100)")
+    show = what.add_parser("show", help="one batch, as the API's JSON")
+    show.add_argument("id")
+    cancel = what.add_parser("cancel", help="cancel a batch; its lines not run yet end "
+                                            "cancelled")
+    cancel.add_argument("id")
     return parser
 
 
@@ -96,8 +119,61 @@ async def keys_command(args: argparse.Namespace, database: Database) -> int:
     return 0
 
 
+BATCH_COLUMNS = ("id", "status", "done", "failed", "endpoint", "created")
+
+
+def batch_line(batch: dict[str, Any]) -> tuple[str, ...]:
+    """A batch's row in ``modelyard batches list``."""
+    counts = batch.get("request_counts") or {}
+    done = counts.get("completed", 0) + counts.get("failed", 0)
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(batch["created_at"]))
+    return (batch["id"], batch["status"], f"{done}/{counts.get('total', 0)}",
+            str(counts.get("failed", 0)), batch["endpoint"], created)
+
+
+def table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                     for row in rows)
+
+
+def batches_command(args: argparse.Namespace) -> int:
+    """``modelyard batches list|show ID|cancel ID`` against the router at ``--url``; an
+    error the router answers is printed as its message, and the exit status is 1."""
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    base = args.url.rstrip("/") + "/v1/batches"
+    try:
+        with httpx.Client(headers=headers, timeout=30) as client:
+            if args.action == "list":
+                reply = client.get(base, params={"limit": args.limit})
+            elif args.action == "show":
+                reply = client.get(f"{base}/{args.id}")
+            else:
+                reply = client.post(f"{base}/{args.id}/cancel")
+    except httpx.HTTPError as err:
+        print(f"modelyard: {args.url}: {err}", file=sys.stderr)
+        return 1
+    try:
+        body = reply.json()
+    except ValueError:
+        body = None
+    if reply.status_code != 200 or not isinstance(body, dict):
+        error = body.get("error") if isinstance(body, dict) else None
+        message = error.get("message") if isinstance(error, dict) else reply.text[:200]
+        print(f"modelyard: HTTP {reply.status_code}: {message}", file=sys.stderr)
+        return 1
+    if args.action == "list":
+        rows = [batch_line(b) for b in body["data"]]
+        print(table([BATCH_COLUMNS, *rows]) if rows else "no batches")
+    else:
+        print(json.dumps(body, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "batches":  # a running router's: no preset read here
+        return batches_command(args)
 
     try:
         preset = load_preset(args.config)
