@@ -185,6 +185,18 @@ def test_cancel_mid_way_ends_the_rest_canceled(router: RouterProcess) -> None:
     assert set(got) == {f"c-{i}" for i in range(40)}
     assert sum(isinstance(v, MessageBatchCanceledResult) for v in got.values()) \
         == counts.canceled
+    # Its events on /v1/events, as an OpenAI batch's: its owner's, never another key's.
+    def told(key: str) -> list[dict[str, Any]]:
+        reply = router.client.get(f"{router.url}/v1/events", headers={"x-api-key": key})
+        return [e for e in reply.json()["data"]
+                if e["type"] == "batch" and e["batch"] == made.id]
+
+    actions = [e["action"] for e in told(ALICE)]
+    assert actions[:2] == ["created", "in_progress"] and "cancelling" in actions, actions
+    end = told(ALICE)[-1]
+    assert (end["action"], end["shape"], end["status"]) == ("ended", "anthropic", "cancelled")
+    assert (end["succeeded"], end["canceled"]) == (counts.succeeded, counts.canceled)
+    assert told(BOB) == []
 
 
 def test_delete_an_ended_batch(router: RouterProcess) -> None:
