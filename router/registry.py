@@ -148,6 +148,8 @@ class ModelEntry:
     """Of ``leases``, those of batch lines (which never count as a person's demand)."""
     interactive_at: float = 0.0
     """When (``time.monotonic``) a request that is no batch line last took a lease."""
+    batch_load: bool = False
+    """Its load was asked for by batch lines alone (``Supervisor.start_loading``)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     slots: Slots | None = None
     """``max_concurrent`` requests served at once; ``None``: no cap."""

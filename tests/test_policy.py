@@ -176,6 +176,34 @@ def test_a_batch_loads_a_model_only_into_room_no_person_uses() -> None:
     assert room.batch_may_run(used, [quiet], server, {}, NOW) is False
 
 
+def test_a_load_for_batch_lines_alone_takes_no_room_a_person_used() -> None:
+    """A batch's line passed ``batch_may_run`` before its load looked for room (it waited
+    its turn among the batch's lines; its model crashed or idled out meanwhile): that
+    load still never evicts, nor makes yield, a model a person used within
+    ``BATCH_QUIET``, and a person's load goes before it in the line."""
+    m, server = models({"swap_wait": 0}, batch={"priority": 5}, used={}, quiet={},
+                       person={})
+    batch = waiting(m["batch"])
+    batch.leases = batch.batch_leases = 1
+    batch.batch_load = True  # ``Supervisor.start_loading`` for a batch line
+    used = running(m["used"], idle_for=5)
+    used.interactive_at = NOW - 5
+    assert decide(batch, [batch], [used], server) == room.WAIT
+    used.leases = 1  # in use by a person now: not even after swap_wait
+    assert decide(batch, [batch], [used], server, waited=60) == room.WAIT
+    quiet = running(m["quiet"], idle_for=5)
+    quiet.interactive_at = NOW - room.BATCH_QUIET
+    assert decide(batch, [batch], [quiet], server) == room.RoomDecision(
+        "evict", quiet, room.why(quiet, NOW))
+    person = waiting(m["person"], since=NOW)  # a lower priority, a shorter wait
+    person.leases = 1
+    assert room.first_in_line(person, [batch, person])
+    assert not room.first_in_line(batch, [batch, person])
+    batch.leases = 2  # a person's request waits for the batch's load too: it is theirs
+    assert room.first_in_line(batch, [batch, person])
+    assert decide(batch, [batch], [used], server, waited=60).action == "yield"
+
+
 def test_the_line_for_room_goes_by_priority_then_wait() -> None:
     m, server = models({"max_loaded_models": 3}, early={}, late={}, high={"priority": 1},
                        other={})

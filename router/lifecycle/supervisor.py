@@ -183,7 +183,7 @@ class Supervisor:
         lease = Lease(now, named if named is not now else None, batch)
         try:
             await self._take_slot(lease)
-            return lease, await self.ensure_ready(now)
+            return lease, await self.ensure_ready(now, batch)
         except BaseException:
             lease.release()
             raise
@@ -231,8 +231,9 @@ class Supervisor:
             entry.queued -= queued
         lease.slot = slots  # no await since ``take``: the lease gives it back from here
 
-    async def ensure_ready(self, entry: ModelEntry) -> WorkerLink:
-        """Wait (bounded) until ``entry`` serves: load it, wake it, or find it room."""
+    async def ensure_ready(self, entry: ModelEntry, batch: bool = False) -> WorkerLink:
+        """Wait (bounded) until ``entry`` serves: load it, wake it, or find it room
+        (``batch``: for a batch line, ``start_loading``)."""
         if entry.state == "ready" and entry.link is not None:
             return entry.link
         if entry.queued >= self.server.max_queue_depth:
@@ -247,7 +248,7 @@ class Supervisor:
                     await asyncio.shield(self.idler.wake(entry))
                     if entry.state == "ready" and entry.link is not None:
                         return entry.link
-                task = self.start_loading(entry)
+                task = self.start_loading(entry, batch)
                 try:
                     return await asyncio.shield(task)
                 except asyncio.CancelledError:
@@ -263,16 +264,22 @@ class Supervisor:
         finally:
             entry.queued -= 1
 
-    def start_loading(self, entry: ModelEntry) -> asyncio.Task[WorkerLink]:
-        """The model's one load task, started now if none is running."""
+    def start_loading(self, entry: ModelEntry,
+                      batch: bool = False) -> asyncio.Task[WorkerLink]:
+        """The model's one load task, started now if none is running. ``batch``: asked
+        for by a batch line; a load only batch lines asked for takes only room no person
+        uses (``ModelEntry.batch_load``)."""
         if entry.removed:
             raise ModelNotFound(f"The model '{entry.id}' was removed from the configuration",
                                 param="model")
         task = self._loads.get(entry.id)
         if task is None:
+            entry.batch_load = batch
             task = asyncio.create_task(self._load(entry), name=f"load-{entry.id}")
             self._loads[entry.id] = task
             task.add_done_callback(self._load_done)
+        elif not batch:
+            entry.batch_load = False  # someone else waits for it too
         return task
 
     def _load_done(self, task: asyncio.Task[WorkerLink]) -> None:

@@ -6,7 +6,9 @@ in line stops one ``victim`` at a time: never a pinned one or one within its
 then the lowest priority, the lowest ``expected_cost`` (measured load seconds x decaying
 request rate), the least recently used. A model still in use yields only after the waiter
 has waited ``swap_wait``, and only to a model of its priority or higher; one that serves
-batch lines alone yields at once to a model a person waits for.
+batch lines alone yields at once to a model a person waits for. A load that batch lines
+alone wait for goes after every other load in line, and takes only room no person used
+for ``BATCH_QUIET`` s.
 """
 
 from __future__ import annotations
@@ -64,6 +66,18 @@ def wanted_in_person(entry: ModelEntry) -> bool:
     return entry.leases > entry.batch_leases
 
 
+def used_in_person(entry: ModelEntry, now: float) -> bool:
+    """A person's request holds a lease on ``entry``, or took one within ``BATCH_QUIET``
+    seconds: a batch must not take its room."""
+    return wanted_in_person(entry) or now - entry.interactive_at < BATCH_QUIET
+
+
+def for_batch_alone(entry: ModelEntry) -> bool:
+    """``entry``'s load was asked for by batch lines alone (``ModelEntry.batch_load``) and
+    no person's request waits for it since."""
+    return entry.batch_load and not wanted_in_person(entry)
+
+
 def batch_may_run(entry: ModelEntry, loaded: list[ModelEntry], server: ServerConfig,
                   gpus: dict[int, GpuMemory], now: float) -> bool:
     """Whether a batch may start a line on ``entry`` (``now``: ``time.monotonic()``): it
@@ -76,28 +90,32 @@ def batch_may_run(entry: ModelEntry, loaded: list[ModelEntry], server: ServerCon
         return True
     if fits(entry.spec, [e.spec for e in loaded], server, gpus, {}):
         return True
-    return all(not wanted_in_person(e) and now - e.interactive_at >= BATCH_QUIET
-               for e in loaded)
+    return not any(used_in_person(e, now) for e in loaded)
 
 
 def first_in_line(entry: ModelEntry, models: Iterable[ModelEntry]) -> bool:
-    """Of the loads waiting for room among ``models``, ``entry``'s goes first: highest
-    priority, then the longest wait. A waiting ``entry`` is in the line whether or not
-    ``models`` holds it: a reload may have taken it out of the registry while it waits (its
-    retirement cancels the wait)."""
+    """Of the loads waiting for room among ``models``, ``entry``'s goes first: one a
+    person waits for (or no batch alone asked for) before one for batch lines alone,
+    then the highest priority, then the longest wait. A waiting ``entry`` is in the line
+    whether or not ``models`` holds it: a reload may have taken it out of the registry
+    while it waits (its retirement cancels the wait)."""
     waiting = {e for e in (*models, entry) if e.room_since is not None}
     return bool(waiting) and max(
-        waiting, key=lambda e: (e.spec.priority, -(e.room_since or 0))) is entry
+        waiting, key=lambda e: (not for_batch_alone(e), e.spec.priority,
+                                -(e.room_since or 0))) is entry
 
 
 def victim(entry: ModelEntry, loaded: Iterable[ModelEntry], now: float,
            wall: float) -> ModelEntry | None:
     """The model to stop for ``entry``: never a pinned one or one loaded less than its
-    ``min_resident`` ago (``wall``: ``time.time()``); one that yields to ``entry`` or
-    sits idle first, a sleeping one before an awake one; then the lowest priority, the
-    lowest ``expected_cost``, the least recently used (``now``: ``time.monotonic()``)."""
+    ``min_resident`` ago (``wall``: ``time.time()``), nor for a load of batch lines alone
+    one ``used_in_person``; one that yields to ``entry`` or sits idle first, a sleeping
+    one before an awake one; then the lowest priority, the lowest ``expected_cost``, the
+    least recently used (``now``: ``time.monotonic()``)."""
+    quiet_only = for_batch_alone(entry)
     candidates = [e for e in loaded if e.state in ("ready", "sleeping") and not e.spec.pinned
-                  and wall - (e.loaded_at or 0) >= e.spec.min_resident]
+                  and wall - (e.loaded_at or 0) >= e.spec.min_resident
+                  and not (quiet_only and used_in_person(e, now))]
     if not candidates:
         return None
 
