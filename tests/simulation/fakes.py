@@ -12,7 +12,8 @@ the backend that starts them. All of it lives on the one (virtual-time) event lo
   A worker of a base that serves adapters keeps an ``EnginePool`` of them, as
   ``worker.adapters.AdapterPool`` and vLLM do: it answers ``Adapters`` with
   ``AdapterStates`` and loads a ``Generate``'s ``lora`` before it generates; each
-  ``Generate`` it took is kept in ``received`` (with its ``lora``) for the invariants.
+  ``Generate`` it took is kept in ``received`` (its ``lora``, its ``priority``) for the
+  invariants.
 - ``SimHandle`` / ``SimBackend``: the ``WorkerHandle`` and ``Backend`` shapes.
 """
 
@@ -333,7 +334,7 @@ class SimWorker:
         self.asleep = False
         self.pool = (EnginePool(self, spec.max_cpu_loras or 1)
                      if serves_adapters(spec) else None)
-        self.received: dict[str, LoraRef | None] = {}
+        self.received: dict[str, Generate] = {}
         """Every ``Generate`` this worker took, by id: the adapter it asked for."""
         self.calls: set[asyncio.Task[None]] = set()
         self._boot: asyncio.TimerHandle | None = net.later(plan.boot_delay, self._booted)
@@ -378,7 +379,7 @@ class SimWorker:
             if message.id in self.tasks:
                 self._send(Error(id=message.id, message="duplicate request id", status=400))
                 return
-            self.received[message.id] = message.lora
+            self.received[message.id] = message
             self.tasks[message.id] = loop.create_task(self._generate(message))
         elif isinstance(message, Adapters):
             call = loop.create_task(self._adapters(message))

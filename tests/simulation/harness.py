@@ -15,7 +15,11 @@ memory budgets, short timeouts) and a schedule of operations at virtual times:
   (``stop``, ``force`` or not), ``crash`` (the model's worker exits), ``reload``
   (``registry.reconfigure`` with one model changed, removed or restored, then
   ``retire``/``refresh`` as ``router.lifecycle.reload`` does, or ``max_loaded_models`` changed in
-  place, as a reload applies a runtime key).
+  place, as a reload applies a runtime key);
+- ``batch``: a batch's ``lines`` for one model, as ``router.batches.runner`` runs them:
+  each waits until ``RoomMaker.batch_may_run`` says yes (or the batch gives up), then
+  leases at batch priority (``batch=True``: through the relay with the batch in its
+  scope, or ``acquire_now``/``acquire``), ``at_once`` at a time; leaving cancels them.
 
 Some worlds have LoRA adapter models on one base (``world.add_adapters``): requests,
 loads and unloads may name one (a load or unload of an adapter does what
@@ -27,14 +31,18 @@ boots, engines that refuse to start, shutdowns ignored, failing sleeps, engine e
 adapters that fail to load or kill the engine as they load.
 
 After the schedule nothing more is issued; every client must answer within a bounded
-(virtual) time, the supervisor must settle, and then ``quiescent_violations`` checks:
-no lease or ``max_concurrent`` slot held, no GPU start lock held, no model left
+(virtual) time, the supervisor must settle, and then ``invariants`` checks: no lease or
+``max_concurrent`` slot held, no GPU start lock held, no model left
 ``loading``/``stopping``, placements = running workers, every worker process known to
 the supervisor; no adapter model holds a worker, a state, a lease, a slot or a load of
 its own, and every ``Generate`` reached the worker of the model it named (an adapter's:
-its base's, with the adapter as its ``lora``); then ``stop_all`` must return and leave no
-process running. During the run no adapter model has a state or load event, or is
-evicted, or has a model evicted for it.
+its base's, with the adapter as its ``lora``) at its priority (a batch line's after
+others'); then ``stop_all`` must return and leave no process running. During the run no
+adapter model has a state or load event, or is evicted, or has a model evicted for it;
+and ``batch_watch.BatchWatch`` checks that batch lines yield to people: no slot goes to
+a batch line while a client's request waits for one, batch leases are no one's demand,
+a person's load never waits on batch lines, and a load only batch lines asked for never
+takes the room of a model a person used within ``BATCH_QUIET``.
 
 Run one seed: ``python -m tests.simulation.harness 1234`` (prints its trace), or
 ``SIM_SEED=1234 pytest tests/simulation -k one_seed``.
@@ -54,51 +62,32 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.api.relay import Relay
+from router.access.admission import BATCH_SCOPE_KEY
+from router.api.relay import BATCH_PRIORITY, Relay
+from router.batches.runner import WAIT_FOR_ROOM
 from router.errors import APIError
 from router.lifecycle.supervisor import Supervisor
-from router.registry import ModelEntry, ModelRegistry, Slots
-from router.workers.link import Usage
+from router.registry import Lease, ModelEntry, ModelRegistry
+from router.workers.link import Usage, WorkerLink
 from router.workers.placement import Placer
-from shared.config import ConfigError, ModelSpec, Preset, build_preset
-from shared.protocol import Delta, Generate, SamplingSpec
+from shared.config import ConfigError, Preset, build_preset
+from shared.protocol import Generate, SamplingSpec
+from tests.simulation import invariants
+from tests.simulation.batch_watch import BATCH_LINE, BatchWatch
+from tests.simulation.clients import Client, SimRequest, SimShaper
 from tests.simulation.fakes import Q, SimBackend, SimContext, SimNet
+from tests.simulation.invariants import SETTLE_WITHIN
 from tests.simulation.vtime import VirtualClock, VirtualTimeLoop, after_turns, virtual_time
 from tests.simulation.world import ADAPTER_RANKS, Op, World, make_world, shown_body
 
 ANSWER_WITHIN = 40.0
 """Virtual seconds after the last operation by which every client must have answered."""
-SETTLE_WITHIN = 40.0
-"""Virtual seconds after that for no model to be ``loading`` or ``stopping``."""
 STOP_ALL_WITHIN = 20.0
 SHORT_TRACE = 80
 MODEL_NAME = re.compile(r"\b(?:m|ad)\d\b")
 
 
-# -- adapters: the few looks inside that the invariants need -------------------------------
-def slots_taken(slots: Slots | None, cap: int) -> int:
-    """How many of a ``max_concurrent`` cap's slots are taken (or waited for)."""
-    if slots is None:
-        return 0
-    return cap - slots.free + slots.waiting
-
-
-def held_placements(placer: Placer) -> set[str]:
-    """Models the placer holds CPU cores for."""
-    return set(placer._held)
-
-
-def gpu_start_locks(placer: Placer) -> dict[int, asyncio.Lock]:
-    """Each GPU's start lock, through the public ``start_locks``."""
-    return {g: placer.start_locks(ModelSpec(id=f"probe{g}", model="/probe", device="cuda",
-                                            gpus=[g]))[0] for g in placer.gpus}
-
-
-def lifecycle_ids(sup: Supervisor) -> set[str]:
-    """The models the supervisor keeps a worker, a load or a stop of."""
-    return {*sup._workers, *sup._loads, *sup._stops}
-
-
+# -- the harness's writes inside the supervisor -------------------------------------
 def install_fakes(sup: Supervisor, net: SimNet) -> None:
     """Put the simulated world under ``sup``: its workers start through ``SimBackend``, and
     its links (real ``WorkerLink``s) get ``SimSocket``s from the ZeroMQ context they are
@@ -106,62 +95,6 @@ def install_fakes(sup: Supervisor, net: SimNet) -> None:
     sup._ctx.term()
     sup._ctx = SimContext(net)  # type: ignore[assignment]
     sup.backends["local"] = SimBackend(net)
-
-
-# -- clients -----------------------------------------------------------------------------
-class SimRequest:
-    """What the relay uses of a Starlette request: ``receive`` (for disconnects) and
-    ``scope`` (no key: the open server's principal)."""
-
-    def __init__(self) -> None:
-        self.scope: dict[str, Any] = {}
-        self.gone = asyncio.Event()
-        self.streaming: asyncio.Task[Any] | None = None
-
-    async def receive(self) -> dict[str, Any]:
-        await self.gone.wait()
-        return {"type": "http.disconnect"}
-
-
-class SimShaper:
-    def __init__(self) -> None:
-        self.deltas = 0
-
-    def chunks(self, batch: list[Delta]) -> bytes:
-        self.deltas += len(batch)
-        return b"c"
-
-    def close(self, usage: Usage) -> bytes:
-        return b"end"
-
-    def error_event(self, err: APIError) -> bytes:
-        return b"error"
-
-    def add(self, batch: list[Delta]) -> None:
-        self.deltas += len(batch)
-
-    def body(self, usage: Usage) -> dict[str, Any]:
-        return {"deltas": self.deltas}
-
-
-@dataclass
-class Client:
-    op: Op
-    task: asyncio.Task[str]
-    left: bool = False
-    """The harness made it leave (cancelled its task)."""
-
-    def outcome(self) -> str:
-        if not self.task.done():
-            return "pending"
-        if self.task.cancelled():
-            return "left" if self.left else "cancelled"
-        err = self.task.exception()
-        if err is None:
-            return self.task.result()
-        if isinstance(err, APIError):
-            return f"{err.status} {type(err).__name__}"
-        return f"raised {type(err).__name__}: {err}"
 
 
 @dataclass
@@ -219,6 +152,10 @@ class Simulation:
         placer = Placer(cores={0, 1, 2, 3}, gpus=world.gpus, process_memory=lambda pids: {})
         self.sup = Supervisor(ModelRegistry(preset), preset.server, runtime_dir, placer)
         install_fakes(self.sup, self.net)
+        self.seen: dict[str, str] = {}
+        """Violations seen during the run: when each was first seen."""
+        self.watch = BatchWatch(self.sup, self._saw, self.loop.time)
+        self.watch.watch_slots(self.sup.registry)
         self.relay = Relay(self.sup)
         self._watch_events()
         self.clients: list[Client] = []
@@ -229,8 +166,6 @@ class Simulation:
         self._ids = 0
         self.adapters: list[ModelEntry] = []
         """Every adapter model's entry the registry has held."""
-        self.seen: dict[str, str] = {}
-        """Violations seen during the run: when each was first seen."""
         self.asked: dict[str, Op] = {}
         """Each request's ``Generate`` id: its operation."""
         self.answered: set[str] = set()
@@ -255,14 +190,16 @@ class Simulation:
                 self.net.note(f"{event['model']}: -> {event['state']}{why}")
             elif event["type"] == "eviction":
                 self.net.note(f"{event['model']}: {event['action']} for {event['for']}")
+            self.watch.on_event(event)
 
         sub.offer = offer  # type: ignore[method-assign]
 
     # operations
     def issue(self, op: Op) -> None:
         self._note_adapters()
-        for violation in self.adapter_violations():
+        for violation in invariants.adapter_violations(self.sup, self.adapters):
             self._saw(violation)
+        self.watch.check()
         if op.kind == "crash":
             for worker in reversed(self.net.workers):
                 if worker.model == op.model and worker.returncode is None:
@@ -275,6 +212,8 @@ class Simulation:
         request = SimRequest()
         if op.kind == "request":
             coro = self.request(op, request)
+        elif op.kind == "batch":
+            coro = self.batch(op)
         elif op.kind == "load":
             coro = self.load(op)
         else:
@@ -293,8 +232,10 @@ class Simulation:
             return
         self.net.note(f"leaves: {client.op.kind} {client.op.model} @{client.op.at:g}")
         request.gone.set()  # the relay's watchers see it
-        if client.op.args["via"] == "direct" or request.streaming is not None:
-            # a direct client, or Starlette cancelling a response that streams
+        if (client.op.args["via"] == "direct" or request.streaming is not None
+                or client.op.kind == "batch"):
+            # a direct client, Starlette cancelling a response that streams, or a batch
+            # cancelled (its runner cancels its lines in flight)
             client.left = client.task.cancel() or client.left
 
     def _generate(self, op: Op) -> Generate:
@@ -302,19 +243,24 @@ class Simulation:
         return Generate(id=f"g{self._ids}", prompt="hi",
                         sampling=SamplingSpec(max_tokens=op.args["tokens"]))
 
-    async def request(self, op: Op, request: SimRequest) -> str:
+    async def request(self, op: Op, request: SimRequest, batch: str | None = None) -> str:
+        """A client's request, or with ``batch`` one line of that batch (as the runner
+        calls the app's handlers: the batch in its scope, answered whole)."""
         gen = self._generate(op)
         self.asked[gen.id] = op
         if op.args["via"] == "direct":
-            lease, link = await self.sup.acquire(op.model, "generate")
+            lease, link = await (self._batch_lease(op.model) if batch is not None
+                                 else self.sup.acquire(op.model, "generate"))
             if "keep_alive" in op.args:
                 lease.entry.keep_alive = op.args["keep_alive"]
             if lease.adapter is not None:  # as the relay's ``_start``
                 gen.lora = lease.adapter.lora
+            if lease.batch:
+                gen.priority = BATCH_PRIORITY
             stream = None
             try:
                 stream = link.submit([gen], Usage())
-                got = sum([len(batch) async for batch in stream])
+                got = sum([len(deltas) async for deltas in stream])
                 if got:
                     self.answered.add(gen.id)
                 return f"ok {got}"
@@ -328,12 +274,15 @@ class Simulation:
             shapers.append(SimShaper())
             return shapers[-1]
 
+        if batch is not None:
+            request.scope[BATCH_SCOPE_KEY] = batch
+        streaming = op.args.get("stream", False)
         try:
             response = await self.relay.generate(
-                request, "/sim", op.model, [gen], op.args["stream"], shaper_for,
+                request, "/sim", op.model, [gen], streaming, shaper_for,
                 keep_alive=op.args.get("keep_alive"),
                 keepalive=b"ping" if op.args.get("cold") else b"")
-            if not op.args["stream"]:
+            if not streaming:
                 return "ok json"
             request.streaming = asyncio.current_task()  # from now on leaving cancels it
             chunks = [chunk async for chunk in response.body_iterator]
@@ -341,6 +290,54 @@ class Simulation:
         finally:
             if any(shaper.deltas for shaper in shapers):
                 self.answered.add(gen.id)
+
+    async def _batch_lease(self, model: str) -> tuple[Lease, WorkerLink]:
+        """As the relay's ``_acquire`` for a batch line: at once if it may, else wait."""
+        now = self.watch.lease_now(model)
+        if isinstance(now, tuple):
+            return now
+        return await self.sup.acquire(model, "generate", batch=True)
+
+    async def batch(self, op: Op) -> str:
+        """A batch's lines for one model, as ``router.batches.runner`` runs a group: each
+        line starts once ``RoomMaker.batch_may_run`` says yes (looking every
+        ``WAIT_FOR_ROOM`` s; after ``patience`` s the batch gives up, as one expires),
+        ``at_once`` at a time. Leaving cancels the lines in flight (a cancelled batch)."""
+        try:
+            entry: ModelEntry | None = self.sup.registry.serving(
+                self.sup.registry.resolve(op.model))
+        except APIError:
+            entry = None  # its lines fail as any request would
+        at_once = asyncio.Semaphore(op.args["at_once"])
+        outcomes: list[str] = []
+        started = 0
+        async with asyncio.TaskGroup() as lines:
+            for _ in range(op.args["lines"]):
+                if not await self._batch_may_run(entry, op.args["patience"]):
+                    break
+                await at_once.acquire()
+                line = lines.create_task(self._line(op, outcomes))
+                line.add_done_callback(lambda _: at_once.release())
+                started += 1
+        return (f"ok {started} of {op.args['lines']} line(s) run: "
+                + ", ".join(sorted(outcomes)))
+
+    async def _batch_may_run(self, entry: ModelEntry | None, patience: float) -> bool:
+        """The runner's wait before each line: False once ``patience`` s went by."""
+        waited = 0.0
+        while entry is not None and not self.sup.rooms.batch_may_run(entry):
+            if waited >= patience:
+                return False
+            await asyncio.sleep(WAIT_FOR_ROOM)  # a person uses the room it needs
+            waited += WAIT_FOR_ROOM
+        return True
+
+    async def _line(self, op: Op, outcomes: list[str]) -> None:
+        BATCH_LINE.set(True)  # this task's own context
+        try:
+            outcomes.append(await self.request(op, SimRequest(), batch=f"batch@{op.at:g}"))
+        except APIError as err:  # the line's result: an error line
+            outcomes.append(f"{err.status} {type(err).__name__}")
 
     async def load(self, op: Op) -> str:
         """As ``/v1/models/load`` (``router.api.admin``): an adapter loads its base, then
@@ -434,6 +431,7 @@ class Simulation:
         self._note_adapters()
         self.models = models
         self.entries += [e for e in added if e not in self.entries]
+        self.watch.watch_slots(self.sup.registry)  # new entries, and new max_concurrent
         for entry in self.sup.registry:
             if before.get(entry.id, (None, None))[1] is not entry.slots or entry in added:
                 self.slot_pools.append((entry, entry.slots, entry.spec.max_concurrent))
@@ -450,6 +448,9 @@ class Simulation:
     async def run(self) -> list[str]:
         sup = self.sup
         sup.start()
+        # Only worlds with batches look every Q: others run as their seed always ran.
+        watching = (self.loop.create_task(self.watch.keep_checking())
+                    if any(op.kind == "batch" for op in self.world.ops) else None)
         began = self.loop.time()
         for op in self.world.ops:
             delay = began + op.at - self.loop.time()
@@ -476,10 +477,18 @@ class Simulation:
             busy = any(e.state in ("loading", "stopping") or e.room_since is not None
                        for e in self.entries)
             calm = 0 if busy else calm + 1
+        if watching is not None:
+            watching.cancel()
+            self.net.note(f"batch watch: {self.watch.summary()}")
         self.net.note("quiescent: invariants checked")
         self._note_adapters()
-        violations += self.quiescent_violations() + self.adapter_violations()
-        violations += self.routing_violations()
+        self.watch.check()
+        violations += invariants.quiescent_violations(sup, self.entries, self.slot_pools,
+                                                      self.net)
+        violations += self.watch.quiescent_violations(self.entries)
+        violations += invariants.adapter_violations(sup, self.adapters)
+        violations += invariants.routing_violations(self.net, self.asked, self.answered,
+                                                    self.adapters, BATCH_PRIORITY)
         violations += [f"{v} (during the run, first at {at})" for v, at in self.seen.items()]
         self.net.note("stop_all")
         stop_all = asyncio.ensure_future(sup.stop_all())
@@ -489,53 +498,11 @@ class Simulation:
             stop_all.cancel()
         else:
             stop_all.result()
-            violations += [f"after stop_all: {v}" for v in self.stopped_violations()]
+            violations += [f"after stop_all: {v}" for v in
+                           invariants.stopped_violations(sup, self.entries, self.net)]
         for client in self.clients:
             client.task.cancel()
         return violations
-
-    def quiescent_violations(self) -> list[str]:
-        out = []
-        sup = self.sup
-        for entry in self.entries:
-            if entry.leases:
-                out.append(f"{entry.id}: {entry.leases} lease(s) held at quiescence")
-            if entry.state in ("loading", "stopping"):
-                out.append(f"{entry.id}: left '{entry.state}' ({SETTLE_WITHIN:g} s settle)")
-            if entry.queued:
-                out.append(f"{entry.id}: queued count {entry.queued} at quiescence")
-            if entry.yield_to is not None:
-                out.append(f"{entry.id}: still yields to {entry.yield_to}")
-        for entry, slots, cap in self.slot_pools:
-            taken = slots_taken(slots, cap)
-            if taken:
-                out.append(f"{entry.id}: {taken} of {cap} max_concurrent slot(s) taken at "
-                           "quiescence")
-        for gpu, lock in gpu_start_locks(sup.placer).items():
-            if lock.locked():
-                out.append(f"start lock of GPU {gpu} held at quiescence")
-        running = dict(sup._workers)
-        for model_id, worker in running.items():
-            if worker.handle.returncode is not None:
-                out.append(f"{model_id}: the supervisor keeps worker {worker.handle.pid}, "
-                           f"which exited ({worker.handle.returncode})")
-        current = set(sup.registry.entries.values())
-        for entry in self.entries:
-            if entry not in current and entry.id in sup.registry.entries:
-                continue  # removed, then added again: its id names the new entry's worker
-            if entry.state in ("ready", "sleeping") and entry.id not in running:
-                out.append(f"{entry.id}: '{entry.state}' with no worker")
-            if entry.id in running and entry.state not in ("ready", "sleeping", "stopping"):
-                out.append(f"{entry.id}: '{entry.state}' but its worker is kept")
-        cpu = {m for m, w in running.items() if w.spec is None or w.spec.device == "cpu"}
-        held = held_placements(sup.placer)
-        if held != cpu:
-            out.append(f"placements {sorted(held)} != running CPU workers {sorted(cpu)}")
-        known = {w.handle.pid for w in running.values()}
-        for worker in self.net.alive():
-            if worker.pid not in known:
-                out.append(f"{worker.model}: worker {worker.pid} runs unknown to the supervisor")
-        return out
 
     def _saw(self, violation: str) -> None:
         self.seen.setdefault(violation, f"{self.loop.time() - 1000:.2f}")
@@ -543,65 +510,6 @@ class Simulation:
     def _note_adapters(self) -> None:
         self.adapters += [a for a in self.sup.registry.adapters.values()
                           if a not in self.adapters]
-
-    def adapter_violations(self) -> list[str]:
-        """An adapter model's entry never holds what its base holds for it: a worker, a
-        state of its own, a lease, a slot, a place in a queue or in the line for room."""
-        out = []
-        kept = lifecycle_ids(self.sup)
-        for a in self.adapters:
-            base = a.spec.base
-            if a.link is not None or a.pid is not None or a.node is not None:
-                out.append(f"{a.id} (an adapter of {base}): a worker of its own "
-                           f"(pid {a.pid}, link {a.link is not None})")
-            if a.state != "unloaded":
-                out.append(f"{a.id} (an adapter of {base}): state '{a.state}' of its own")
-            if a.leases or a.queued:
-                out.append(f"{a.id} (an adapter of {base}): {a.leases} lease(s), "
-                           f"{a.queued} queued on its own entry")
-            if a.slots is not None and (a.slots.free != a.slots.size or a.slots.waiting):
-                out.append(f"{a.id} (an adapter of {base}): a max_concurrent slot of its own "
-                           "taken")
-            if a.yield_to is not None or a.room_since is not None:
-                out.append(f"{a.id} (an adapter of {base}): in the line for room")
-            if a.id in kept:
-                out.append(f"{a.id} (an adapter of {base}): the supervisor keeps a worker, "
-                           "load or stop of it")
-        return out
-
-    def routing_violations(self) -> list[str]:
-        """Each ``Generate`` went to one worker: the one of the model its request named,
-        or for an adapter its base's, with the adapter as its ``lora``."""
-        out = []
-        bases = {a.id: a.spec.base for a in self.adapters}
-        took: dict[str, list[int]] = {}
-        for worker in self.net.workers:
-            for gen_id, lora in worker.received.items():
-                took.setdefault(gen_id, []).append(worker.pid)
-                op = self.asked[gen_id]
-                named = op.model
-                if named in bases:
-                    if worker.model != bases[named] or lora is None or lora.name != named:
-                        out.append(f"{gen_id} for adapter {named} (of {bases[named]}) went to "
-                                   f"{worker.model}'s worker {worker.pid} with lora "
-                                   f"{lora.name if lora else None}: {op}")
-                elif worker.model != named or lora is not None:
-                    out.append(f"{gen_id} for {named} went to {worker.model}'s worker "
-                               f"{worker.pid} with lora {lora.name if lora else None}: {op}")
-        for gen_id, pids in took.items():
-            if len(pids) > 1:
-                out.append(f"{gen_id} reached workers {pids}: {self.asked[gen_id]}")
-        for gen_id in sorted(self.answered - set(took)):
-            out.append(f"{gen_id} was answered, but no worker took it: {self.asked[gen_id]}")
-        return out
-
-    def stopped_violations(self) -> list[str]:
-        out = [f"{w.model}: worker {w.pid} still runs" for w in self.net.alive()]
-        if self.sup._workers:
-            out.append(f"the supervisor still keeps workers of {sorted(self.sup._workers)}")
-        out += [f"{e.id}: '{e.state}'" for e in self.entries
-                if e.state not in ("unloaded", "failed")]
-        return out
 
 
 def run_seed(seed: int) -> Result:

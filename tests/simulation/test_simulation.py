@@ -5,8 +5,9 @@
     SIM_SEED=1234 pytest tests/simulation -k one_seed -s   # one seed, its whole trace
 
 Seeds run in groups of ``CHUNK`` per test; a failing group names every failing seed with
-its findings, and the first one's trace. ``FOUND_ON_651C79A`` and ``FOUND_ON_8B375B6``
-name the seeds that found each defect of those commits (``-k found`` runs them alone).
+its findings, and the first one's trace. ``FOUND_ON_651C79A``, ``FOUND_ON_8B375B6`` and
+``FOUND_ON_0A18309`` name the seeds that found each defect of those commits (``-k found``
+runs them alone).
 """
 
 from __future__ import annotations
@@ -64,8 +65,23 @@ FOUND_ON_8B375B6 = {
     # while _restore_adapters awaits link.adapters: no watcher yet, nobody fails the link;
     # the load stays 'loading' for ever, with its GPUs' start locks
 }
+
+
+FOUND_ON_0A18309 = {
+    # Each seed failed on 0a18309 (batch lines yield to people) and passes since.
+    "batch-load-takes-used-room": [14, 109, 116, 126, 135],
+    # batch_may_run said yes to a line while its model served (or loaded); by the time
+    # the line's acquire came (its turn among the batch's lines), the model had crashed,
+    # idled out or yielded, and the acquire loaded it again: that load evicted (or made
+    # yield) a model a person had used within BATCH_QUIET (policy never knew the load
+    # was for batch lines alone)
+    "batch-load-ahead-of-a-person": [171, 719, 1205, 1400, 1549],
+    # the same loads stood first in the line for room (by priority) while a person's load
+    # waited behind them; these seeds still fail when only the first defect is fixed
+}
 FOUND = {f"{commit}-{name}-{seed}": seed
-         for commit, found in (("651c79a", FOUND_ON_651C79A), ("8b375b6", FOUND_ON_8B375B6))
+         for commit, found in (("651c79a", FOUND_ON_651C79A), ("8b375b6", FOUND_ON_8B375B6),
+                               ("0a18309", FOUND_ON_0A18309))
          for name, seeds in found.items() for seed in seeds}
 
 

@@ -4,8 +4,9 @@ are, and its schedule of operations (see ``harness``).
 Some worlds (``ADAPTER_WORLDS``) give one model 1-3 LoRA adapter models (preset entries
 ``{base, adapter}``, folders from ``adapter_folders``), and maybe an ``adapters_dir``
 whose folders requests name as ``<base>/<folder>``; then some requests, loads, unloads
-and reloads name an adapter. Those draws come from a random stream of their own, so a
-world without adapters is the one its seed always gave.
+and reloads name an adapter. Some (``BATCH_WORLDS``) get batches (``add_batches``).
+Those draws come from random streams of their own, so a world without adapters or
+batches is the one its seed always gave.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from router.lifecycle.policy.room import BATCH_QUIET
 from router.workers.placement import GIB, GpuMemory
 from tests.simulation.fakes import Q, quantum
 
@@ -60,6 +62,8 @@ def shown_body(body: dict[str, Any]) -> dict[str, Any]:
 
 ADAPTER_WORLDS = 0.35
 """The share of worlds with adapter models."""
+BATCH_WORLDS = 0.4
+"""The share of worlds with batches."""
 ADAPTER_RANKS = {"a8": 8, "b8": 8, "c16": 16, "d32": 32}
 """The declared adapters' folders and ranks (a switch to ``d32`` raises its base's
 ``max_lora_rank``: a restart)."""
@@ -160,6 +164,9 @@ def make_world(seed: int) -> World:
     arng = random.Random(seed * 104729 + 3)
     if arng.random() < ADAPTER_WORLDS:
         add_adapters(arng, models, ops)
+    brng = random.Random(seed * 15485863 + 5)
+    if brng.random() < BATCH_WORLDS:
+        add_batches(brng, list(models), ops)
     return World(seed, {"server": server, "models": models}, chaos, ops, gpus)
 
 
@@ -193,4 +200,38 @@ def add_adapters(rng: random.Random, models: dict[str, dict[str, Any]], ops: lis
         change = rng.choice(["remove", "restore", "restart", "router_only"])
         ops.append(Op(round(rng.uniform(0, last) / Q) * Q, "reload",
                       rng.choice(declared), {"change": change}))
+    ops.sort(key=lambda op: op.at)
+
+
+def add_batches(rng: random.Random, names: list[str], ops: list[Op]) -> None:
+    """Give the schedule 1-4 batches: each runs 1-5 lines on one of ``names`` (maybe an
+    adapter), ``at_once`` at a time, through the relay (as the runner does) or straight
+    through ``Supervisor.acquire_now``/``acquire``. Half share an instant with a request
+    (a slot then frees with both kinds of waiter), and some worlds have a late phase that
+    begins ``BATCH_QUIET`` s after the last operation: batches may fill room no person
+    uses any more, while a few requests come back."""
+    last = max((op.at for op in ops), default=1.0)
+    late = rng.random() < 0.3
+    end = last + BATCH_QUIET + 3.0 if late else last
+    requests = [op for op in ops if op.kind == "request" and op.model != "nope"]
+    for _ in range(rng.randint(1, 4)):
+        if requests and rng.random() < 0.5:
+            near = rng.choice(requests)
+            at, model = near.at, near.model if rng.random() < 0.7 else rng.choice(names)
+        else:
+            at, model = round(rng.uniform(0, end) / Q) * Q, rng.choice(names)
+        args: dict[str, Any] = {
+            "via": "relay" if rng.random() < 0.6 else "direct", "lines": rng.randint(1, 5),
+            "at_once": rng.choice([1, 1, 2, 3]), "tokens": rng.randint(1, 15),
+            "patience": quantum(rng, 60)}  # how long a line may wait to start: its expiry
+        if rng.random() < 0.2:  # cancelled
+            args["leave"] = quantum(rng, 80)
+            args["turns"] = rng.randint(0, 6)
+        ops.append(Op(at, "batch", model, args))
+    if late:
+        for _ in range(rng.randint(0, 3)):  # people come back while batches run
+            at = round(rng.uniform(last + BATCH_QUIET, end) / Q) * Q
+            ops.append(Op(at, "request", rng.choice(names),
+                          {"via": "relay" if rng.random() < 0.6 else "direct",
+                           "tokens": rng.randint(1, 20), "stream": rng.random() < 0.6}))
     ops.sort(key=lambda op: op.at)
