@@ -31,6 +31,7 @@ server:
   admin_api_keys: [k-admin-batch-3c]
   batch_model_concurrency: 4
   files_max_mib: 0.1  # about 100 KiB: test_an_upload_past_files_max_mib_is_refused
+  files_quota_mib: 0.25  # a key's files together: test_a_keys_files_stay_within_its_quota
 models:
   m: {model: /synthetic, engine: synthetic}
   other: {model: /synthetic, engine: synthetic}
@@ -418,3 +419,43 @@ def test_an_upload_past_files_max_mib_is_refused(router: RouterProcess) -> None:
         **headers, "Content-Type": f"multipart/form-data; boundary={boundary}"})
     assert streamed.status_code == 413, streamed.text
     assert "big.jsonl" not in [f.filename for f in client(router).files.list().data]
+
+
+def test_a_keys_files_stay_within_its_quota(router: RouterProcess) -> None:
+    """``files_quota_mib`` bounds one key's uploads together (Bob's here; Alice's are
+    apart), and deleting one makes room."""
+    bob = client(router, BOB)
+    body = b"x" * 90_000
+    kept = [bob.files.create(file=(f"f{i}.jsonl", body), purpose="batch").id
+            for i in range(2)]
+    with pytest.raises(openai.APIStatusError) as err:
+        bob.files.create(file=("f2.jsonl", body), purpose="batch")
+    assert err.value.status_code == 413 and err.value.code == "files_quota_exceeded"
+    client(router).files.create(file=("alice.jsonl", body), purpose="batch")  # hers apart
+    bob.files.delete(kept.pop())
+    kept.append(bob.files.create(file=("f3.jsonl", body), purpose="batch").id)
+    for file_id in kept:
+        bob.files.delete(file_id)
+
+
+def test_each_line_is_a_row_of_the_usage_ledger(router: RouterProcess) -> None:
+    """A batch's lines are requests of its owner's key: one usage row each, under the
+    line's endpoint and model."""
+    import httpx
+
+    c = client(router, BOB)
+    done = finished(c, c.batches.create(input_file_id=upload(c, [line(f"u-{i}", model="other")
+                                                                 for i in range(3)]),
+                                        endpoint="/v1/chat/completions",
+                                        completion_window="24h").id)
+    assert done.request_counts.completed == 3
+    deadline = time.monotonic() + 10  # the ledger writes every second
+    while True:
+        rows = httpx.get(f"{router.url}/v1/usage?group_by=key,model,endpoint", timeout=30,
+                         headers={"Authorization": f"Bearer {BOB}"}).json()["data"]
+        mine = [r for r in rows if r.get("model") == "other"]
+        if mine and mine[0]["requests"] >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(mine) == 1 and mine[0]["requests"] == 3, rows
+    assert mine[0]["endpoint"] == "chat" and mine[0]["completion_tokens"] > 0

@@ -418,13 +418,25 @@ class BatchRunner:
         if principal is None:
             me.stop = "revoked"
             return
-        for attempt in range(RETRIES + 1):
+        entry = self.registry.entries.get(self._served_by(line.model))
+        attempt = 0
+        while True:
             status, body = await self.call(batch.endpoint, line.body.encode(), principal,
                                            batch.id)
-            if status not in (502, 503) or attempt == RETRIES:
+            if status == 503 and entry is not None and me.stop is None:
+                waited = False
+                while not self.supervisor.rooms.batch_may_run(entry) and me.stop is None:
+                    waited = True  # its room is a person's now: a batch waits, never fails
+                    await asyncio.sleep(WAIT_FOR_ROOM)
+                if waited:
+                    continue
+            if status not in (502, 503) or attempt == RETRIES or me.stop is not None:
                 break
             # the server's passing trouble (a worker died, the database away): again later
             await asyncio.sleep(RETRY_AFTER * 2**attempt)
+            attempt += 1
+        if status in (502, 503) and me.stop is not None:
+            return  # left pending: answered as the batch's end says (cancelled, expired)
         state, text = shape.result(line, status, body)
         done.append(Line(line.line, line.custom_id, line.model, "", state, text))
         self._finished(batch, state)
