@@ -275,8 +275,9 @@ def batch(r: Result) -> str:
                "ITL p99 ms"],
               [(name, v["chats"], v["ttft_p50_ms"], v["ttft_p99_ms"], v["itl_p50_ms"],
                 v["itl_p99_ms"]) for name, v in people]),
-        table(["lines", "done", "failed", "seconds", "lines/s"],
-              [(name, v["lines"], v["failed"], v["seconds"], v["lines_per_s"])
+        table(["lines", "status", "done", "failed", "seconds", "lines/s"],
+              [(name, v.get("status", "-"), v["lines"], v["failed"], v["seconds"],
+                v["lines_per_s"])
                for name, v in runs]),
         table(["ratio", ""], [
             ("person's TTFT p99 beside the batch / alone (target <= 1.5)",

@@ -272,3 +272,60 @@ def test_a_router_survives_its_database_restarting_under_traffic(
                  f"rows lost: {usage_rows(postgres, 'traffic-26')} of {ok}", r)
         assert usage_rows(postgres, "traffic-26") == ok  # and none twice
         assert "Traceback" not in r.tail(400), r.tail(400)
+
+
+BATCH_PRESET = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  spare_workers: 0
+  database_url: "{database}"
+  cache_dir: "{cache}"
+  batch_model_concurrency: 2
+models:
+  slow: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 10}}
+"""
+
+
+def test_a_batch_is_taken_over_when_its_router_dies(
+        postgres: Postgres, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Two routers on one database (and one cache dir, where uploads lie): the one that
+    took a batch runs it; killed (-9) mid-way, the other takes it over once its lease
+    ran out (``router.batches.runner.LEASE``), and every ``custom_id`` is answered once."""
+    import json
+
+    from router.batches.runner import LEASE
+
+    workdir = tmp_path_factory.mktemp("pg-batch")
+    subst = {"database": postgres.url, "cache": str(tmp_path_factory.mktemp("pg-cache"))}
+    lines = "".join(json.dumps({
+        "custom_id": f"t-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "slow", "max_tokens": 10,
+                 "messages": [{"role": "user", "content": "hi"}]}}) + "\n" for i in range(16))
+    with running_router(BATCH_PRESET, workdir, "pg-batch-b", subst, PostgresRouter) as b:
+        with running_router(BATCH_PRESET, workdir, "pg-batch-a", subst, PostgresRouter) as a:
+            made = a.client.post(f"{a.url}/v1/files", data={"purpose": "batch"}, timeout=60,
+                                 files={"file": ("in.jsonl", lines.encode())})
+            batch = a.client.post(f"{a.url}/v1/batches", timeout=60, json={
+                "input_file_id": made.json()["id"], "endpoint": "/v1/chat/completions",
+                "completion_window": "24h"}).json()
+            deadline = time.monotonic() + 30
+            while a.client.get(f"{a.url}/v1/batches/{batch['id']}").json()[
+                    "request_counts"]["completed"] < 2:
+                assert time.monotonic() < deadline, a.tail()
+                time.sleep(0.1)
+            assert a.proc is not None
+            a.proc.kill()
+            a.proc.wait()
+        killed = time.monotonic()
+        deadline = killed + LEASE + 60
+        while True:
+            got = b.client.get(f"{b.url}/v1/batches/{batch['id']}").json()
+            if got["status"] == "completed":
+                break
+            assert time.monotonic() < deadline, (got, b.tail())
+            time.sleep(0.5)
+        assert got["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+        out = b.client.get(f"{b.url}/v1/files/{got['output_file_id']}/content").text
+        ids = [json.loads(ln)["custom_id"] for ln in out.splitlines()]
+        assert sorted(ids) == sorted(f"t-{i}" for i in range(16))  # each once
