@@ -162,7 +162,9 @@ def test_errors_are_anthropic_shaped(claude: Any, router: RouterProcess) -> None
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in r.json()["error"]["message"]
     r = httpx.post(router.url + "/v1/messages/batches", headers=HEADERS, json={})
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert r.status_code == 400 and r.json()["type"] == "error"  # served: no "requests"
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    assert "requests" in r.json()["error"]["message"]
 
 
 def test_claude_codes_32000_max_tokens_are_clamped_to_the_context(
