@@ -38,6 +38,8 @@ models:
   slow: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 10}}
   base: {model: /synthetic, engine: synthetic, max_loras: 2}
   poet: {base: base, adapter: {poet}}
+  vectors: {model: /synthetic, engine: synthetic, task: embed}
+  ranker: {model: /synthetic, engine: synthetic, task: score}
 """
 
 
@@ -155,6 +157,31 @@ def test_a_line_may_name_a_lora_adapter(router: RouterProcess) -> None:
     assert got["tuned"]["response"]["body"]["model"] == "poet"
     assert "poet" in got["tuned"]["response"]["body"]["choices"][0]["message"]["content"]
     assert "poet" not in got["plain"]["response"]["body"]["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "check"), [
+    ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3},
+     lambda b: b["object"] == "text_completion"),
+    ("/v1/embeddings", {"model": "vectors", "input": ["a", "b"]},
+     lambda b: len(b["data"]) == 2 and b["data"][0]["embedding"]),
+    ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 3},
+     lambda b: b["object"] == "response" and b["status"] in ("completed", "incomplete")),
+    ("/v1/rerank", {"model": "ranker", "query": "q", "documents": ["x", "y"]},
+     lambda b: len(b["results"]) == 2),
+    ("/v1/score", {"model": "ranker", "text_1": "q", "text_2": ["x", "y"]},
+     lambda b: len(b["data"]) == 2),
+], ids=["completions", "embeddings", "responses", "rerank", "score"])
+def test_every_endpoint_a_batch_takes_answers_its_lines(
+        router: RouterProcess, endpoint: str, body: dict[str, Any], check: Any) -> None:
+    c = client(router)
+    items = [{"custom_id": f"{endpoint}-{i}", "method": "POST", "url": endpoint, "body": body}
+             for i in range(2)]
+    done = finished(c, c.batches.create(input_file_id=upload(c, items), endpoint=endpoint,
+                                        completion_window="24h").id)
+    got = results(c, done)
+    assert done.request_counts.completed == 2, got
+    for item in got.values():
+        assert item["response"]["status_code"] == 200 and check(item["response"]["body"]), item
 
 
 def test_another_key_finds_nothing_an_admin_everything(router: RouterProcess) -> None:
