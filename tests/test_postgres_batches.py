@@ -5,27 +5,19 @@ models, share the database and take the batch over."""
 
 from __future__ import annotations
 
-import shutil
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from tests.conftest import running_router
-from tests.test_postgres import ADMIN, Postgres, PostgresRouter
+from tests.test_postgres import (
+    ADMIN,
+    Postgres,
+    PostgresRouter,
+    postgres,  # noqa: F401  # the fixture: a server of this module's own
+)
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def postgres() -> Iterator[Postgres]:
-    server = Postgres()
-    server.pg_ctl("start")
-    try:
-        yield server
-    finally:
-        server.pg_ctl("-m", "immediate", "stop", check=False)
-        shutil.rmtree(server.home, ignore_errors=True)
 
 
 BATCH_PRESET = """
