@@ -9,13 +9,11 @@ import time
 
 import pytest
 
+from tests import test_postgres
 from tests.conftest import running_router
-from tests.test_postgres import (
-    ADMIN,
-    Postgres,
-    PostgresRouter,
-    postgres,  # noqa: F401  # the fixture: a server of this module's own
-)
+from tests.test_postgres import ADMIN, Postgres, PostgresRouter
+
+postgres = test_postgres.postgres  # the fixture (module-scoped): a server of this module's own
 
 pytestmark = pytest.mark.integration
 
