@@ -164,6 +164,11 @@ class Tokenize(msgspec.Struct, tag="tokenize", **_MSG):
     return_token_strs: bool = False
     tools: list[Tool] | None = None
     template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    """As ``Generate``'s: the chat renders as that generate's prompt does."""
+    count_only: bool = False
+    """Answer ``TokenizeResult.count`` alone (no ids): a budget's count of a prompt
+    before it runs (``router.access.budgets``)."""
 
 
 class Detokenize(msgspec.Struct, tag="detokenize", **_MSG):
@@ -179,6 +184,9 @@ class Embed(msgspec.Struct, tag="embed", **_MSG):
     dimensions: int | None = None
     lora: LoraRef | None = None
     """The adapter on top of the base model, as ``Generate.lora``."""
+    count_only: bool = False
+    """Answer the prompt tokens the embedding would take (``Embeddings.prompt_tokens``),
+    no vectors: a budget's count before it runs."""
 
 
 class Score(msgspec.Struct, tag="score", **_MSG):
@@ -194,6 +202,9 @@ class Score(msgspec.Struct, tag="score", **_MSG):
     """Each document cut to this many tokens before it is paired (0: not cut)."""
     lora: LoraRef | None = None
     """The adapter on top of the base model, as ``Generate.lora``."""
+    count_only: bool = False
+    """Answer the prompt tokens the scoring would take (``Scores.prompt_tokens``), no
+    scores: a budget's count before it runs."""
 
 
 class Ping(msgspec.Struct, tag="ping", **_MSG):
@@ -306,6 +317,9 @@ class TokenizeResult(msgspec.Struct, tag="tokens", **_MSG):
     token_ids: list[int]
     max_model_len: int
     token_strs: list[str] | None = None
+    count: int = 0
+    """The prompt tokens the engine would run: ``len(token_ids)``, or with media the
+    context (no more can run; its media's own count is not known before it runs)."""
 
 
 class DetokenizeResult(msgspec.Struct, tag="text", **_MSG):

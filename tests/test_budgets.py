@@ -22,13 +22,7 @@ import httpx
 import pytest
 
 from router.access import ledger as ledger_module
-from router.access.budgets import (
-    TEMPLATE_TOKENS,
-    BudgetExceeded,
-    Budgets,
-    fit,
-    prompt_estimate,
-)
+from router.access.budgets import BudgetExceeded, Budgets, LedgerFull, fit, least_prompt
 from router.access.database import Database
 from router.access.key_store import Budget
 from router.access.ledger import INSERT, SCHEMA, Ledger
@@ -39,7 +33,7 @@ from tests.conftest import RouterProcess, running_router
 
 # -- the arithmetic -------------------------------------------------------------------------
 
-HI = len(b"hi") + 2 * TEMPLATE_TOKENS  # a one-message chat "hi": its prompt estimate
+HI = 18  # a one-message chat "hi": its prompt, as a worker counted it
 
 
 def chat(max_tokens: int | None = None, n: int = 1, text: str = "hi") -> Generate:
@@ -48,31 +42,34 @@ def chat(max_tokens: int | None = None, n: int = 1, text: str = "hi") -> Generat
 
 
 def test_a_request_is_held_at_its_prompt_and_n_times_max_tokens() -> None:
-    assert prompt_estimate(chat()) == HI
-    assert fit([chat(10)], None, 100, clamp=False) == HI + 10
-    assert fit([chat(100, n=128)], None, 40, clamp=False) is None  # 12 800 of 40
-    assert fit([chat(100, n=128)], 4096, 1_000_000, clamp=False) == HI + 12_800
-    assert fit([chat(5000)], 4096, 10_000, clamp=False) == HI + 4096  # at most the context
-    assert fit([chat(10)], None, HI + 9, clamp=False) is None
-    assert fit([chat(10)], None, 0, clamp=False) is None
+    assert least_prompt(chat()) == 1  # not counted yet: at least a token
+    ids = Generate(id="g", sampling=SamplingSpec(), prompt_token_ids=[1, 2, 3])
+    assert least_prompt(ids) == 3  # token ids are their own count
+    assert fit([chat(10)], None, 100, False, [HI]) == HI + 10
+    assert fit([chat(100, n=128)], None, 40, False, [HI]) is None  # 12 800 of 40
+    assert fit([chat(100, n=128)], 4096, 1_000_000, False, [HI]) == HI + 12_800
+    assert fit([chat(5000)], 4096, 10_000, False, [HI]) == HI + 4096  # at most the context
+    assert fit([chat(10)], 4096, 10_000, False, [9000]) == 4096 + 10  # a prompt too
+    assert fit([chat(10)], None, HI + 9, False, [HI]) is None
+    assert fit([chat(10)], None, 0, False, [HI]) is None
 
 
 def test_without_max_tokens_a_request_gets_what_the_budget_leaves() -> None:
     gen = chat()
-    assert fit([gen], 4096, 10_000, clamp=False) == HI + 4096  # the context fits: as asked
+    assert fit([gen], 4096, 10_000, False, [HI]) == HI + 4096  # the context fits: as asked
     assert gen.sampling.max_tokens is None
-    assert fit([gen], 4096, 100, clamp=False) == 100
+    assert fit([gen], 4096, 100, False, [HI]) == 100
     assert gen.sampling.max_tokens == 100 - HI and gen.sampling.clamp_max_tokens
     unknown = chat(n=2)  # no context known: bounded by the budget however much it leaves
-    assert fit([unknown], None, 10_000, clamp=False) == HI + 2 * ((10_000 - HI) // 2)
+    assert fit([unknown], None, 10_000, False, [HI]) == HI + 2 * ((10_000 - HI) // 2)
     assert unknown.sampling.max_tokens == (10_000 - HI) // 2
 
 
 def test_a_protocol_that_clamps_is_clamped_to_the_budget_not_refused() -> None:
     gen = chat(100)
-    assert fit([gen], None, 40, clamp=True) == 40
+    assert fit([gen], None, 40, True, [HI]) == 40
     assert gen.sampling.max_tokens == 40 - HI
-    assert fit([chat(100)], None, HI, clamp=True) is None  # not one token left
+    assert fit([chat(100)], None, HI, True, [HI]) is None  # not one token left
 
 
 # -- the reservations, the clock and the database -------------------------------------------
@@ -112,10 +109,18 @@ class Setup:
     def spend(self, key: str, model: str, tokens: int) -> None:
         self.ledger.record(key, model, "chat", 200, tokens, 0, 0, 0.1)
 
-    async def reserve(self, key: str, budget: Budget, max_tokens: int, model: str = "m"
-                      ) -> Any:
-        return await self.budgets.reserve(key, [budget], self.registry.entries[model],
+    async def reserve(self, key: str, budget: Budget, max_tokens: int, model: str = "m",
+                      prompt: int = HI) -> Any:
+        """As the relay: held before the model, then counted (``prompt``) once its worker
+        is known; a refusal's hold goes with its log line."""
+        held = await self.budgets.reserve(key, [budget], self.registry.entries[model],
                                           [chat(max_tokens)])
+        try:
+            self.budgets.recount(held, [prompt])
+        except BudgetExceeded:
+            held.settle()
+            raise
+        return held
 
 
 @pytest.fixture
@@ -146,21 +151,101 @@ def test_concurrent_requests_see_each_others_holds(setup: Setup) -> None:
     asyncio.run(go())
 
 
-def test_a_templates_overhead_is_learnt_and_held_from_then_on(setup: Setup) -> None:
-    """A template that inserts a system prompt makes "hi" take ~35 tokens, not its
-    estimate of 18: the first request's settle teaches the model that, and later holds
-    of the model include it (another model's do not)."""
-    budget = Budget(tokens=10_000, period="day")
+def test_a_prompt_is_held_as_counted_and_no_key_learns_from_another(setup: Setup) -> None:
+    """Issue 38, finding 4: on 1a1e9ee a chat's prompt was estimated (UTF-8 bytes plus 8
+    tokens a message; tools, tool calls, images and template kwargs not at all) and the
+    excess its settle saw was learnt per model: one key's chat with 20 tools, estimated
+    at 18 tokens and settled at 30 000, made every later hold of the model 30 000 more,
+    and another key with 20 000 left was refused a 28-token "hi". Now a request holds its
+    prompt at its least until its worker counts it, then as counted; no hold depends on
+    another request."""
+    budget = Budget(tokens=20_000, period="day")
+    big = Budget(tokens=1_000_000, period="day")
 
     async def go() -> None:
-        first = await setup.reserve("k", budget, 10)
-        assert first.tokens == HI + 10
-        first.settle(prompt_tokens=HI + 30)  # the template added 30 more
-        again = await setup.reserve("k", budget, 10)
-        assert again.tokens == HI + 30 + 10
-        again.settle(prompt_tokens=HI + 12)  # less than learnt: the most seen stays
-        assert (await setup.reserve("k", budget, 10)).tokens == HI + 30 + 10
-        assert (await setup.reserve("k", budget, 10, model="other")).tokens == HI + 10
+        entry = setup.registry.entries["m"]
+        tools = await setup.budgets.reserve("a", [big], entry, [chat(10)])
+        assert tools.tokens == 1 + 10  # its prompt not counted yet: at least a token
+        setup.budgets.recount(tools, [30_000])
+        assert tools.tokens == 30_000 + 10  # the count, tools and all
+        setup.spend("a", "m", 30_010)
+        tools.settle()
+        hi = await setup.reserve("b", budget, 10)  # another key: its own count alone
+        assert hi.tokens == HI + 10
+        hi.settle()
+        with pytest.raises(BudgetExceeded, match="20000 tokens per day has 20000 tokens "
+                           r"left, and this request may spend up to 30010 \(its prompt "
+                           "of 30000 tokens"):
+            await setup.reserve("b", budget, 10, prompt=30_000)  # the real cost, stated
+        assert setup.budgets.spent("b", budget) == 0
+        assert (await setup.reserve("b", budget, 10)).tokens == HI + 10  # nothing kept
+
+    asyncio.run(go())
+
+
+def test_a_one_shot_request_holds_its_counted_input(setup: Setup) -> None:
+    """Issue 38, finding 3: on 1a1e9ee an embedding (score, rerank) reserved against no
+    generate, ``fit([])`` was 0: six concurrent 3 000-word embeddings on a 100-token
+    budget all ran (18 006 tokens). Now one holds a token until its input is counted,
+    then its count, and one that does not fit is refused."""
+    budget = Budget(tokens=100, period="day")
+
+    async def go() -> None:
+        entry = setup.registry.entries["m"]
+        holds = [await setup.budgets.reserve("k", [budget], entry, [], least=1)
+                 for _ in range(6)]
+        assert [h.tokens for h in holds] == [1] * 6
+        for held in holds:
+            with pytest.raises(BudgetExceeded, match="has (9[5-9]|100) tokens left, and this "
+                               "request's input is 3001 tokens"):  # the others hold 1 or none
+                setup.budgets.recount(held, [], 3001)
+            held.settle()
+        small = await setup.budgets.reserve("k", [budget], entry, [], least=1)
+        setup.budgets.recount(small, [], 60)
+        assert small.tokens == 60
+        other = await setup.budgets.reserve("k", [budget], entry, [], least=1)
+        with pytest.raises(BudgetExceeded, match="has 40 tokens left"):
+            setup.budgets.recount(other, [], 41)
+
+    asyncio.run(go())
+
+
+def test_a_full_ledger_queue_admits_no_budgeted_request_and_drops_no_row(
+        setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 38: on 1a1e9ee a queue past ``QUEUE_MAX`` rows (the database away) dropped its
+    oldest: their spend never reached the database, so once it returned the key spent it
+    again. Now no row is dropped; once the bound waits, a budgeted request is a 503 until
+    the queue drains, and an unbudgeted one goes on, its row kept."""
+    monkeypatch.setattr(ledger_module, "QUEUE_MAX", 5)
+    budget = Budget(tokens=1_000, period="day")
+
+    async def go() -> None:
+        (await setup.reserve("k", budget, 1)).settle()
+        setup.down = True  # nothing is written: the rows wait
+        for _ in range(4):
+            setup.spend("k", "m", 10)
+        (await setup.reserve("k", budget, 1)).settle()  # 4 rows wait: admitted
+        setup.spend("k", "m", 10)
+        assert setup.ledger.full
+        with pytest.raises(LedgerFull) as refused:
+            await setup.reserve("k", budget, 1)
+        assert refused.value.status == 503 and refused.value.code == "usage_ledger_full"
+        unbudgeted = await setup.budgets.reserve("k", [], setup.registry.entries["m"],
+                                                 [chat(1)])
+        assert unbudgeted.tokens == 0  # no budget covers it: it runs
+        for _ in range(3):  # its rows past the bound are kept, counted
+            setup.ledger.record("free", "m", "chat", 200, 7, 0, 0, 0.1)
+        assert len(setup.ledger._queue) == 8 and setup.ledger.overflow == 3
+        assert setup.budgets.spent("k", budget) == 50
+        setup.down = False
+        await setup.ledger.flush()  # the database is back: every row written, once
+        assert setup.ledger.written == 8 and not setup.ledger.full
+        setup.clock.now += 3
+        (await setup.reserve("k", budget, 1)).settle()
+        assert setup.budgets.spent("k", budget) == 50
+        assert await setup.db.run(lambda conn: conn.execute(
+            "SELECT COUNT(*) FROM usage")) == [(8,)]
+
     asyncio.run(go())
 
 

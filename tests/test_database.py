@@ -109,7 +109,7 @@ def test_ledger_rows_wait_for_the_database_and_are_written_once(tmp_path: Path) 
         db.close()
     # The 3 rows before were in the file that was emptied; the 6 since are all there.
     assert usage_rows(path) == 6
-    assert (ledger.written, ledger.dropped) == (9, 0)
+    assert (ledger.written, ledger.overflow) == (9, 0)
 
 
 def test_a_flush_past_its_wait_writes_its_rows_once(tmp_path: Path,

@@ -242,7 +242,7 @@ class VllmEngine:
         assert req.messages is not None
         if not req.messages:
             raise RequestError("'messages' must contain at least one message", param="messages")
-        cont = isinstance(req, Generate) and req.continue_final_message
+        cont = req.continue_final_message
         messages: Any = self._conversation(req.messages)
         media = any(m.parts for m in req.messages)
         try:
@@ -292,10 +292,14 @@ class VllmEngine:
     async def _off_loop(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._render_pool, fn, *args)
 
-    async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]:
-        ids, _ = await self._off_loop(self.prompt, req, req.add_special_tokens)
-        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-        return ids, strs
+    async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None, int]:
+        """The prompt's ids (and their strings, if asked) and the tokens the engine would
+        run for it: with media, the context (vLLM's processor expands each item's
+        placeholder to a count known only once it runs; no prompt runs past the context)."""
+        ids, media = await self._off_loop(self.prompt, req, req.add_special_tokens)
+        strs = (self.tokenizer.convert_ids_to_tokens(ids)
+                if req.return_token_strs and not req.count_only else None)
+        return ids, strs, len(ids) if media is None else max(len(ids), self.max_model_len)
 
     def _in_vocabulary(self, ids: list[int], param: str) -> list[int]:
         """``ids`` (copied), or a 400 naming ``param`` for the first one not a token."""
@@ -532,6 +536,8 @@ class VllmEngine:
                                    f"most {self.max_model_len}", param="input",
                                    code="context_length_exceeded")
             prompts.append(ids)
+        if req.count_only:
+            return [], sum(len(p) for p in prompts)
         async with self._lora_request(req.lora) as lora:
             vectors = await self._pool(req.id, self._embed_inputs(prompts, req.dimensions),
                                        "dimensions", lora)
@@ -580,6 +586,8 @@ class VllmEngine:
         if self.task == "embed":
             return await self._cosines(req, queries)
         pairs = await self._off_loop(self._pairs, queries, req.documents, req.max_tokens_per_doc)
+        if req.count_only:
+            return [], sum(len(prompt["prompt_token_ids"]) for prompt, _ in pairs)
         async with self._lora_request(req.lora) as lora:
             outputs = await self._pool(req.id, pairs, lora=lora)
         scores = []
@@ -641,6 +649,8 @@ class VllmEngine:
                                    f"most {self.max_model_len}", param=f"{role}s",
                                    code="context_length_exceeded")
             prompts.append(ids)
+        if req.count_only:
+            return [], sum(len(p) for p in prompts)
         async with self._lora_request(req.lora) as lora:
             vectors = dict(zip(texts, await self._pool(req.id, self._embed_inputs(prompts),
                                                        lora=lora)))

@@ -50,7 +50,7 @@ class Engine(Protocol):
     max_prompt_chars: int
 
     def generate(self, gen: Generate) -> Any: ...  # AsyncIterator[list[Delta]]
-    async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]: ...
+    async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None, int]: ...
     async def detokenize(self, req: Detokenize) -> str: ...
     async def embed(self, req: Embed) -> tuple[list[list[float]], int]: ...
     async def score(self, req: Score) -> tuple[list[float], int]: ...
@@ -135,9 +135,10 @@ class WorkerServer:
         reply: Any
         try:
             if isinstance(req, Tokenize):
-                ids, strs = await self._engine.tokenize(req)
-                reply = TokenizeResult(id=req.id, token_ids=ids, token_strs=strs,
-                                       max_model_len=self._engine.max_model_len)
+                ids, strs, count = await self._engine.tokenize(req)
+                reply = TokenizeResult(id=req.id, token_ids=[] if req.count_only else ids,
+                                       token_strs=None if req.count_only else strs,
+                                       max_model_len=self._engine.max_model_len, count=count)
             elif isinstance(req, Detokenize):
                 reply = DetokenizeResult(id=req.id, text=await self._engine.detokenize(req))
             elif isinstance(req, Adapters):

@@ -32,6 +32,8 @@ import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from shared.adapters import AdapterError, read_adapter
 from shared.config import ModelSpec, parse_cores, serves_adapters
 from shared.protocol import (
@@ -46,6 +48,9 @@ from shared.protocol import (
     ToolCallDelta,
 )
 from worker.adapters import AdapterPool, adapter_error, check_adapter
+
+MEDIA_TOKENS = 16
+"""The prompt tokens of one image (audio, video) part."""
 
 
 class SyntheticError(Exception):
@@ -126,18 +131,34 @@ class SyntheticEngine:
         return await self.adapters.apply(load, unload)
 
     def _prompt_len(self, req: Generate | Tokenize) -> int:
+        """Its "template": each message's words + 4, each tool call's words + 1, each
+        media part ``MEDIA_TOKENS``, and the words of the tools' and template kwargs'
+        JSON, so that a budget's count (``tokenize``) is the prompt it then reports."""
         if req.messages is not None:
             if not req.messages:
                 raise SyntheticError("'messages' must contain at least one message",
                                      param="messages")
-            return sum(len((m.content or "").split()) + 4 for m in req.messages)
+            size = sum(len((m.content or "").split()) + 4 for m in req.messages)
+            for m in req.messages:
+                if m.tool_calls:
+                    size += sum(len(f"{c.name} {c.arguments}".split()) + 1
+                                for c in m.tool_calls)
+                if m.parts:
+                    size += MEDIA_TOKENS * sum(p.type != "text" for p in m.parts)
+            if req.tools:
+                size += sum(len(msgspec.json.encode(t).split()) for t in req.tools)
+            if req.template_kwargs:
+                size += len(msgspec.json.encode(req.template_kwargs).split())
+            return size
         if isinstance(req, Generate) and req.prompt_token_ids is not None:
             return len(req.prompt_token_ids)
         return len((req.prompt or "").split()) + 1
 
-    async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None]:
+    async def tokenize(self, req: Tokenize) -> tuple[list[int], list[str] | None, int]:
         n = self._prompt_len(req)
-        return list(range(n)), (["tok"] * n if req.return_token_strs else None)
+        if req.count_only:
+            return [], None, n
+        return list(range(n)), (["tok"] * n if req.return_token_strs else None), n
 
     async def detokenize(self, req: Detokenize) -> str:
         return "tok " * len(req.token_ids)
@@ -148,6 +169,9 @@ class SyntheticEngine:
         tests, no model."""
         size = req.dimensions or 8
         vectors, tokens = [], 0
+        if req.count_only:
+            return [], sum(len(item.split()) + 1 if isinstance(item, str) else len(item)
+                           for item in req.inputs)
         async with self._adapter(req.lora):
             self._step(req.lora)
             for item in req.inputs:
@@ -163,6 +187,9 @@ class SyntheticEngine:
     async def score(self, req: Score) -> tuple[list[float], int]:
         """The share of words a query (and an adapter's name) and a document have in
         common (Jaccard): scripted relevance for protocol tests, no model."""
+        tokens = sum(len(t.split()) + 1 for t in [*req.queries, *req.documents])
+        if req.count_only:
+            return [], tokens
         queries = req.queries * len(req.documents) if len(req.queries) == 1 else req.queries
         extra = {req.lora.name} if req.lora is not None else set()
         scores = []
@@ -171,7 +198,7 @@ class SyntheticEngine:
             for query, document in zip(queries, req.documents):
                 a, b = set(query.lower().split()) | extra, set(document.lower().split())
                 scores.append(len(a & b) / len(a | b) if a | b else 0.0)
-        return scores, sum(len(t.split()) + 1 for t in [*req.queries, *req.documents])
+        return scores, tokens
 
     async def _scripted(self, gen: Generate, prompt_len: int) -> AsyncIterator[list[Delta]]:
         turn = self._script[self._turns % len(self._script)]

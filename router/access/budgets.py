@@ -6,13 +6,19 @@ A budget caps a key's prompt+completion tokens per calendar day, ISO week or mon
 glob matches its id or any of its aliases (the registry's current entries); rows of a
 model no longer served count by their id alone.
 
-**Reserve, then settle.** Before a request runs, ``reserve`` holds what it may spend
-against what each budget covering its model has left: for each ``Generate``, an estimate
-of its prompt (``prompt_estimate``: UTF-8 bytes, an upper bound for byte-level
-tokenizers, plus a chat template's tokens) and ``n`` times its ``max_tokens`` (at most
-the model's context where known). The check and the hold are one step on the event loop,
-so concurrent requests see each other's holds. A request that cannot fit is refused
-(``BudgetExceeded``: a 429 naming the budget), with two exceptions:
+**Reserve, count, then settle.** Before a request waits for its model, ``reserve`` holds
+what it may spend against what each budget covering its model has left, its prompt taken
+at its least (one token per prompt, or its token ids, or a one-shot request's least
+input): ``n`` times its ``max_tokens`` (at most the model's context where known) plus
+that. The check and the hold are one step on the event loop, so concurrent requests see
+each other's holds, and a key whose budget is spent never loads a model. Once the request
+has its model's worker, ``recount`` replaces the hold with the same sum over its prompt as
+the worker counts it (``Tokenize``: the chat template rendered with its tools, tool calls,
+template kwargs and media, as the engine will run it; an embedding's or a score's input,
+``count_only``), before it is submitted: a prompt is counted, never estimated, and no
+request's prompt changes another's hold. A request that cannot fit is refused
+(``BudgetExceeded``: a 429 naming the budget and what the request may spend), with two
+exceptions:
 
 * a request without ``max_tokens`` asks for what there is room for (as an engine's
   default is what the context leaves): its ``max_tokens`` becomes what the budget leaves
@@ -23,11 +29,8 @@ so concurrent requests see each other's holds. A request that cannot fit is refu
 
 Either way a request left less than one token per choice is refused. ``Reservation.settle``
 (once the request's ledger row is recorded, however it ended) drops the hold: its real
-spend is then in that row. A chat template that adds more than ``TEMPLATE_TOKENS`` a
-message (a system prompt it inserts) makes a prompt take more than its estimate: the
-settle learns that excess per model (``Budgets.overhead``, the most seen) and every later
-hold of the model adds it, so only a model's first requests (until the largest excess is
-seen) can spend past their hold, by at most that excess.
+spend is then in that row. A refusal after the count, for a stream that began while its
+model loaded (loading progress, keep-alives), is that stream's in-band error event.
 
 **What a key has spent.** The current period's sum of the key's rows in the database
 (every router's: routers sharing a database share budgets), read at most every
@@ -42,6 +45,12 @@ since its cut are kept (never trimmed until a read succeeds): the spend is the l
 plus every row this router recorded since, so the database being away never admits a key
 past its budget (what other routers spent meanwhile is unknown until it returns). A
 failed read is retried after ``SPENT_EVERY`` seconds, not per request.
+
+**The ledger's queue full** (``Ledger.full``: the database away for long): no budgeted
+request is admitted (``LedgerFull``, a 503) until it drains. The queue drops no row (a
+row dropped is spend the database never sees: the key could spend it again once the
+database returns), so budgeted requests stop adding to it; unbudgeted requests go on,
+their rows kept (``Ledger.overflow``).
 
 **A new period** starts from the rows at or after its start (a read made in the last
 period does not cover it: a new one is made, and with the database away this router's
@@ -73,9 +82,6 @@ log = logging.getLogger("modelyard.router")
 SPENT_EVERY = 2.0
 """Seconds a key's spend read from the database is trusted (plus this router's own rows
 since): another router's requests count against a shared budget within this."""
-TEMPLATE_TOKENS = 8
-"""Tokens a chat template is taken to add per message (and once per request), in the
-prompt estimate."""
 
 
 class BudgetExceeded(APIError):
@@ -86,34 +92,49 @@ class BudgetExceeded(APIError):
                          code="budget_exceeded", retry_after=retry_after)
 
 
+class LedgerFull(APIError):
+    """A 503: the ledger's queue is full (the database away), so no budgeted request is
+    admitted until it drains."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__(f"the usage ledger holds {rows} rows the database has not taken "
+                         "yet: requests of keys with a budget wait until it has; retry "
+                         "later", status=503, type="server_error", code="usage_ledger_full",
+                         retry_after=10)
+
+
 class Reservation:
-    """What one request holds of its key's budgets until ``settle``."""
+    """What one request holds of its key's budgets until ``settle``; ``recount`` (by
+    ``Budgets.recount``) replaces the hold of a prompt taken at its least by its count."""
 
-    __slots__ = ("_held", "_learn", "estimate", "model", "prompts", "settled", "tokens")
+    __slots__ = ("asked", "budgets", "clamp", "context", "counted", "gens", "model", "settled",
+                 "state", "tokens")
 
-    def __init__(self, held: list[Reservation] | None, model: str, tokens: int,
-                 estimate: int = 0, prompts: int = 0,
-                 learn: Callable[[str, int], None] | None = None) -> None:
-        self._held = held
+    def __init__(self, state: _Key | None, model: str, tokens: int,
+                 gens: Sequence[Generate] = (), budgets: Sequence[Budget] = (),
+                 context: int | None = None, clamp: bool = False) -> None:
+        self.state = state
         self.model = model
         self.tokens = tokens
-        self.estimate = estimate
-        """The prompt tokens held (``prompt_estimate`` of its prompts, the overhead learnt)."""
-        self.prompts = prompts
-        self._learn = learn
+        self.gens = gens
+        self.asked = [(g.sampling.max_tokens, g.sampling.clamp_max_tokens) for g in gens]
+        """What each generate asked, before ``fit`` lowered it (a recount fits again)."""
+        self.budgets = budgets
+        """The key's budgets that cover the model."""
+        self.context = context
+        self.clamp = clamp
+        self.counted = state is None
+        """Whether its prompts are counted (or nothing is held)."""
         self.settled = False
 
-    def settle(self, prompt_tokens: int = 0) -> None:
+    def settle(self) -> None:
         """Drop the hold (the request's row, recorded just before, carries its real
-        spend); ``prompt_tokens``, what its prompts really took, teaches the model's
-        template overhead. Only the first call counts."""
+        spend). Only the first call counts."""
         if self.settled:
             return
         self.settled = True
-        if self._held is not None:
-            self._held.remove(self)
-        if self._learn is not None and prompt_tokens > self.estimate and self.prompts:
-            self._learn(self.model, -(-(prompt_tokens - self.estimate) // self.prompts))
+        if self.state is not None:
+            self.state.held.remove(self)
 
 
 NOTHING_HELD = Reservation(None, "", 0)
@@ -153,14 +174,7 @@ class Budgets:
         self.registry = registry
         self.clock = clock
         self._keys: dict[str, _Key] = {}
-        self.overhead: dict[str, int] = {}
-        """Per model id: the most tokens its chat template was seen to add to a prompt
-        beyond ``prompt_estimate`` (a system prompt it inserts, say), added to every
-        later hold of that model."""
         ledger.on_record = self.recorded
-
-    def _learnt(self, model: str, excess: int) -> None:
-        self.overhead[model] = self.overhead.get(model, 0) + excess
 
     def recorded(self, at: float, key: str, model: str, tokens: int) -> None:
         """The ledger's hook: a row of ``key`` was recorded at ``at``."""
@@ -170,33 +184,56 @@ class Budgets:
             state.totals[model] = state.totals.get(model, 0) + tokens
 
     async def reserve(self, key: str, budgets: Sequence[Budget], entry: ModelEntry,
-                      gens: Sequence[Generate], clamp: bool = False) -> Reservation:
-        """Hold what ``gens`` (one request to ``entry``'s model) may spend of ``key``'s
-        ``budgets``, lowering their ``max_tokens`` where the module docstring says; else
-        ``BudgetExceeded``."""
+                      gens: Sequence[Generate], clamp: bool = False, least: int = 0
+                      ) -> Reservation:
+        """Hold what ``gens`` (one request to ``entry``'s model; none for a one-shot
+        request, whose input is ``least`` tokens at least) may spend of ``key``'s
+        ``budgets``, each prompt at its least (``least_prompt``), lowering their
+        ``max_tokens`` where the module docstring says; else ``BudgetExceeded``, or
+        ``LedgerFull``. ``recount`` counts the prompts."""
         covering = [b for b in budgets if self.covers(b, entry.id)]
         if not covering:
             return NOTHING_HELD
+        if self.ledger.full:
+            raise LedgerFull(self.ledger.unwritten)
         state = self._keys.setdefault(key, _Key())
         now = self.clock()
         starts = {_bounds(b.period, now)[0] for b in budgets}
         await self._refresh(key, state, starts)
         # From here to the hold nothing awaits: concurrent requests see each other's.
-        now = self.clock()
-        tightest, room = min(((b, self.left(state, b, now)) for b in covering),
-                             key=lambda pair: pair[1])
         context = entry.max_model_len or entry.spec.max_model_len
-        overhead = self.overhead.get(entry.id, 0)
-        need = fit(gens, context, room, clamp, overhead)
-        if need is None:
-            end = _bounds(tightest.period, now)[1]
-            raise BudgetExceeded(_refusal(tightest, room, gens, context, end),
-                                 retry_after=max(1, int(end - now)))
-        estimate = sum(prompt_estimate(gen) for gen in gens) + overhead * len(gens)
-        reservation = Reservation(state.held, entry.id, need, estimate, len(gens),
-                                  self._learnt)
+        reservation = Reservation(state, entry.id, 0, gens, covering, context, clamp)
+        reservation.tokens = self._fit(state, reservation, [least_prompt(g) for g in gens],
+                                       least, counted=False)
         state.held.append(reservation)
         return reservation
+
+    def recount(self, held: Reservation, prompts: Sequence[int], tokens: int = 0) -> None:
+        """``held``'s hold, its prompts now counted by the worker (``prompts``: each
+        generate's; ``tokens``: a one-shot request's input), as ``reserve`` would make it
+        (from the generates' ``max_tokens`` as asked); else ``BudgetExceeded`` (the hold
+        stays until the request's log line settles it). Nothing awaits."""
+        if held.counted or held.settled or held.state is None:
+            return
+        for gen, (asked, clamped) in zip(held.gens, held.asked, strict=True):
+            gen.sampling.max_tokens, gen.sampling.clamp_max_tokens = asked, clamped
+        held.tokens = self._fit(held.state, held, prompts, tokens, counted=True, own=held.tokens)
+        held.counted = True
+
+    def _fit(self, state: _Key, held: Reservation, prompts: Sequence[int], tokens: int,
+             counted: bool, own: int = 0) -> int:
+        """What ``held``'s request needs of the room its budgets leave (besides ``own``,
+        its own hold), fitted (``fit``); else ``BudgetExceeded`` for the tightest."""
+        now = self.clock()
+        tightest, room = min(((b, self.left(state, b, now) + own) for b in held.budgets),
+                             key=lambda pair: pair[1])
+        need = fit(held.gens, held.context, room - tokens, held.clamp, prompts)
+        if need is None or room < 1:
+            end = _bounds(tightest.period, now)[1]
+            raise BudgetExceeded(_refusal(tightest, room, held.gens, prompts, tokens,
+                                          held.context, end, counted),
+                                 retry_after=max(1, int(end - now)))
+        return need + tokens
 
     def covers(self, budget: Budget, model_id: str) -> bool:
         """Whether ``budget`` counts rows of the model ``model_id``: its glob matches the
@@ -268,33 +305,25 @@ def _day_bounds(period: str, day: int) -> tuple[float, float]:
     return period_bounds(period, day * 86_400.0)
 
 
-def prompt_estimate(gen: Generate) -> int:
-    """Tokens ``gen``'s prompt may take: its token ids, else its text's UTF-8 bytes (no
-    byte-level token is shorter than a byte) plus ``TEMPLATE_TOKENS`` per message and
-    once more."""
-    if gen.prompt_token_ids is not None:
-        return len(gen.prompt_token_ids)
-    if gen.messages is None:
-        return len((gen.prompt or "").encode()) + TEMPLATE_TOKENS
-    size = sum(len((m.content or "").encode()) + TEMPLATE_TOKENS for m in gen.messages)
-    return size + TEMPLATE_TOKENS
+def least_prompt(gen: Generate) -> int:
+    """The fewest tokens ``gen``'s prompt can take before the worker counts it: its token
+    ids, else one."""
+    return len(gen.prompt_token_ids) if gen.prompt_token_ids is not None else 1
 
 
 def fit(gens: Sequence[Generate], context: int | None, room: int, clamp: bool,
-        overhead: int = 0) -> int | None:
+        prompts: Sequence[int]) -> int | None:
     """What ``gens`` may spend once fitted into ``room`` tokens, or ``None`` if they
-    cannot fit. Each may spend its prompt (``prompt_estimate`` plus the model's learnt
-    template ``overhead``, at most the context) and
+    cannot fit. Each may spend its prompt (``prompts``, each at most the context) and
     ``n`` times its ``max_tokens`` (at most the context; none given: the context, or no
     bound where the context is unknown). When that is more than ``room``, or unbounded,
     the generates without ``max_tokens`` (and, with ``clamp``, every one) get an equal
     share per choice of what the others leave as their ``max_tokens`` (where it is less
     than they asked); at least one token each, else ``None``. The only side effect: those
     ``max_tokens``, set only when it returns a number."""
-    if room < 1:  # every request spends a token
+    if room < 1 and gens:  # every request spends a token
         return None
-    prompts = [min(prompt_estimate(g) + overhead, context) if context
-               else prompt_estimate(g) + overhead for g in gens]
+    prompts = [min(p, context) if context else p for p in prompts]
     wants = [_per_choice(g.sampling.max_tokens, context) for g in gens]
     if None not in wants:
         whole = sum(prompts) + sum(g.sampling.n * (w or 0) for g, w in zip(gens, wants,
@@ -328,18 +357,22 @@ def _per_choice(max_tokens: int | None, context: int | None) -> int | None:
     return min(max_tokens, context) if context else max_tokens
 
 
-def _refusal(budget: Budget, room: int, gens: Sequence[Generate], context: int | None,
-             resets: float) -> str:
+def _refusal(budget: Budget, room: int, gens: Sequence[Generate], prompts: Sequence[int],
+             tokens: int, context: int | None, resets: float, counted: bool) -> str:
     on = f" on {budget.model}" if budget.model else ""
     head = f"this key's budget of {budget.tokens} tokens per {budget.period}{on}"
     when = datetime.fromtimestamp(resets, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     if room <= 0:
         return f"{head} is spent; it resets at {when}"
-    most = sum(prompt_estimate(g) + g.sampling.n * (g.sampling.max_tokens or context or 1)
-               for g in gens)
-    return (f"{head} has {room} tokens left, and this request may spend up to {most} (its "
-            f"prompt and n × max_tokens); lower max_tokens or n, or wait: it resets at "
-            f"{when}")
+    prompt = sum(prompts) + tokens
+    if not gens:
+        return (f"{head} has {room} tokens left, and this request's input is {prompt} "
+                f"tokens; wait: it resets at {when}")
+    most = prompt + sum(g.sampling.n * (g.sampling.max_tokens or context or 1) for g in gens)
+    what = (f"up to {most} (its prompt of {prompt} tokens and n × max_tokens)" if counted
+            else f"at least {most} (n × max_tokens, and its prompt)")
+    return (f"{head} has {room} tokens left, and this request may spend {what}; lower "
+            f"max_tokens or n, or wait: it resets at {when}")
 
 
 def _sums(conn: Conn, key: str, starts: list[float], cut: float) -> dict[float, dict[str, int]]:

@@ -7,8 +7,13 @@ wait), in one transaction on the database's own thread, and once more at shutdow
 SIGTERM loses nothing and a kill -9 at most the last second's rows. While the database is
 away (``DatabaseUnavailable``) the rows stay queued and the next flush after it returns
 writes them, each once: a batch leaves the queue while it is written and comes back to
-its front only if its write failed. A queue past ``QUEUE_MAX`` (the database away for
-minutes) drops its oldest rows, counted (``dropped``) and logged.
+its front only if its write failed. No row is ever dropped: a row dropped is spend the
+database never sees, which a key with a budget could spend again once it returns. The
+queue is bounded instead by what it admits: once ``QUEUE_MAX`` rows wait (``full``: the
+database away for minutes), budgets admit no request of a key with a budget
+(``router.access.budgets.LedgerFull``, a 503) until the queue drains; requests of keys
+without one go on and their rows are kept all the same, counted (``overflow``) and logged
+(about 200 bytes a row: a million of them, 200 MB).
 
 Budgets (``router.access.budgets``) read the sums and see each row as it is recorded
 (``on_record``).
@@ -34,6 +39,7 @@ log = logging.getLogger("modelyard.router")
 FLUSH_EVERY = 1.0
 FLUSH_ROWS = 2_000
 QUEUE_MAX = 200_000
+"""Rows waiting (queued or being written) past which no budgeted request is admitted."""
 
 Row = tuple[float, str, str, str, int, int, int, int, float]
 COLUMNS = ("time", "key", "model", "endpoint", "status", "prompt_tokens", "cached_tokens",
@@ -76,7 +82,8 @@ class Ledger:
         self.db = db
         self._queue: deque[Row] = deque()
         self._wake = asyncio.Event()
-        self.dropped = 0
+        self.overflow = 0
+        """Rows recorded while ``QUEUE_MAX`` already waited (kept, not dropped)."""
         self.written = 0
         self._writer: asyncio.Task[None] | None = None
         self._flushing = asyncio.Lock()
@@ -93,11 +100,12 @@ class Ledger:
                cached: int, completion: int, seconds: float) -> None:
         """Queue one request's row (the event loop does nothing more)."""
         now = time.time()
+        if len(self._queue) >= QUEUE_MAX:
+            self._overflowed()
         self._queue.append((now, key, model, endpoint, status, prompt, cached, completion,
                             round(seconds, 4)))
         if self.on_record is not None:
             self.on_record(now, key, model, prompt + completion)
-        self._trim()
         if len(self._queue) >= FLUSH_ROWS:
             self._wake.set()
 
@@ -145,16 +153,23 @@ class Ledger:
             self.written += len(rows)
             return
         self._queue.extendleft(reversed(rows))  # oldest first, as they were
-        self._trim()
 
-    def _trim(self) -> None:
-        """Past ``QUEUE_MAX`` rows, the oldest go (counted and logged)."""
-        while len(self._queue) > QUEUE_MAX:
-            self._queue.popleft()
-            self.dropped += 1
-            if self.dropped in (1, 1000) or self.dropped % 100_000 == 0:
-                log.error("usage ledger: %d row(s) dropped: the database does not keep up",
-                          self.dropped)
+    @property
+    def unwritten(self) -> int:
+        """Rows not yet committed: queued, or being written."""
+        return len(self._queue) + sum(len(batch) for batch in self._writing)
+
+    @property
+    def full(self) -> bool:
+        """Whether ``QUEUE_MAX`` rows wait: no budgeted request is admitted until fewer do."""
+        return self.unwritten >= QUEUE_MAX
+
+    def _overflowed(self) -> None:
+        self.overflow += 1
+        if self.overflow in (1, 1000) or self.overflow % 100_000 == 0:
+            log.error("usage ledger: %d row(s) wait for the database: keys with a budget "
+                      "are refused until it takes them; %d row(s) recorded past the bound "
+                      "(kept)", len(self._queue), self.overflow)
 
     async def close(self) -> None:
         """Stop the writer and write what is left (the router's shutdown)."""

@@ -35,7 +35,7 @@ from router.observe.metrics import Metrics
 from router.registry import Lease, ModelEntry
 from router.workers.link import RequestStream, Usage, WorkerLink
 from shared.config import clamps_max_tokens
-from shared.protocol import Delta, Generate, LoraRef
+from shared.protocol import Delta, Generate, LoraRef, Tokenize
 
 log = logging.getLogger("modelyard.requests")
 
@@ -213,16 +213,18 @@ class Relay:
         engine's queue back at once. On failure the stream is closed, the lease released
         and an ``APIError`` logged."""
         stream: RequestStream | None = None
-        if clamps_max_tokens(lease.entry.spec, PROTOCOLS.get(endpoint, "openai")):
-            for gen in gens:
-                gen.sampling.clamp_max_tokens = True
-        if lease.adapter is not None:
-            for gen in gens:
-                gen.lora = lease.adapter.lora
-        if usage.batch is not None:  # scheduled after any other request (vLLM: lower first)
-            for gen in gens:
-                gen.priority = BATCH_PRIORITY
         try:
+            if self._reserved:  # a key with a budget: its prompt counted before it runs
+                await self._count(link, gens, usage)
+            if clamps_max_tokens(lease.entry.spec, PROTOCOLS.get(endpoint, "openai")):
+                for gen in gens:
+                    gen.sampling.clamp_max_tokens = True
+            if lease.adapter is not None:
+                for gen in gens:
+                    gen.lora = lease.adapter.lora
+            if usage.batch is not None:  # after any other request (vLLM: lower first)
+                for gen in gens:
+                    gen.priority = BATCH_PRIORITY
             _refuse_oversized(lease.entry, gens)
             stream = link.submit(gens, usage)
             first = await _first_batch(request, stream)
@@ -315,11 +317,13 @@ class Relay:
 
     async def _within_limits(self, principal: Principal, model: str | None,
                              gens: list[Generate], endpoint: str, streaming: bool,
-                             usage: Usage) -> None:
+                             usage: Usage, least: int = 0) -> None:
         """A 429 (logged) for a key past its tokens per minute, or for a request that does
-        not fit what one of its budgets has left; else what ``gens`` may spend is held
+        not fit what one of its budgets has left (each prompt at its least; a one-shot
+        request's input ``least`` tokens); else what ``gens`` may spend is held
         (``Budgets.reserve``, which may lower their ``max_tokens``: then ``usage.clamped``
-        says so) until the request's log line settles it."""
+        says so) until the request's log line settles it. Its prompt is counted once its
+        model's worker is known (``_count``)."""
         try:
             entry = self.supervisor.registry.resolve(model)
         except APIError:
@@ -334,20 +338,31 @@ class Relay:
             if limits.budgets and self.budgets is not None:
                 asked = [gen.sampling.max_tokens for gen in gens]
                 clamp = clamps_max_tokens(entry.spec, PROTOCOLS.get(endpoint, "openai"))
-                self._reserved[usage] = await self.budgets.reserve(
-                    principal.name, limits.budgets, entry, gens, clamp)
-                lowered = [gen.sampling.max_tokens or 0 for gen, was in zip(gens, asked)
-                           if was is not None and gen.sampling.max_tokens != was]
-                usage.clamped = min(lowered, default=0)
+                held = await self.budgets.reserve(principal.name, limits.budgets, entry,
+                                                  gens, clamp, least)
+                if held.state is not None:
+                    self._reserved[usage] = held
+                usage.clamped = _clamped(gens, asked)
         except APIError as err:
             self._log(endpoint, entry.id, streaming, err.status, usage)
             raise
+
+    async def _count(self, link: WorkerLink, gens: list[Generate], usage: Usage) -> None:
+        """The hold of a request of a key with a budget (``usage``'s, if it has one not
+        counted yet), now with its prompts as the worker counts them (``Tokenize``: the
+        prompt the engine will run); ``BudgetExceeded`` if it no longer fits."""
+        held = self._reserved.get(usage)
+        if held is None or held.counted or self.budgets is None:
+            return
+        counts = await asyncio.gather(*(_prompt_tokens(link, gen) for gen in gens))
+        self.budgets.recount(held, counts)
+        usage.clamped = _clamped(gens, [asked for asked, _ in held.asked])
 
     def _settle(self, usage: Usage) -> None:
         """Drop ``usage``'s budget hold, if it has one still (its row is recorded)."""
         held = self._reserved.pop(usage, None)
         if held is not None:
-            held.settle(usage.prompt_tokens)
+            held.settle()
 
     def resolve_for(self, model: str | None, principal: Principal) -> ModelEntry:
         """The model ``model`` names, as ``principal`` may know it: one its ``models``
@@ -460,19 +475,24 @@ class Relay:
 
     async def call(self, request: Request, endpoint: str, model: str | None, task: str,
                    work: Callable[[WorkerLink, LoraRef | None], Awaitable[Any]],
-                   prompt_tokens: Callable[[Any], int] | None = None
+                   prompt_tokens: Callable[[Any], int] | None = None,
+                   count: Callable[[WorkerLink, LoraRef | None], Awaitable[int]] | None = None
                    ) -> tuple[ModelEntry, Any]:
         """A one-shot request (tokenize, embeddings ...): acquire (a client that leaves
         while it waits gives its place back), ``work(link, lora)`` (``lora``: the adapter
-        the request named, on its base's ``link``; a tokenizer's is its base's), release. ``prompt_tokens`` reads
-        what the result spent, for the log, the ledger and budgets."""
+        the request named, on its base's ``link``; a tokenizer's is its base's), release.
+        ``prompt_tokens`` reads what the result spent, for the log, the ledger and budgets;
+        a request that spends (embeddings, scores) gives ``count``, the tokens ``work``
+        will spend as the worker counts them before it runs: for a key with a budget, a
+        token is held before its model is acquired and that count once it is, before
+        ``work`` (``BudgetExceeded`` if it does not fit)."""
         principal = principal_of(request.scope)
         usage = Usage(principal.name, request.scope.get(BATCH_SCOPE_KEY))
         if principal.limits.models:  # first: nothing else may tell that a model exists
             model = self._visible(model, principal, endpoint, False, usage)
         if principal.limits.budgets or principal.limits.tpm:
-            # Its input is counted by the worker only: held is that the budget has room.
-            await self._within_limits(principal, model, [], endpoint, False, usage)
+            await self._within_limits(principal, model, [], endpoint, False, usage,
+                                      least=1 if count is not None else 0)
         try:
             lease, link = await self._acquire(request, endpoint, model, task, False, usage)
         except BaseException:
@@ -481,7 +501,11 @@ class Relay:
         status = 200
         try:
             with lease:
-                result = await work(link, None if lease.adapter is None else lease.adapter.lora)
+                lora = None if lease.adapter is None else lease.adapter.lora
+                held = self._reserved.get(usage) if self._reserved else None
+                if count is not None and held is not None and self.budgets is not None:
+                    self.budgets.recount(held, [], await count(link, lora))
+                result = await work(link, lora)
                 if prompt_tokens is not None:
                     usage.prompt[endpoint] = prompt_tokens(result)
                 return lease.adapter or lease.entry, result
@@ -559,6 +583,27 @@ async def _first_batch(request: Request | None, stream: RequestStream) -> list[D
         timer.cancel()
         if watch is not None:
             watch.cancel()
+
+
+async def _prompt_tokens(link: WorkerLink, gen: Generate) -> int:
+    """The tokens ``gen``'s prompt takes in its engine: its token ids, or the worker's
+    count of the prompt it renders (``Tokenize``, ``count_only``)."""
+    if gen.prompt_token_ids is not None:
+        return len(gen.prompt_token_ids)
+    counted = await link.tokenize(Tokenize(
+        id=f"count-{gen.id}", messages=gen.messages, prompt=gen.prompt, tools=gen.tools,
+        add_generation_prompt=gen.add_generation_prompt,
+        continue_final_message=gen.continue_final_message,
+        template_kwargs=gen.template_kwargs, count_only=True))
+    return counted.count
+
+
+def _clamped(gens: list[Generate], asked: list[int | None]) -> int:
+    """The least ``max_tokens`` a budget lowered one of ``gens`` to from what it asked
+    (``asked``, a number); 0: none."""
+    lowered = [gen.sampling.max_tokens or 0 for gen, was in zip(gens, asked, strict=True)
+               if was is not None and gen.sampling.max_tokens != was]
+    return min(lowered, default=0)
 
 
 PROTOCOLS = {"messages": "anthropic", "responses": "responses"}

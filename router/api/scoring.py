@@ -141,8 +141,13 @@ class ScoringAPI:
             message.lora = lora
             return await link.score(message)
 
+        async def count(link: WorkerLink, lora: LoraRef | None) -> int:
+            counted = await link.score(msgspec.structs.replace(
+                message, id=f"{message.id}-count", lora=lora, count_only=True))
+            return counted.prompt_tokens
+
         entry, result = await self.relay.call(request, endpoint, model, "score", work,
-                                              lambda result: result.prompt_tokens)
+                                              lambda result: result.prompt_tokens, count)
         return entry.id, result
 
     async def rerank(self, request: Request) -> Response:

@@ -58,8 +58,13 @@ async def embeddings(relay: Relay, request: Request, max_body: int) -> Response:
         message.lora = lora
         return await link.embed(message)
 
+    async def count(link: WorkerLink, lora: LoraRef | None) -> int:
+        counted = await link.embed(msgspec.structs.replace(
+            message, id=f"{message.id}-count", lora=lora, count_only=True))
+        return counted.prompt_tokens
+
     entry, result = await relay.call(request, "embeddings", req.model, "embed", work,
-                                     lambda result: result.prompt_tokens)
+                                     lambda result: result.prompt_tokens, count)
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
             for i, v in enumerate(result.vectors)]
     return JSONResponse({"object": "list", "data": data, "model": entry.id,
