@@ -364,8 +364,12 @@ models:
   slow: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 20}}
   tight: {model: /synthetic, engine: synthetic, max_model_len: 64}
   cold: {model: /synthetic, engine: synthetic, engine_args: {start_seconds: 2}}
+  wide: {model: /synthetic, engine: synthetic, max_model_len: 100000}
+  vectors: {model: /synthetic, engine: synthetic, task: embed}
+  ranker: {model: /synthetic, engine: synthetic, task: score}
 """
-HI_CHAT = [{"role": "user", "content": "hi"}]  # 5 prompt tokens (synthetic)
+HI_CHAT = [{"role": "user", "content": "hi"}]
+HI_PROMPT = 5  # its prompt tokens (synthetic), as the worker counts them
 
 
 @pytest.fixture(scope="module")
@@ -425,8 +429,8 @@ def test_one_request_cannot_spend_past_the_budget(router: RouterProcess) -> None
     assert clamped.status_code == 200, clamped.text
     body = clamped.json()
     assert body["stop_reason"] == "max_tokens"
-    assert body["usage"]["output_tokens"] == 40 - HI
-    assert clamped.headers["x-modelyard-max-tokens-clamped"] == str(40 - HI)
+    assert body["usage"]["output_tokens"] == 40 - HI_PROMPT  # the counted prompt: all of it
+    assert clamped.headers["x-modelyard-max-tokens-clamped"] == str(40 - HI_PROMPT)
     assert spent(router, dan) <= 40
     refused = call(router, dan, "POST", "/v1/messages",
                    {"model": "m", "max_tokens": 100, "messages": HI_CHAT})
@@ -499,3 +503,70 @@ def test_a_cold_stream_its_client_leaves_gives_its_hold_back(router: RouterProce
                     "the hold of a cold stream its client left is still kept"
             time.sleep(0.2)
     assert spent(router, gus) <= 200
+
+
+WORDS_3000 = " ".join(f"w{i}" for i in range(3000))
+ONE_SHOTS = {  # a request of each spending one-shot endpoint: 3 001+ tokens, then 4 or 6
+    "/v1/embeddings": lambda text: {"model": "vectors", "input": text},
+    "/v1/score": lambda text: {"model": "ranker", "text_1": "q", "text_2": [text]},
+    "/v1/rerank": lambda text: {"model": "ranker", "query": "q", "documents": [text]},
+}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("path", list(ONE_SHOTS))
+def test_over_budget_embeddings_scores_and_reranks_are_refused(router: RouterProcess,
+                                                                path: str) -> None:
+    """Issue 38, finding 3: on 1a1e9ee six concurrent 3 000-word embeddings on a 100-token
+    daily budget all got 200 (18 006 tokens spent): nothing was held for them. Now each
+    holds its input as its worker counts it before it runs: six 429s, and a small one
+    within the budget still passes."""
+    body = ONE_SHOTS[path]
+    name = "ivy" + path.replace("/", "-")
+    ivy = key_with(router, name, {"tokens": 100, "period": "day"})
+    warm = call(router, ADMIN, "POST", path, body("a b c"))  # loaded: the race is the budget's
+    assert warm.status_code == 200, warm.text
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: call(router, ivy, "POST", path, body(WORDS_3000)),
+                                range(6)))
+    assert [a.status_code for a in answers] == [429] * 6, [a.text[:200] for a in answers]
+    error = answers[0].json()["error"]
+    assert error["code"] == "budget_exceeded" and "this request's input is" in error["message"]
+    assert spent(router, ivy) == 0
+    small = call(router, ivy, "POST", path, body("a b c"))
+    assert small.status_code == 200, small.text
+    assert 0 < spent(router, ivy) <= 100
+
+
+def tools_chat(model: str, words: int) -> dict[str, Any]:
+    """A "hi" with 20 tools whose descriptions hold ``words`` words between them."""
+    each = " ".join(["describe"] * (words // 20))
+    tools = [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": each,
+        "parameters": {"type": "object", "properties": {}}}} for i in range(20)]
+    return {"model": model, "messages": HI_CHAT, "tools": tools, "max_tokens": 10}
+
+
+@pytest.mark.integration
+def test_one_keys_tools_do_not_raise_another_keys_holds(router: RouterProcess) -> None:
+    """Issue 38, finding 4: on 1a1e9ee a chat with 20 tools (estimated at 18 tokens: tools
+    were not counted) settled at 30 000, which was learnt as the model's template overhead
+    and held on every later request of every key: another key with 20 000 tokens left was
+    refused a "hi", its refusal misstating the cost. Now each prompt is counted by its
+    worker: the "hi" passes, and a key whose budget the tools chat does not fit is
+    refused with its real prompt."""
+    jay = key_with(router, "jay", {"tokens": 1_000_000, "period": "day"})
+    big = call(router, jay, "POST", "/v1/chat/completions", tools_chat("wide", 30_000))
+    assert big.status_code == 200, big.text[:300]
+    prompt = big.json()["usage"]["prompt_tokens"]
+    assert prompt > 30_000
+    kay = key_with(router, "kay", {"tokens": 20_000, "period": "day"})
+    hi = call(router, kay, "POST", "/v1/chat/completions",
+              {"model": "wide", "messages": HI_CHAT, "max_tokens": 10})
+    assert hi.status_code == 200, hi.text[:300]
+    assert hi.json()["usage"]["prompt_tokens"] == HI_PROMPT
+    refused = call(router, kay, "POST", "/v1/chat/completions", tools_chat("wide", 30_000))
+    assert refused.status_code == 429, refused.text[:300]
+    message = refused.json()["error"]["message"]
+    assert f"may spend up to {prompt + 10} (its prompt of {prompt} tokens" in message
+    assert spent(router, kay) == HI_PROMPT + 10
