@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -358,6 +359,7 @@ server:
   host: 127.0.0.1
   port: {port}
   spare_workers: 0
+  cache_dir: {cache}
   admin_api_keys: [k-admin-budgets]
 models:
   m: {model: /synthetic, engine: synthetic, aliases: [smol]}
@@ -374,7 +376,9 @@ HI_PROMPT = 5  # its prompt tokens (synthetic), as the worker counts them
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    with running_router(PRESET, tmp_path_factory.mktemp("budgets"), "budgets") as r:
+    cache = tmp_path_factory.mktemp("budgets-cache")  # batch files: not the user's own
+    with running_router(PRESET, tmp_path_factory.mktemp("budgets"), "budgets",
+                        {"cache": str(cache)}) as r:
         yield r
 
 
@@ -570,3 +574,36 @@ def test_one_keys_tools_do_not_raise_another_keys_holds(router: RouterProcess) -
     message = refused.json()["error"]["message"]
     assert f"may spend up to {prompt + 10} (its prompt of {prompt} tokens" in message
     assert spent(router, kay) == HI_PROMPT + 10
+
+
+@pytest.mark.integration
+def test_over_budget_batch_lines_of_embeddings_are_refused(router: RouterProcess) -> None:
+    """Issue 38, finding 3: batch lines on embeddings overspent as requests did. A line
+    takes the request's path: each over-budget line is a 429, a small one runs."""
+    lee = key_with(router, "lee", {"tokens": 100, "period": "day"})
+    lines = [{"custom_id": f"big-{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": ONE_SHOTS["/v1/embeddings"](WORDS_3000)} for i in range(4)]
+    lines.append({"custom_id": "small", "method": "POST", "url": "/v1/embeddings",
+                  "body": ONE_SHOTS["/v1/embeddings"]("a b c")})
+    headers = {"Authorization": f"Bearer {lee}"}
+    made = router.client.post(router.url + "/v1/files", headers=headers, data={"purpose": "batch"},
+                              files={"file": ("in.jsonl", "".join(
+                                  json.dumps(item) + "\n" for item in lines).encode())})
+    assert made.status_code == 200, made.text
+    batch = call(router, lee, "POST", "/v1/batches", {
+        "input_file_id": made.json()["id"], "endpoint": "/v1/embeddings",
+        "completion_window": "24h"})
+    assert batch.status_code == 200, batch.text
+    deadline = time.monotonic() + 60
+    while (done := call(router, lee, "GET", f"/v1/batches/{batch.json()['id']}").json()
+           )["status"] not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, done
+        time.sleep(0.2)
+    answers = {}
+    for file_id in (done.get("output_file_id"), done.get("error_file_id")):
+        if file_id:
+            text = call(router, lee, "GET", f"/v1/files/{file_id}/content").text
+            for row in map(json.loads, text.splitlines()):
+                answers[row["custom_id"]] = row["response"]["status_code"]
+    assert answers == {**{f"big-{i}": 429 for i in range(4)}, "small": 200}, answers
+    assert 0 < spent(router, lee) <= 100
