@@ -137,8 +137,9 @@ def test_two_routers_share_keys_usage_and_one_budget(
     for router in (a, b):  # 35 tokens each, one on each router: 70 of 100
         answer = call(router, key, "POST", "/v1/chat/completions", chat)
         assert answer.status_code == 200, answer.text
-    # A request holds up to 48 (``router.access.budgets``): each router alone has 65 left, and
-    # refuses it only once it counts the other's 35.
+    # A request holds 35 (its prompt as its worker counts it, and max_tokens:
+    # ``router.access.budgets``): each router alone has 65 left, and refuses it only once it
+    # counts the other's 35.
     # Each router writes its rows within 1 s and trusts a read for 2 s: both refuse then.
     time.sleep(3.5)
     for router in (a, b):

@@ -405,16 +405,16 @@ def test_a_budget_and_a_tpm_end_in_a_429_naming_them(shared: RouterProcess) -> N
     budgeted = call(r, ADMIN, "POST", "/v1/keys", {
         "name": "thrifty", "budgets": [{"tokens": 40, "period": "day"}]}).json()["key"]
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
-    # 5 prompt + 10 completion tokens each; a request holds its prompt's estimate (18) and
-    # its max_tokens (``router.access.budgets``): the second does not fit the 25 left.
+    # 5 prompt + 10 completion tokens; a request holds its prompt as its worker counts it
+    # (5) and its max_tokens (``router.access.budgets``): 5 + 21 does not fit the 25 left.
     assert call(r, budgeted, "POST", "/v1/chat/completions", chat).status_code == 200
-    refused = call(r, budgeted, "POST", "/v1/chat/completions", chat)
+    refused = call(r, budgeted, "POST", "/v1/chat/completions", {**chat, "max_tokens": 21})
     assert refused.status_code == 429, refused.text
     error = refused.json()["error"]
     assert error["code"] == "budget_exceeded" and "40 tokens per day" in error["message"]
     assert "resets at" in error["message"] and int(refused.headers["retry-after"]) > 1
-    assert call(r, budgeted, "POST", "/v1/chat/completions", {**chat, "max_tokens": 7}
-                ).status_code == 200  # 18 + 7 fit the 25 left; 12 spent: 13 left
+    assert call(r, budgeted, "POST", "/v1/chat/completions", {**chat, "max_tokens": 20}
+                ).status_code == 200  # 5 + 20 fit the 25 left: all 40 spent
     anthropic = call(r, budgeted, "POST", "/v1/messages", {
         "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})
     assert anthropic.status_code == 429
@@ -428,12 +428,13 @@ def test_a_budget_and_a_tpm_end_in_a_429_naming_them(shared: RouterProcess) -> N
 
 def test_embeddings_and_reranks_spend_a_budget_too(shared: RouterProcess) -> None:
     """One-shot requests count their prompt tokens in the ledger like any other (on
-    651c79a an embedding spent nothing of a budget, and there was no rerank)."""
+    651c79a an embedding spent nothing of a budget, and there was no rerank), and hold
+    them before they run (on 1a1e9ee they held nothing: the last one overspent)."""
     r = shared
     embedder = call(r, ADMIN, "POST", "/v1/keys", {
         "name": "embedder", "budgets": [{"tokens": 25, "period": "day"}]}).json()["key"]
     embed = {"model": "vectors", "input": ["one two three four five six seven eight nine"]}
-    for _ in range(3):  # 10 tokens each: 30 > 25 after the third
+    for _ in range(2):  # 10 tokens each, counted before it runs: a third does not fit
         assert call(r, embedder, "POST", "/v1/embeddings", embed).status_code == 200
     refused = call(r, embedder, "POST", "/v1/embeddings", embed)
     assert refused.status_code == 429 and refused.json()["error"]["code"] == "budget_exceeded"
@@ -442,11 +443,10 @@ def test_embeddings_and_reranks_spend_a_budget_too(shared: RouterProcess) -> Non
     rerank = {"model": "ranker", "query": "a b c", "documents": ["a b", "c d e f g h"]}
     spent = call(r, ranker, "POST", "/v1/rerank", rerank).json()["usage"]["prompt_tokens"]
     assert spent == 4 + 3 + 7  # words + 1 of each text (the synthetic engine's count)
-    assert call(r, ranker, "POST", "/v1/rerank", rerank).status_code == 200  # 14 < 15
-    assert call(r, ranker, "POST", "/v1/rerank", rerank).status_code == 429
+    assert call(r, ranker, "POST", "/v1/rerank", rerank).status_code == 429  # 14 > 1 left
     rows = call(r, ADMIN, "GET", "/v1/usage?group_by=key,endpoint").json()["data"]
     assert {(row["key"], row["endpoint"], row["prompt_tokens"]) for row in rows} >= {
-        ("embedder", "embeddings", 30), ("ranker-user", "rerank", 28)}
+        ("embedder", "embeddings", 20), ("ranker-user", "rerank", 14)}
 
 
 LEDGER_PRESET = """
