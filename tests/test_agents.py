@@ -257,6 +257,6 @@ def test_claude_code_with_every_default_gets_an_answer(scripted_router: RouterPr
     assert "Hello from modelyard." in done.stdout
     asked = [int(m.group(1)) for m in re.finditer(
         r"messages model=greeter stream=\w+ status=200 prompt=(\d+)", r.tail(400))]
-    # The synthetic engine counts words, not tokens (and not the tools): the default system
+    # The synthetic engine counts words, not tokens (and the tools JSON's): the default system
     # prompt alone is thousands of words, a bare run's a few dozen.
     assert asked and max(asked) > 2000, r.tail(60)

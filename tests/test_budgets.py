@@ -29,8 +29,17 @@ from router.access.key_store import Budget
 from router.access.ledger import INSERT, SCHEMA, Ledger
 from router.registry import ModelRegistry
 from shared.config import build_preset
-from shared.protocol import ChatMessage, Generate, SamplingSpec
+from shared.protocol import (
+    ChatMessage,
+    ContentPart,
+    Generate,
+    SamplingSpec,
+    Tokenize,
+    Tool,
+    ToolCall,
+)
 from tests.conftest import RouterProcess, running_router
+from worker.synthetic import SyntheticEngine
 
 # -- the arithmetic -------------------------------------------------------------------------
 
@@ -71,6 +80,38 @@ def test_a_protocol_that_clamps_is_clamped_to_the_budget_not_refused() -> None:
     assert fit([gen], None, 40, True, [HI]) == 40
     assert gen.sampling.max_tokens == 40 - HI
     assert fit([chat(100)], None, HI, True, [HI]) is None  # not one token left
+
+
+def test_the_synthetic_engines_count_is_the_prompt_it_then_reports() -> None:
+    """The count a budget holds (``Tokenize``, ``count_only``) is the prompt the synthetic
+    engine reports once it runs, tools, tool calls, media and template kwargs included."""
+    spec = build_preset({"models": {"m": {"model": "/synthetic", "engine": "synthetic",
+                                          "max_model_len": 10_000}}}).models["m"]
+    engine = SyntheticEngine(spec)
+    messages = [
+        ChatMessage(role="user", content="look at this", parts=[
+            ContentPart(type="text", text="look at this"),
+            ContentPart(type="image_url", url="data:image/png;base64,AAAA")]),
+        ChatMessage(role="assistant", tool_calls=[
+            ToolCall(id="c1", name="lookup", arguments='{"q": "a b c"}')]),
+        ChatMessage(role="tool", tool_call_id="c1", content="found it")]
+    tools = [Tool(name="lookup", description="finds a thing in a very long list",
+                  parameters={"type": "object"})]
+    kwargs = {"enable_thinking": True, "reasoning_effort": "high"}
+    gen = Generate(id="g", sampling=SamplingSpec(max_tokens=2), messages=messages,
+                   tools=tools, template_kwargs=kwargs)
+    count = Tokenize(id="t", messages=messages, tools=tools, template_kwargs=kwargs,
+                     count_only=True)
+
+    async def go() -> tuple[int, int]:
+        ids, strs, counted = await engine.tokenize(count)
+        assert ids == [] and strs is None
+        reported = [d.prompt_tokens async for batch in engine.generate(gen) for d in batch]
+        return counted, max(reported)
+
+    counted, reported = asyncio.run(go())
+    bare = sum(len((m.content or "").split()) + 4 for m in messages)
+    assert counted == reported > bare  # the tools, the call, the image and kwargs count
 
 
 # -- the reservations, the clock and the database -------------------------------------------
