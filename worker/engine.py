@@ -296,6 +296,8 @@ class VllmEngine:
         """The prompt's ids (and their strings, if asked) and the tokens the engine would
         run for it: with media, the context (vLLM's processor expands each item's
         placeholder to a count known only once it runs; no prompt runs past the context)."""
+        if req.count_only and any(m.parts for m in req.messages or ()):
+            return [], None, self.max_model_len  # not rendered: its media fetched once, to run
         ids, media = await self._off_loop(self.prompt, req, req.add_special_tokens)
         strs = (self.tokenizer.convert_ids_to_tokens(ids)
                 if req.return_token_strs and not req.count_only else None)
