@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Cell:
-    """One limit on one way in: ``enforcer`` (``module:attribute``) holds it as ``how``
-    says, or, with no enforcer, ``how`` says why it does not apply."""
+    """One limit on one way in: ``enforcer`` (``module:attribute``, or a module) holds it
+    as ``how`` says, or, with no enforcer, ``how`` says why it does not apply."""
 
     enforcer: str | None
     how: str
@@ -77,7 +77,7 @@ _RATE = "router.access.limits:RateLimit"
 _VISIBLE = "router.api.relay:Relay.resolve_for"
 _TOKENS = "router.api.relay:Relay._within_limits"
 _RESERVE = "router.access.budgets:Budgets.reserve"
-_CHECKS = "router.api.batches.checks:request_model"
+_CHECKS = "router.api.batches.checks"  # what both batch APIs check of a line
 _STORE = "router.api.responses.store:ResponseStore.put"
 _FILES = "router.batches.store:BatchStore"
 
