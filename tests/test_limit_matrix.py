@@ -4,8 +4,9 @@ per-key limit × every way work enters, one cell per test.
 A cell that holds is driven past its limit that way, with a key of its own and a small
 limit, and must be refused in its protocol's shape (a status and code; for a batch line
 the error file's line, for a message batch request its ``errored`` result; for a
-background response its ``failed`` state); each first shows the key works within the limit,
-so a refusal for another reason cannot pass. A cell that does not apply is stated with
+background response its ``failed`` state, or a 429 at its create); where it is cheap a
+cell first shows its key works within the limit, so a refusal for another reason cannot
+pass. A cell that does not apply is stated with
 its reason; where that is a decision (a batch line is not counted by ``rpm`` or
 ``max_concurrent``) the cell's driver checks it. A cell of ``LIMITS`` × ``WAYS`` missing
 from the table, a cell that holds without a driver here, or an enforcer whose name no
@@ -317,7 +318,7 @@ def _(r: Router, name: str) -> None:
         assert result["type"] == "succeeded", result
 
 
-# tpm: 10 tokens a minute; one request of 5 + 4 tokens... then 5 + 4 more spend them
+# tpm: 10 tokens a minute; one request of 5 + 16 tokens spends them, then that way is a 429
 def _spent(r: Router, name: str) -> str:
     key = r.key(name, tpm=10)
     assert r.chat(key, max_tokens=16).status_code == 200  # 5 + 16 tokens: the minute's

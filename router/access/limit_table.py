@@ -16,7 +16,9 @@ without its cells, fails it. ``python -m router.access`` prints it (``markdown``
 ``docs/security.md``, which the test keeps equal.
 
 Nothing here is enforced by reading the table: each enforcer named is the code that
-holds the limit, and the test checks the name still exists.
+holds the limit, and the test checks the name still exists. Bounds of the whole server,
+not of a key (``max_connections``, ``max_queue_depth``, ``batch_model_concurrency``), are
+not in it.
 """
 
 from __future__ import annotations
