@@ -69,9 +69,18 @@ def format_cores(cores: set[int]) -> str:
     return ",".join(runs)
 
 
+CACHE_VARIABLE = "MODELYARD_CACHE_DIR"
+"""Where an unset ``server.cache_dir`` points, when set (the tests' own cache)."""
+
+
 def default_cache_dir() -> Path:
     """Where ``server.cache_dir`` points when unset: the embedded model's folder (the
-    worker's) and the default SQLite database (the router's)."""
+    worker's), the default SQLite database and the batches' files (the router's).
+    ``$MODELYARD_CACHE_DIR``, else ``modelyard`` in the user's cache (``$XDG_CACHE_HOME``,
+    ``~/.cache``)."""
+    own = os.environ.get(CACHE_VARIABLE)
+    if own:
+        return Path(own)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "modelyard"
 
