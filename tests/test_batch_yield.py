@@ -40,6 +40,7 @@ models:
   cut: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 20}}
   gaps: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 20}}
   alone: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 20}}
+  held: {model: /synthetic, engine: synthetic, engine_args: {tokens_per_second: 20}}
 """
 
 
@@ -113,7 +114,7 @@ def rows(r: RouterProcess, model: str, expected: int) -> int:
     while True:
         got = httpx.get(f"{r.url}/v1/usage?group_by=key,model", timeout=30,
                         headers={"Authorization": f"Bearer {ALICE}"}).json()["data"]
-        count = sum(row["requests"] for row in got if row.get("model") == model)
+        count = int(sum(row["requests"] for row in got if row.get("model") == model))
         now = time.monotonic()
         if count >= expected and settle is None:
             settle = now + 2.5
@@ -195,3 +196,34 @@ def test_a_batch_with_no_person_about_runs_at_batch_model_concurrency(
     assert peak[0] == 4
     done = finished(router, batch_id)
     assert done.status == "completed" and done.request_counts.completed == 8, done
+
+
+def test_a_batch_cancelled_while_its_cut_lines_wait_answers_each_once_and_leaks_no_place(
+        router: RouterProcess) -> None:
+    """Lines cut for Bob wait for him; their batch is cancelled meanwhile: each line is
+    answered once (never run: cancelled), none is charged, and the model's batch places
+    they held are all back (a later batch there runs at ``batch_model_concurrency``)."""
+    c = openai.OpenAI(base_url=router.url + "/v1", api_key=ALICE, max_retries=0, timeout=60)
+    batch_id = start_batch(router, "held", 4, 10 * RATE)
+    wait_for(lambda: in_flight(router, "held") == 4, 30, "the batch never ran 4 lines")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        bob = pool.submit(httpx.post, f"{router.url}/v1/chat/completions", timeout=60,
+                          json=chat("held", 6 * RATE), headers={"Authorization": f"Bearer {BOB}"})
+        wait_for(lambda: in_flight(router, "held") == 1, 10, "the lines were not cut")
+        c.batches.cancel(batch_id)
+        done = finished(router, batch_id)
+        assert not bob.done(), "Bob's request ended before the test could look"
+        assert bob.result().status_code == 200
+    assert done.status == "cancelled", done
+    assert answers(router, done) == {f"held-{i}": 0 for i in range(4)}
+    assert rows(router, "held", 0) == 0
+    time.sleep(11)  # BATCH_QUIET: no person's request there lately
+    again = start_batch(router, "held", 8, 2 * RATE)
+    seen: list[int] = []
+
+    def ended() -> bool:
+        seen.append(in_flight(router, "held"))
+        return c.batches.retrieve(again).status == "completed"
+
+    wait_for(ended, 60, f"the next batch never ended: in flight {seen[-20:]}")
+    assert max(seen) == 4, seen  # neither fewer places nor more than there are
