@@ -11,7 +11,12 @@ batch priority (``router.api.relay``).
 A batch's lines run grouped by model, a model already loaded first, so a batch over two
 models under ``max_loaded_models: 1`` loads each once. At most
 ``batch_model_concurrency`` lines of one model and ``batch_key_concurrency`` of one key
-run at once, over every batch. Results are written every ``FLUSH_EVERY`` seconds (each
+run at once, over every batch. Lines yield to people (``_allowed``, ``_Share``): the
+moment a person's request is admitted on a model (``ModelEntry.person_hook``), the lines
+running there are cut short, unanswered and uncharged, and none starts there until no
+person's request is in flight; then the cut ones run again first, at most
+``batch_shared_concurrency`` in such gaps. A line cut ``CUTS`` times runs to its end
+beside whoever comes. Results are written every ``FLUSH_EVERY`` seconds (each
 line once: ``BatchStore.finish``); a router that stops, cleanly or not, leaves the lines
 it had not written pending, and whoever holds the batch next runs them.
 
