@@ -20,6 +20,8 @@ from typing import Any, Self
 
 import httpx
 
+from worker.materialize import link_builtins
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PY = sys.executable
@@ -78,6 +80,8 @@ class Server:
                  cpus: set[int] | None = None, name: str = "server",
                  cwd: Path = ROOT) -> None:
         self.port = port
+        self.database: Path | None = None
+        """A modelyard router's SQLite database (``modelyard``)."""
         # Kept open (and on disk) while the server runs; closed by __exit__.
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115
             prefix=f"bench-{name}-", suffix=".log", delete=False)
@@ -141,11 +145,22 @@ checkout with the same venv, to compare two trees side by side with one benchmar
 
 def modelyard(preset: str, name: str = "modelyard", cpus: set[int] | None = None,
               env: dict[str, str] | None = None) -> Server:
+    """A router serving ``preset`` with a cache dir and a database of its own (a temporary
+    folder): what a benchmark makes (batches, files, usage rows, keys) never lands in the
+    user's ``~/.cache/modelyard/modelyard.db``. The embedded model's folder is the shared
+    cache's, linked in (``link_builtins``): it is converted once, not by every router."""
     port = free_port()
-    path = Path(tempfile.mkdtemp(prefix="bench-preset-")) / "preset.yaml"
+    folder = Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+    path = folder / "preset.yaml"
     path.write_text(preset.replace("{port}", str(port)))
-    return Server([PY, "-m", "router", "serve", "--config", str(path), "--log-level",
-                   "warning"], port, env=env, cpus=cpus, name=name, cwd=TREE)
+    link_builtins(preset, folder / "cache")
+    (folder / "cache").mkdir(exist_ok=True)
+    server = Server([PY, "-m", "router", "serve", "--config", str(path), "--log-level",
+                     "warning", "--cache-dir", str(folder / "cache"),
+                     "--database-url", f"sqlite:///{folder / 'modelyard.db'}"],
+                    port, env=env, cpus=cpus, name=name, cwd=TREE)
+    server.database = folder / "modelyard.db"
+    return server
 
 
 @dataclass

@@ -134,7 +134,6 @@ def query_ms() -> dict[str, Any]:
 
 
 def kill_9() -> dict[str, Any]:
-    cache = tempfile.mkdtemp(prefix="bench-cache-")
     preset = f"""
 server: {{host: 127.0.0.1, port: {{port}}, spare_workers: 0, api_keys: ["{KEY}"],
          max_queue_depth: 10000}}
@@ -144,7 +143,7 @@ models:
     answered = 0
     stop = threading.Event()
     lock = threading.Lock()
-    with modelyard(preset, env={"XDG_CACHE_HOME": cache}) as yard:
+    with modelyard(preset) as yard:  # a database of its own (``modelyard``)
         yard.wait("/health/ready", timeout=120)
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -169,7 +168,8 @@ models:
                 stop.set()
                 counted = answered
                 yard.stop(signal.SIGKILL)
-    with sqlite3.connect(Path(cache) / "modelyard" / "modelyard.db") as db:
+    assert yard.database is not None
+    with sqlite3.connect(yard.database) as db:
         rows = db.execute("SELECT COUNT(*), MAX(time) - MIN(time) FROM usage "
                           "WHERE endpoint = 'chat' AND status = 200").fetchone()
     rate = counted / 3

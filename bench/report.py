@@ -263,6 +263,46 @@ def lora(r: Result) -> str:
 
 
 def batch(r: Result) -> str:
+    if "reps" not in r:
+        return batch_one_run(r)
+    reps = r["reps"]
+    people = [(f"{n}: {name}", v[key]) for n, v in enumerate(reps, 1)
+              for name, key in (("alone", "person_alone"),
+                                ("beside the batch", "person_beside_batch"))]
+    runs = [(f"{n}: the batch, beside the person", v["batch_beside_person"])
+            for n, v in enumerate(reps, 1)]
+    runs += [("the batch alone", r["batch_alone"]),
+             ("the same lines from a client, 16 at once", r["client_16"])]
+
+    def spread(ratio: dict[str, Any]) -> str:
+        return f"{shown(ratio['median'])} ({shown(ratio['min'])} to {shown(ratio['max'])})"
+
+    return "\n\n".join([
+        provenance("batch", r, f"{r['lines']} chat lines of {r['tokens_per_line']} tokens "
+                   f"(`ignore_eos`) on the loaded model; the person: one streamed chat of "
+                   f"{r['chat_tokens']} tokens a second, {r['chats_per_phase']} alone and "
+                   f"{r['chats_per_phase']} beside the batch, {r['repetitions']} times"),
+        table(["repetition: a person's chats", "chats", "errors", "TTFT p50 ms",
+               "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"],
+              [(name, v["chats"], v["errors"], v["ttft_p50_ms"], v["ttft_p99_ms"],
+                v["itl_p50_ms"], v["itl_p99_ms"]) for name, v in people]),
+        table(["repetition", "TTFT p99 beside / alone", "ITL p99 beside / alone"],
+              [(n, v["ratio_ttft_p99"], v["ratio_itl_p99"]) for n, v in enumerate(reps, 1)]),
+        table(["lines", "status", "done", "failed", "seconds", "lines/s"],
+              [(name, v.get("status", "-"), v["lines"], v["failed"], v["seconds"],
+                v["lines_per_s"]) for name, v in runs]),
+        table(["ratio", "median (min to max)"], [
+            ("person's TTFT p99 beside the batch / alone (target <= 1.5)",
+             spread(r["ratio_ttft_p99"])),
+            ("person's inter-token p99 beside the batch / alone (target <= 1.5)",
+             spread(r["ratio_itl_p99"])),
+            ("the batch alone / a client at concurrency 16 (target >= 0.8)",
+             r["ratio_batch_vs_client_16"])])])
+
+
+def batch_one_run(r: Result) -> str:
+    """A results file of ``bench/batch.py`` before it repeated (one person alone, one
+    beside the batch)."""
     people = [("alone", r["person_alone"]), ("beside the batch", r["person_beside_batch"])]
     runs = [("the batch, beside the person", r["batch_beside_person"]),
             ("the batch alone", r["batch_alone"]),

@@ -150,6 +150,11 @@ class ModelEntry:
     """When (``time.monotonic``) a request that is no batch line last took a lease."""
     batch_load: bool = False
     """Its load was asked for by batch lines alone (``Supervisor.start_loading``)."""
+    person_hook: Callable[[ModelEntry, bool], None] | None = None
+    """Told (``True``) in the turn a request that is no batch line takes a lease, and
+    (``False``) when the last such lease goes: the batch runner's, which cuts its lines
+    here the moment a person's request is admitted and runs them again once it is done
+    (``router.batches.runner``)."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     slots: Slots | None = None
     """``max_concurrent`` requests served at once; ``None``: no cap."""
@@ -544,6 +549,8 @@ class Lease:
         else:
             entry.interactive_at = now
             entry.note_request(now)
+            if entry.person_hook is not None:
+                entry.person_hook(entry, True)
 
     @property
     def name(self) -> str:
@@ -561,6 +568,9 @@ class Lease:
                                             self.entry.last_used + self.keep_for)
             if self.slot is not None:
                 self.slot.give()
+            entry, hook = self.entry, self.entry.person_hook
+            if hook is not None and not self.batch and entry.leases == entry.batch_leases:
+                hook(entry, False)  # the last person's request here is done
 
     def __enter__(self) -> Self:
         return self

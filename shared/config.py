@@ -69,9 +69,18 @@ def format_cores(cores: set[int]) -> str:
     return ",".join(runs)
 
 
+CACHE_VARIABLE = "MODELYARD_CACHE_DIR"
+"""Where an unset ``server.cache_dir`` points, when set (the tests' own cache)."""
+
+
 def default_cache_dir() -> Path:
     """Where ``server.cache_dir`` points when unset: the embedded model's folder (the
-    worker's) and the default SQLite database (the router's)."""
+    worker's), the default SQLite database and the batches' files (the router's).
+    ``$MODELYARD_CACHE_DIR``, else ``modelyard`` in the user's cache (``$XDG_CACHE_HOME``,
+    ``~/.cache``)."""
+    own = os.environ.get(CACHE_VARIABLE)
+    if own:
+        return Path(own)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "modelyard"
 
@@ -180,9 +189,13 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     folder. With neither, every registration is refused."""
     batch_model_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
     """Batch lines one model runs at once, over every batch and key."""
-    batch_shared_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
-    """The same while people use the model (a request of theirs in flight or within the
-    last 10 s): fewer lines in each engine step, so their tokens come sooner."""
+    batch_shared_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 2
+    """Batch lines one model starts in the gaps of people's use (no request of theirs in
+    flight, one within the last 10 s). While a person's request is in flight none start,
+    and those running when it came were cut, to run again in a gap: every line in the
+    engine's batch slows each step a person's tokens wait for. A line cut twice runs to
+    its end (``router.batches.runner.CUTS``), so a batch still ends beside a person who
+    leaves only short gaps."""
     batch_key_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
     """Batch lines one key's batches run at once."""
     files_max_mib: Annotated[float, msgspec.Meta(gt=0)] = 200.0

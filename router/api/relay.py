@@ -165,6 +165,9 @@ class Relay:
         except APIError as err:  # ClientGone (499) included
             status = err.status
             raise
+        except asyncio.CancelledError:  # no answer (a batch line cut, the router stopping)
+            status = 499
+            raise
         finally:
             stream.close()
             lease.release()
@@ -451,11 +454,15 @@ class Relay:
         (``now``: when it ended, if not now)."""
         now = now or time.perf_counter()
         self.metrics.request(endpoint, model, status, usage, now)
-        if self.ledger is not None:
+        # A batch line that ended unanswered (cut short for a person's request, its batch
+        # cancelled, the router stopping) is no row and no spending: its line is still
+        # pending, or answered as never run, and is charged once, by the run that answers.
+        charged = not (usage.batch is not None and status == 499)
+        if self.ledger is not None and charged:
             self.ledger.record(usage.key, model, endpoint, status, usage.prompt_tokens,
                                usage.cached_tokens, usage.completion, now - usage.started)
         self._settle(usage)  # after the row: a concurrent reservation sees one or the other
-        if usage.key and (usage.prompt or usage.completion):
+        if usage.key and (usage.prompt or usage.completion) and charged:
             self.tpm.spend(usage.key, usage.prompt_tokens + usage.completion)
         if log.isEnabledFor(logging.INFO):  # its arguments cost more than the check
             ttft, decode, total = _timings(usage, now)
@@ -511,6 +518,9 @@ class Relay:
                 return lease.adapter or lease.entry, result
         except APIError as err:
             status = err.status
+            raise
+        except asyncio.CancelledError:  # no answer (a batch line cut, the router stopping)
+            status = 499
             raise
         finally:
             self._log(endpoint, lease.name, False, status, usage)

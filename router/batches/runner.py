@@ -11,7 +11,12 @@ batch priority (``router.api.relay``).
 A batch's lines run grouped by model, a model already loaded first, so a batch over two
 models under ``max_loaded_models: 1`` loads each once. At most
 ``batch_model_concurrency`` lines of one model and ``batch_key_concurrency`` of one key
-run at once, over every batch. Results are written every ``FLUSH_EVERY`` seconds (each
+run at once, over every batch. Lines yield to people (``_allowed``, ``_Share``): the
+moment a person's request is admitted on a model (``ModelEntry.person_hook``), the lines
+running there are cut short, unanswered and uncharged, and none starts there until no
+person's request is in flight; then the cut ones run again first, at most
+``batch_shared_concurrency`` in such gaps. A line cut ``CUTS`` times runs to its end
+beside whoever comes. Results are written every ``FLUSH_EVERY`` seconds (each
 line once: ``BatchStore.finish``); a router that stops, cleanly or not, leaves the lines
 it had not written pending, and whoever holds the batch next runs them.
 
@@ -60,7 +65,15 @@ RETRIES = 3
 ``RETRY_AFTER`` seconds later, doubling, before that answer is its result."""
 RETRY_AFTER = 2.0
 SHARE_LOOK = 0.5
-"""Seconds between looks at a model's batch line limit while it is reached."""
+"""Seconds between looks at a model's batch line limit while it is reached (a person's
+request that ends wakes the lines waiting at once)."""
+CUTS = 2
+"""Times a person's request may cut one line short (``_Share.cut``); a line cut that often
+runs to its end beside whoever comes next, so a person who leaves the model only short
+gaps, each too short for a line to end in, still lets a batch go on: what a person pays
+for it is one line's decode beside their request at most ``batch_shared_concurrency``
+at a time, and a line's waste is bounded (its prompt is mostly in the engine's prefix
+cache when it runs again)."""
 WAIT_FOR_ROOM = 1.0
 """Seconds between looks at whether a batch's next model may run (``room.batch_may_run``)."""
 PROGRESS_EVERY = 2.0
@@ -155,24 +168,61 @@ class LineCaller:
 
 class _Share:
     """A model's batch lines in flight, over every batch, against a limit that changes
-    (``BatchRunner._allowed``)."""
+    (``BatchRunner._allowed``), and the calls of those lines a person's request cuts.
 
-    __slots__ = ("_freed", "in_flight")
+    A line cut short gives its place back and waits for it again ahead of every line not
+    yet begun (``take(again=True)``), so a cut line runs again before new ones start."""
+
+    __slots__ = ("_freed", "again", "calls", "cut_calls", "in_flight")
 
     def __init__(self) -> None:
         self.in_flight = 0
+        self.again = 0
+        """Cut lines waiting to run again: new lines wait behind them."""
+        self.calls: set[asyncio.Future[tuple[int, bytes]]] = set()
+        """Calls in flight that a person's request cuts (a line cut ``CUTS`` times is not
+        among them: it runs to its end)."""
+        self.cut_calls: set[asyncio.Future[tuple[int, bytes]]] = set()
+        """Calls cut (cancelled) by ``cut``: their lines run again."""
         self._freed = asyncio.Event()
 
-    async def take(self, allowed: Callable[[], int]) -> None:
-        while self.in_flight >= allowed():
-            self._freed.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(SHARE_LOOK):  # the limit may rise meanwhile
-                    await self._freed.wait()
+    async def take(self, allowed: Callable[[], int], again: bool = False) -> None:
+        self.again += again
+        try:
+            while self.in_flight >= allowed() or (self.again and not again):
+                self._freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(SHARE_LOOK):  # the limit may rise meanwhile
+                        await self._freed.wait()
+        finally:
+            self.again -= again
         self.in_flight += 1
 
     def give(self) -> None:
         self.in_flight -= 1
+        self._freed.set()
+
+    async def requeue(self, allowed: Callable[[], int]) -> None:
+        """A cut line: its place given back, then taken again once the limit allows,
+        before any new line's. Its place is held again whatever ends the wait (the
+        line's task gives it back when it ends, as every line's)."""
+        self.give()
+        try:
+            await self.take(allowed, again=True)
+        except BaseException:
+            self.in_flight += 1
+            raise
+
+    def cut(self) -> None:
+        """A person's request was admitted: every cuttable call in flight ends now."""
+        for call in self.calls:
+            if not call.done():
+                self.cut_calls.add(call)
+                call.cancel()
+        self.calls.clear()
+
+    def wake(self) -> None:
+        """The limit may have risen (the last person's request ended): look again now."""
         self._freed.set()
 
 
@@ -362,6 +412,11 @@ class BatchRunner:
             batch.owner, asyncio.Semaphore(self.server.batch_key_concurrency))
         in_flight: set[asyncio.Task[None]] = set()
         entry = self.registry.entries.get(model)
+        if entry is not None:
+            entry.person_hook = self._person  # a person's request cuts the lines in flight
+
+        def allowed() -> int:
+            return self._allowed(entry)
         try:
             for line in group:
                 while entry is not None and not self.supervisor.rooms.batch_may_run(entry):
@@ -370,7 +425,7 @@ class BatchRunner:
                     await asyncio.sleep(WAIT_FOR_ROOM)  # a person uses the room it needs
                 await per_key.acquire()
                 try:
-                    await per_model.take(lambda: self._allowed(entry))
+                    await per_model.take(allowed)
                 except BaseException:
                     per_key.release()
                     raise
@@ -378,7 +433,8 @@ class BatchRunner:
                     per_model.give()
                     per_key.release()
                     break
-                task = asyncio.create_task(self._one(batch, line, shape, done, me))
+                task = asyncio.create_task(self._one(batch, line, shape, done, me, per_model,
+                                                     allowed))
 
                 def release(_: asyncio.Task[None]) -> None:
                     per_model.give()
@@ -398,14 +454,31 @@ class BatchRunner:
             await asyncio.gather(*in_flight, return_exceptions=True)
 
     def _allowed(self, entry: ModelEntry | None) -> int:
-        """Batch lines ``entry`` may run at once now: ``batch_model_concurrency``, or
-        ``batch_shared_concurrency`` while people use it (a request of a person in flight,
-        or one within ``BATCH_QUIET`` s): every line in the engine's batch slows each
-        step a person's tokens wait for."""
-        if entry is not None and (wanted_in_person(entry)
-                                  or time.monotonic() - entry.interactive_at < BATCH_QUIET):
+        """Batch lines ``entry`` may run at once now: none while a person's request is in
+        flight there (the lines running as it was admitted were cut, but those cut
+        ``CUTS`` times, which go on); ``batch_shared_concurrency`` in the gaps of a
+        person's use (no request of theirs in flight, one within ``BATCH_QUIET`` s), each
+        cut when their next request comes; else ``batch_model_concurrency``. vLLM's
+        priority orders its waiting requests, not who shares a step: every line in the
+        engine's batch slows each step a person's tokens wait for, and its prefill is
+        chunked in among them."""
+        if entry is None:
+            return self.server.batch_model_concurrency
+        if wanted_in_person(entry):
+            return 0
+        if time.monotonic() - entry.interactive_at < BATCH_QUIET:
             return self.server.batch_shared_concurrency
         return self.server.batch_model_concurrency
+
+    def _person(self, entry: ModelEntry, arrived: bool) -> None:
+        """``ModelEntry.person_hook``: a person's request was admitted on ``entry`` (its
+        lines in flight are cut), or the last one there ended (they may run again)."""
+        share = self._model_lines.get(entry.id)
+        if share is not None:
+            if arrived:
+                share.cut()
+            else:
+                share.wake()
 
     def _should_stop(self, batch: BatchRow, me: _Running) -> bool:
         if me.stop is None and time.time() >= batch.expires:
@@ -413,16 +486,26 @@ class BatchRunner:
         return me.stop is not None
 
     async def _one(self, batch: BatchRow, line: Line, shape: Shape, done: list[Line],
-                   me: _Running) -> None:
+                   me: _Running, share: _Share, allowed: Callable[[], int]) -> None:
         principal = self._principal(batch.owner)
         if principal is None:
             me.stop = "revoked"
             return
         entry = self.registry.entries.get(self._served_by(line.model))
-        attempt = 0
+        if entry is not None and wanted_in_person(entry):
+            await share.requeue(allowed)  # a person came since its place was taken
+        attempt = cuts = 0
         while True:
-            status, body = await self.call(batch.endpoint, line.body.encode(), principal,
-                                           batch.id)
+            got = await self._attempt(batch, line, principal, share, cuts < CUTS)
+            if got is None:  # a person's request cut it: again once theirs are done
+                cuts += 1
+                await share.requeue(allowed)
+                principal = self._principal(batch.owner)
+                if principal is None:
+                    me.stop = "revoked"
+                    return
+                continue
+            status, body = got
             if status == 503 and entry is not None and me.stop is None:
                 waited = False
                 while not self.supervisor.rooms.batch_may_run(entry) and me.stop is None:
@@ -440,6 +523,27 @@ class BatchRunner:
         state, text = shape.result(line, status, body)
         done.append(Line(line.line, line.custom_id, line.model, "", state, text))
         self._finished(batch, state)
+
+    async def _attempt(self, batch: BatchRow, line: Line, principal: Principal,
+                       share: _Share, cuttable: bool) -> tuple[int, bytes] | None:
+        """One run of ``line``: its status and body; ``None``: a person's request cut it
+        short (``_Share.cut``; ``cuttable``). A line cut short has no result, and is no
+        row of the usage ledger (``Relay``: a batch line that ends unanswered): it is
+        answered, and charged, once, when it runs to its end."""
+        call = asyncio.ensure_future(self.call(batch.endpoint, line.body.encode(), principal,
+                                               batch.id))
+        if cuttable:
+            share.calls.add(call)
+        try:
+            return await call
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call not in share.cut_calls or (task is not None and task.cancelling()):
+                raise  # this line's own end (its batch cancelled, the router stopping)
+            return None
+        finally:
+            share.calls.discard(call)
+            share.cut_calls.discard(call)
 
     def _finished(self, batch: BatchRow, state: str) -> None:
         """One of ``batch``'s lines ended as ``state``: in its counts and the metrics."""
