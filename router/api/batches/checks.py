@@ -1,6 +1,7 @@
 """What both batch APIs (OpenAI's batches, Anthropic's message batches) check the same
-way: a line's request (its body an object, not streamed, naming a model the key may use),
-whose batches a caller sees, a listing's integer query values, and an id not found."""
+way: a line's request (its body an object, neither streamed nor in the background, naming
+a model the key may use), whose batches a caller sees, a listing's integer query values,
+and an id not found."""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ def request_model(body: object, field: str, relay: Relay, principal: Principal
         return Refused("invalid_body", f"'{field}' must be a JSON object")
     if body.get("stream"):
         return Refused("invalid_body", "'stream' is not supported in a batch")
+    if body.get("background"):
+        # A background response outlives its line: it would run beside the batch, outside
+        # the batch's limits (its line concurrency, its key's max_concurrent, cancel).
+        return Refused("invalid_body", "'background' is not supported in a batch: a "
+                       "batch line already runs without its client")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         return Refused("missing_model", f"'{field}.model' must name a model")
