@@ -33,6 +33,7 @@ server:
   max_connections: 8
   files_max_mib: 0.1
   files_quota_mib: 0.25
+  batches_per_key: 2
 
 models:
   m: {model: /synthetic, engine: synthetic}
@@ -205,3 +206,102 @@ def test_the_responses_handler_refuses_background_from_a_batch_line() -> None:
 
     asyncio.run(ask())
     assert not api.store
+
+
+# -- finding 2: what a key's batches store and hold --------------------------------------
+
+def padded_lines(prefix: str, count: int, size: int, model: str = "m") -> list[Any]:
+    """``count`` chat lines of about ``size`` bytes each (a long user message)."""
+    return [chat_line(f"{prefix}-{i}", model, messages=[
+        {"role": "user", "content": "x" * (size - 140)}]) for i in range(count)]
+
+
+def test_one_file_cannot_feed_batches_past_the_files_quota(router: RouterProcess) -> None:
+    """The files quota counts what batches store (their copied lines), not only uploads:
+    a 100 KB file fits a 0.25 MiB quota, and so does one batch made from it, but not a
+    second. On 1a1e9ee every create was accepted (the quota saw one file)."""
+    r = router
+    key = new_key(r, "hostile-quota")
+    made = upload(r, key, padded_lines("q", 100, 1000))
+    assert made.status_code == 200, made.text
+    first = create(r, key, made.json()["id"])
+    assert first.status_code == 200, first.text
+    second = create(r, key, made.json()["id"])
+    assert second.status_code == 413, second.text
+    assert second.json()["error"]["code"] == "files_quota_exceeded"
+    again = upload(r, key, padded_lines("u", 80, 1000))  # nor an upload beside them
+    assert again.status_code == 413, again.text
+    listed = call(r, key, "GET", "/v1/batches").json()["data"]
+    assert [b["id"] for b in listed] == [first.json()["id"]]
+
+
+def test_a_key_holds_at_most_batches_per_key_in_flight(router: RouterProcess) -> None:
+    """``batches_per_key: 2``: a third batch while two are in flight is a 429 in each
+    API's shape, and one cancelled (ended) makes room. On 1a1e9ee all were accepted."""
+    r = router
+    key = new_key(r, "hostile-in-flight")
+    file_id = upload(r, key, [chat_line(f"s-{i}", "slow", max_tokens=400)
+                              for i in range(2)]).json()["id"]
+    ids = []
+    for _ in range(2):
+        made = create(r, key, file_id)
+        assert made.status_code == 200, made.text
+        ids.append(made.json()["id"])
+    third = create(r, key, file_id)
+    assert third.status_code == 429, third.text
+    assert third.json()["error"]["code"] == "too_many_batches"
+    message = call(r, key, "POST", "/v1/messages/batches", {"requests": [
+        {"custom_id": "a", "params": {"model": "m", "max_tokens": 1,
+                                      "messages": [{"role": "user", "content": "hi"}]}}]})
+    assert message.status_code == 429, message.text
+    assert message.json()["type"] == "error"  # Anthropic's shape
+    assert message.json()["error"]["type"] == "rate_limit_error"
+    call(r, key, "POST", f"/v1/batches/{ids[0]}/cancel")
+    assert finished(r, key, ids[0])["status"] == "cancelled"
+    assert create(r, key, file_id).status_code == 200
+    for bid in (ids[1],):
+        call(r, key, "POST", f"/v1/batches/{bid}/cancel")
+
+
+def test_a_message_batch_is_bounded_like_a_file(router: RouterProcess) -> None:
+    """``files_max_mib: 0.1``: a message batch of about 200 KB is a 413, as an upload of
+    that size is. On 1a1e9ee it was accepted (only ``max_body_bytes`` bounded it)."""
+    r = router
+    key = new_key(r, "hostile-message-batch")
+    requests = [{"custom_id": f"r{i}", "params": {
+        "model": "m", "max_tokens": 1,
+        "messages": [{"role": "user", "content": "x" * 2000}]}} for i in range(100)]
+    big = call(r, key, "POST", "/v1/messages/batches", {"requests": requests})
+    assert big.status_code == 413, big.text
+    assert big.json()["type"] == "error"
+    small = call(r, key, "POST", "/v1/messages/batches", {"requests": requests[:10]})
+    assert small.status_code == 200, small.text
+
+
+def test_a_create_retried_with_its_idempotency_key_makes_one_batch(
+        router: RouterProcess) -> None:
+    """A create whose answer was lost, sent again with the same ``Idempotency-Key``,
+    answers the batch made the first time; another key's same value is its own. On
+    1a1e9ee the retry made a second batch."""
+    r = router
+    key, other = new_key(r, "hostile-retry"), new_key(r, "hostile-retry-other")
+    file_id = upload(r, key, [chat_line("i-0")]).json()["id"]
+    headers = {"Idempotency-Key": "create-once-1"}
+    first = create(r, key, file_id, headers=headers)
+    again = create(r, key, file_id, headers=headers)
+    assert first.status_code == again.status_code == 200, (first.text, again.text)
+    assert again.json()["id"] == first.json()["id"]
+    assert len(call(r, key, "GET", "/v1/batches").json()["data"]) == 1
+    theirs = create(r, other, upload(r, other, [chat_line("i-0")]).json()["id"],
+                    headers=headers)
+    assert theirs.status_code == 200 and theirs.json()["id"] != first.json()["id"]
+    message = {"requests": [{"custom_id": "a", "params": {
+        "model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}}]}
+    finished(r, key, first.json()["id"])
+    one = call(r, key, "POST", "/v1/messages/batches", message,
+               headers={"Idempotency-Key": "message-once"})
+    two = call(r, key, "POST", "/v1/messages/batches", message,
+               headers={"Idempotency-Key": "message-once"})
+    assert one.status_code == 200 and two.json()["id"] == one.json()["id"]
+    long = create(r, key, file_id, headers={"Idempotency-Key": "k" * 256})
+    assert long.status_code == 400, long.text
