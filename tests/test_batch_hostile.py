@@ -351,7 +351,7 @@ def test_an_upload_leaves_no_spool_behind(router: RouterProcess) -> None:
 
 def test_concurrent_uploads_on_postgresql_cannot_pass_the_quota_together(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Two routers' stores on one PostgreSQL database, eight uploads at once of one key
+    """Four routers' stores on one PostgreSQL database, sixteen uploads at once of one key
     whose quota fits one: exactly one is kept (the check and the insert are one
     transaction under the key's lock). On 1a1e9ee (a sum, then an insert, each its own
     statement under READ COMMITTED) several passed."""
@@ -367,17 +367,17 @@ def test_concurrent_uploads_on_postgresql_cannot_pass_the_quota_together(
         folder = tmp_path_factory.mktemp("pg-files")
 
         async def race() -> int:
-            dbs = [Database(server.url, SCHEMA) for _ in range(2)]
+            dbs = [Database(server.url, SCHEMA) for _ in range(4)]
             stores = [BatchStore(db, folder, 150) for db in dbs]
             spools = []
-            for i in range(8):
+            for i in range(16):
                 spool = folder / f".upload-{i}"
                 spool.write_bytes(b"x" * 100)
                 spools.append(spool)
             for store in stores:  # the schema made before the race
                 await store.files("racer", None, None, 1, newest_first=True)
             got = await asyncio.gather(*(
-                stores[i % 2].add_file("racer", f"f{i}", "batch", spool)
+                stores[i % 4].add_file("racer", f"f{i}", "batch", spool)
                 for i, spool in enumerate(spools)), return_exceptions=True)
             for db in dbs:
                 db.close()
