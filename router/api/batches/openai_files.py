@@ -8,6 +8,7 @@
     POST   /v1/batches                    create from an uploaded ``purpose: batch`` file
     GET    /v1/batches                    list (``limit``, ``after``), newest first
     GET    /v1/batches/{batch_id}         retrieve, with ``request_counts``
+    DELETE /v1/batches/{batch_id}         delete an ended batch (ours: OpenAI has none)
     POST   /v1/batches/{batch_id}/cancel  cancel
 
 A batch's input file is read and every line checked when the batch is made: a file that
@@ -51,7 +52,15 @@ from router.api.batches.lines import rows, scan
 from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body
 from router.batches.runner import BatchRunner
-from router.batches.store import BatchRow, BatchStore, FileRow, Line, QuotaExceeded, new_id
+from router.batches.store import (
+    ACTIVE,
+    BatchRow,
+    BatchStore,
+    FileRow,
+    Line,
+    QuotaExceeded,
+    new_id,
+)
 from router.errors import APIError, BadRequest, PayloadTooLarge
 from shared.config import ServerConfig
 
@@ -147,7 +156,7 @@ class FilesAndBatches:
             protocol_route("/v1/files/{file_id}", self.file, methods=("GET", "DELETE")),
             protocol_route("/v1/files/{file_id}/content", self.content, methods=("GET",)),
             protocol_route("/v1/batches", self.batches, methods=("GET", "POST")),
-            protocol_route("/v1/batches/{batch_id}", self.batch, methods=("GET",)),
+            protocol_route("/v1/batches/{batch_id}", self.batch, methods=("GET", "DELETE")),
             protocol_route("/v1/batches/{batch_id}/cancel", self.cancel),
         ]
 
@@ -289,7 +298,17 @@ class FilesAndBatches:
         return row
 
     async def batch(self, request: Request) -> Response:
-        return JSONResponse(batch_object(await self._owned_batch(request)))
+        row = await self._owned_batch(request)
+        if request.method == "DELETE":
+            # Ours (OpenAI has none): what a batch stores counts against its key's files
+            # quota, so an ended one can be removed, as a message batch can.
+            if row.status in ACTIVE:
+                raise BadRequest(f"batch '{row.id}' has not ended (status '{row.status}'); "
+                                 "cancel it and wait for it to end before deleting it",
+                                 code="batch_not_ended")
+            await self.store.delete_batch(row.id, None)
+            return JSONResponse({"id": row.id, "object": "batch.deleted", "deleted": True})
+        return JSONResponse(batch_object(row))
 
     async def cancel(self, request: Request) -> Response:
         row = await self._owned_batch(request)
