@@ -4,7 +4,8 @@ limits through batch lines (``background: true``), to grow the router's storage 
 files quota through batches made from one file or message batches, to hold unbounded
 batches in flight, and to make two batches of one create retried after a lost answer.
 
-Every test here but ``test_a_plain_background_response_keeps_its_keys_place`` (which
+The tests that start a router (or PostgreSQL) are marked ``integration``; their
+models are synthetic. Every test here but ``test_a_plain_background_response_keeps_its_keys_place`` (which
 states what already held) failed on 1a1e9ee; each says how."""
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ import httpx
 import pytest
 
 from tests.conftest import RouterProcess, running_router
-
-pytestmark = pytest.mark.integration
 
 ADMIN = "k-admin-hostile-9z"
 PRESET = """
@@ -114,6 +113,7 @@ def in_flight(r: RouterProcess, model: str) -> int:
 
 # -- finding 1: a batch line in the background ------------------------------------------
 
+@pytest.mark.integration
 def test_a_background_batch_line_is_an_error_line_and_starts_nothing(
         router: RouterProcess) -> None:
     """The issue's shape: a key with ``max_concurrent: 2`` and a 30-line ``/v1/responses``
@@ -140,6 +140,7 @@ def test_a_background_batch_line_is_an_error_line_and_starts_nothing(
     assert in_flight(r, "slow") == 0
 
 
+@pytest.mark.integration
 def test_a_plain_background_response_keeps_its_keys_place(router: RouterProcess) -> None:
     """Not a batch line: a background response counts against its key's
     ``max_concurrent`` while it runs (its create's place is kept), so a key at its limit
@@ -218,6 +219,7 @@ def padded_lines(prefix: str, count: int, size: int, model: str = "m") -> list[A
         {"role": "user", "content": "x" * (size - 140)}]) for i in range(count)]
 
 
+@pytest.mark.integration
 def test_one_file_cannot_feed_batches_past_the_files_quota(router: RouterProcess) -> None:
     """The files quota counts what batches store (their copied lines), not only uploads:
     a 100 KB file fits a 0.25 MiB quota, and so does one batch made from it, but not a
@@ -243,6 +245,7 @@ def test_one_file_cannot_feed_batches_past_the_files_quota(router: RouterProcess
     assert create(r, key, made.json()["id"]).status_code == 200
 
 
+@pytest.mark.integration
 def test_a_key_holds_at_most_batches_per_key_in_flight(router: RouterProcess) -> None:
     """``batches_per_key: 2``: a third batch while two are in flight is a 429 in each
     API's shape, and one cancelled (ended) makes room. On 1a1e9ee all were accepted."""
@@ -272,6 +275,7 @@ def test_a_key_holds_at_most_batches_per_key_in_flight(router: RouterProcess) ->
     call(r, key, "POST", f"/v1/batches/{ids[1]}/cancel")
 
 
+@pytest.mark.integration
 def test_a_message_batch_is_bounded_like_a_file(router: RouterProcess) -> None:
     """``files_max_mib: 0.1``: a message batch of about 200 KB is a 413, as an upload of
     that size is. On 1a1e9ee it was accepted (only ``max_body_bytes`` bounded it)."""
@@ -287,6 +291,7 @@ def test_a_message_batch_is_bounded_like_a_file(router: RouterProcess) -> None:
     assert small.status_code == 200, small.text
 
 
+@pytest.mark.integration
 def test_a_create_retried_with_its_idempotency_key_makes_one_batch(
         router: RouterProcess) -> None:
     """A create whose answer was lost, sent again with the same ``Idempotency-Key``,
@@ -318,6 +323,7 @@ def test_a_create_retried_with_its_idempotency_key_makes_one_batch(
 
 # -- uploads -------------------------------------------------------------------------------
 
+@pytest.mark.integration
 def test_upload_spools_a_killed_router_left_are_removed_at_start(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """A router killed (-9) mid-upload leaves its ``.upload-*`` spool in the files folder;
@@ -338,6 +344,7 @@ def test_upload_spools_a_killed_router_left_are_removed_at_start(
             assert live.exists()
 
 
+@pytest.mark.integration
 def test_an_upload_leaves_no_spool_behind(router: RouterProcess) -> None:
     """An upload refused on the way (past ``files_max_mib``, or not a form) or kept leaves
     no ``.upload-*`` spool in the files folder."""
@@ -356,6 +363,7 @@ def test_an_upload_leaves_no_spool_behind(router: RouterProcess) -> None:
     assert list(folder.glob(".upload-*")) == []
 
 
+@pytest.mark.integration
 def test_concurrent_uploads_on_postgresql_cannot_pass_the_quota_together(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """Four routers' stores on one PostgreSQL database, sixteen uploads at once of one key
@@ -396,3 +404,60 @@ def test_concurrent_uploads_on_postgresql_cannot_pass_the_quota_together(
     finally:
         server.pg_ctl("-m", "immediate", "stop", check=False)
         shutil.rmtree(server.home, ignore_errors=True)
+
+
+# -- a batch's input file, line by line (``router.api.batches.lines``) --------------------
+
+def _scan_rows(tmp_path: Path, text: bytes, max_lines: int = 5) -> list[Any]:
+    from router.api.batches.checks import Refused
+    from router.api.batches.lines import rows, scan
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(text)
+    found = scan(path, "file-x", "/v1/chat/completions", max_lines)
+    models: dict[str, str | Refused] = {name: f"id-{name}" for name in found.models}
+    models.pop("hidden", None)
+    return list(rows(path, "file-x", "/v1/chat/completions", models,
+                     lambda cid, code, message: json.dumps([cid, code, message])))
+
+
+def test_an_input_file_at_and_past_its_bounds(tmp_path: Path) -> None:
+    """``batch_max_lines`` lines pass (blank ones not counted), one more is a 400; a file
+    that is not UTF-8, holds no JSON object or repeats a ``custom_id`` is a 400."""
+    from router.errors import BadRequest
+
+    one = (json.dumps(chat_line("a")) + "\n").encode()
+    five = b"".join(one.replace(b'"a"', f'"a{i}"'.encode()) + b"\n\n" for i in range(5))
+    assert len(_scan_rows(tmp_path, five)) == 5
+    for text, code in ((five + one, "too_many_lines"), (one + one, "duplicate_custom_id"),
+                       (b"\xff\xfe" + one, "invalid_file"), (b"[1]\n{no\n", "invalid_file"),
+                       (b"\n  \n", "invalid_file")):
+        with pytest.raises(BadRequest) as err:
+            _scan_rows(tmp_path, text)
+        assert err.value.code == code, (text[:40], err.value.message)
+
+
+def test_each_line_is_kept_as_it_came_or_refused_with_its_reason(tmp_path: Path) -> None:
+    """A line's body is stored as the JSON text it came as (never decoded and encoded
+    again); a line that cannot run is an error line with its reason."""
+    kept = b'{"model": "m",   "messages": [], "x": 1.50, "y": "\\u00e9"}'
+    lines = [b'{"custom_id": "ok", "url": "/v1/chat/completions", "body": ' + kept + b"}",
+             json.dumps(chat_line("bg", background=True)).encode(),
+             json.dumps(chat_line("st", stream=1)).encode(),
+             json.dumps(chat_line("hid", "hidden")).encode(),
+             json.dumps({**chat_line("get"), "method": "GET"}).encode(),
+             json.dumps({**chat_line("url"), "url": "/v1/embeddings"}).encode(),
+             json.dumps({"custom_id": "nobody", "url": "/v1/chat/completions",
+                         "body": [1]}).encode(),
+             json.dumps({"custom_id": "nomodel", "url": "/v1/chat/completions",
+                         "body": {"model": ""}}).encode(),
+             json.dumps({"url": "/v1/chat/completions", "body": {"model": "m"}}).encode(),
+             b"{broken"]
+    got = _scan_rows(tmp_path, b"\n".join(lines) + b"\n", max_lines=20)
+    assert got[0].body == kept.decode() and got[0].model == "id-m" and got[0].state == "pending"
+    reasons = {ln.custom_id: json.loads(ln.result)[1] for ln in got[1:]}
+    assert reasons == {"bg": "invalid_body", "st": "invalid_body", "hid": "model_not_found",
+                       "get": "invalid_method", "url": "invalid_url",
+                       "nobody": "invalid_body", "nomodel": "missing_model",
+                       "line-9": "missing_custom_id", "line-10": "invalid_json"}
+    assert all(ln.state == "errored" and ln.body == "" for ln in got[1:])
