@@ -5,6 +5,7 @@ and an id not found."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -64,16 +65,23 @@ def body_model(head: BodyHead | None, field: str) -> str | Refused:
     return head.model
 
 
-def resolve_models(names: Iterable[str], relay: Relay, principal: Principal
-                   ) -> dict[str, str | Refused]:
+RESOLVE_TURN = 256
+"""Model names resolved in one turn of the event loop (a file may name one per line)."""
+
+
+async def resolve_models(names: Iterable[str], relay: Relay, principal: Principal
+                         ) -> dict[str, str | Refused]:
     """Each model name's id as ``principal`` may use it now, or why not (on the loop:
-    the registry is the loop's)."""
+    the registry is the loop's; ``RESOLVE_TURN`` names a turn, so a file naming a model
+    on each of its lines does not hold the loop)."""
     found: dict[str, str | Refused] = {}
-    for name in names:
+    for n, name in enumerate(names, 1):
         try:
             found[name] = relay.resolve_for(name, principal).id
         except APIError as err:
             found[name] = Refused(err.code or "model_not_found", err.message)
+        if n % RESOLVE_TURN == 0:
+            await asyncio.sleep(0)
     return found
 
 

@@ -175,7 +175,7 @@ class MessageBatches:
         limit = min(self.server.max_body_bytes, int(self.server.files_max_mib * 2**20))
         req = await read_body(request, CreateMessageBatch, limit)
         names = await asyncio.to_thread(self.check_requests, req.requests)
-        models = resolve_models(sorted(names), self.relay, principal)
+        models = await resolve_models(sorted(names), self.relay, principal)
         now = time.time()
         row = BatchRow(new_id("msgbatch_"), principal.name, "anthropic", "/v1/messages",
                        None, "24h", "validating", now, now + WINDOW)

@@ -278,7 +278,7 @@ class FilesAndBatches:
         path = self.store.body_path(source.id)
         scanned = await asyncio.to_thread(scan, path, source.id, req.endpoint,
                                           self.server.batch_max_lines)
-        models = resolve_models(sorted(scanned.models), self.relay, principal)
+        models = await resolve_models(sorted(scanned.models), self.relay, principal)
         now = time.time()
         row = BatchRow(new_id("batch_"), principal.name, "openai", req.endpoint, source.id,
                        req.completion_window, "validating", now, now + window,
