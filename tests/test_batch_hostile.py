@@ -461,3 +461,44 @@ def test_each_line_is_kept_as_it_came_or_refused_with_its_reason(tmp_path: Path)
                        "nobody": "invalid_body", "nomodel": "missing_model",
                        "line-9": "missing_custom_id", "line-10": "invalid_json"}
     assert all(ln.state == "errored" and ln.body == "" for ln in got[1:])
+
+
+def test_a_database_made_before_batch_stored_gains_it(tmp_path: Path) -> None:
+    """A SQLite file made by 1a1e9ee's schema (no ``batch_stored``) is opened by this
+    one: the table is made, an old batch counts nothing, and a new batch is counted and
+    found again by its ``Idempotency-Key``."""
+    import asyncio
+
+    from router.access.database import Database
+    from router.batches.store import SCHEMA, BatchRow, BatchStore, Line
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    old = [s for s in SCHEMA if "batch_stored" not in s]
+    assert len(old) == len(SCHEMA) - 3
+
+    async def made_before() -> None:
+        db = Database(url, old)
+        store = BatchStore(db, tmp_path, 10_000)
+        await store.add_batch(BatchRow("batch_old", "k", "openai", "/v1/chat/completions",
+                                       None, "24h", "completed", 1.0, 2.0, total=1),
+                              [Line(1, "a", "m", '{"model": "m"}')])
+        db.close()
+
+    async def opened_now() -> None:
+        db = Database(url, SCHEMA)
+        store = BatchStore(db, tmp_path, 10_000)
+        assert await store.held("k") == 0
+        row = BatchRow("batch_new", "k", "openai", "/v1/chat/completions", None, "24h",
+                       "validating", 1.0, 2.0)
+        made = await store.add_batch_checked(
+            row, lambda: [Line(1, "b", "m", '{"model": "m"}')], 8, "once")
+        assert made is row and row.total == 1
+        assert await store.held("k") == len("b") + len('{"model": "m"}')
+        again = BatchRow("batch_again", "k", "openai", "/v1/chat/completions", None, "24h",
+                         "validating", 1.0, 2.0)
+        found = await store.add_batch_checked(again, list, 8, "once")
+        assert found.id == "batch_new"
+        db.close()
+
+    asyncio.run(made_before())
+    asyncio.run(opened_now())
