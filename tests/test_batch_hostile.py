@@ -502,3 +502,51 @@ def test_a_database_made_before_batch_stored_gains_it(tmp_path: Path) -> None:
 
     asyncio.run(made_before())
     asyncio.run(opened_now())
+
+
+def test_an_upload_is_written_once_into_its_spool(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 3 MiB file part goes straight into the ``.upload-*`` spool in the files folder,
+    as it arrives: starlette's own temporary file (which 1a1e9ee's upload filled, then
+    copied into the folder) is never written."""
+    import asyncio
+    import tempfile
+
+    import starlette.formparsers
+    from starlette.datastructures import Headers, UploadFile
+
+    from router.api.batches.openai_files import _SpoolOnce
+
+    written: list[int] = []
+
+    class Watched(tempfile.SpooledTemporaryFile):  # type: ignore[type-arg]
+        def write(self, data: bytes) -> int:  # type: ignore[override]
+            written.append(len(data))
+            return int(super().write(data))
+
+    monkeypatch.setattr(starlette.formparsers, "SpooledTemporaryFile", Watched)
+    data = b"0123456789abcdef" * (3 * 2**16)
+    boundary = "spool-once"
+    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch'
+            f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+            f'filename="a.jsonl"\r\n\r\n').encode() + data + f"\r\n--{boundary}--\r\n".encode()
+
+    async def chunks() -> Any:
+        for at in range(0, len(body), 65536):
+            yield body[at:at + 65536]
+
+    async def parse() -> None:
+        parser = _SpoolOnce(Headers({"content-type": f"multipart/form-data; boundary={boundary}"}),
+                            chunks(), tmp_path)
+        form = await parser.parse()
+        upload = form.get("file")
+        assert isinstance(upload, UploadFile) and upload.size == len(data)
+        assert parser.spool is not None and parser.spool.parent == tmp_path
+        assert parser.spool.name.startswith(".upload-")
+        upload.file.flush()
+        assert parser.spool.read_bytes() == data
+        parser.discard()
+        assert not parser.spool.exists()
+
+    asyncio.run(parse())
+    assert written == []
