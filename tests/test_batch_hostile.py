@@ -470,7 +470,14 @@ def test_a_database_made_before_batch_stored_gains_it(tmp_path: Path) -> None:
     import asyncio
 
     from router.access.database import Database
-    from router.batches.store import SCHEMA, BatchRow, BatchStore, Line
+    from router.batches.store import (
+        SCHEMA,
+        BatchRow,
+        BatchStore,
+        Line,
+        QuotaExceeded,
+        TooManyBatches,
+    )
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     old = [s for s in SCHEMA if "batch_stored" not in s]
@@ -498,6 +505,23 @@ def test_a_database_made_before_batch_stored_gains_it(tmp_path: Path) -> None:
                          "validating", 1.0, 2.0)
         found = await store.add_batch_checked(again, list, 8, "once")
         assert found.id == "batch_new"
+        # Refused part-way (past the quota after CHUNK lines were written, or past
+        # batches_per_key): nothing of it is left.
+        big = [Line(n, f"c{n}", "m", "x" * 3) for n in range(1, 2001)]  # ~8 bytes each
+        with pytest.raises(QuotaExceeded):
+            await store.add_batch_checked(BatchRow(
+                "batch_big", "k", "openai", "/v1/chat/completions", None, "24h",
+                "validating", 1.0, 2.0), lambda: big, 8)
+        with pytest.raises(TooManyBatches):
+            await store.add_batch_checked(BatchRow(
+                "batch_many", "k", "openai", "/v1/chat/completions", None, "24h",
+                "validating", 1.0, 2.0), list, 1)
+        left = await db.run(lambda c: c.execute(
+            "SELECT (SELECT COUNT(*) FROM batch_lines WHERE batch IN ('batch_big', "
+            "'batch_many')) + (SELECT COUNT(*) FROM batches WHERE id IN ('batch_big', "
+            "'batch_many')) + (SELECT COUNT(*) FROM batch_stored WHERE batch IN "
+            "('batch_big', 'batch_many'))"))
+        assert left[0][0] == 0
         db.close()
 
     asyncio.run(made_before())
