@@ -173,7 +173,7 @@ class MessageBatches:
         # A message batch is a file sent in the body: ``files_max_mib`` bounds it as it
         # bounds an upload (and ``max_body_bytes`` any body).
         limit = min(self.server.max_body_bytes, int(self.server.files_max_mib * 2**20))
-        req = await read_body(request, CreateMessageBatch, limit)
+        req = await read_body(request, CreateMessageBatch, limit, off_loop=True)
         names = await asyncio.to_thread(self.check_requests, req.requests)
         models = await resolve_models(sorted(names), self.relay, principal)
         now = time.time()
