@@ -15,6 +15,9 @@ request body) and run as ``POST /v1/messages`` lines. A body with no request, mo
 ``batch_max_lines``, or a ``custom_id`` twice is a 400; a request that is not one this
 server can run (``params`` not an object, ``stream: true``, no ``model``, a model the key
 may not use) is ``errored`` at once with an ``invalid_request_error``, and the others run.
+A body is bounded by ``files_max_mib`` as an uploaded file is (and ``max_body_bytes``);
+the files quota, ``batches_per_key`` and ``Idempotency-Key`` hold as for OpenAI's
+batches (``checks.add_batch``).
 A batch is ``in_progress`` until the runner has answered every request, ``canceling``
 after a cancel until then, and ``ended`` after; ``results_url`` is a relative path (the
 SDK appends it to its ``base_url``), so the results come from this server. A batch

@@ -11,12 +11,16 @@
     DELETE /v1/batches/{batch_id}         delete an ended batch (ours: OpenAI has none)
     POST   /v1/batches/{batch_id}/cancel  cancel
 
-A batch's input file is read and every line checked when the batch is made: a file that
-is not JSONL, holds more than ``batch_max_lines`` lines or repeats a ``custom_id`` is a
-400 naming the line; a line that is not a request this server can run (not JSON, another
-``url`` or method, no ``model``, a model the key may not use, ``stream: true``) becomes
-a line of the error file with its reason, and the others run. Files and batches belong to
-the key that made them (another key's id is a 404; an admin sees all).
+A batch's input file is read and every line checked when the batch is made, a line at a
+time off the event loop (``lines``): a file that is not JSONL, holds more than
+``batch_max_lines`` lines or repeats a ``custom_id`` is a 400 naming the line; a line
+that is not a request this server can run (not JSON, another ``url`` or method, no
+``model``, a model the key may not use, ``stream`` or ``background``) becomes a line of
+the error file with its reason, and the others run. Files and batches belong to the key
+that made them (another key's id is a 404; an admin sees all); what they store counts
+against the key's ``files_quota_mib``, and a key has at most ``batches_per_key`` batches
+in flight (``checks.add_batch``). A create with an ``Idempotency-Key`` its key used
+before answers the batch made then.
 """
 
 from __future__ import annotations
