@@ -286,7 +286,7 @@ def test_a_message_batch_is_bounded_like_a_file(router: RouterProcess) -> None:
         "messages": [{"role": "user", "content": "x" * 2000}]}} for i in range(100)]
     big = call(r, key, "POST", "/v1/messages/batches", {"requests": requests})
     assert big.status_code == 413, big.text
-    assert big.json()["type"] == "error"
+    assert big.json()["type"] == "error" and "files_max_mib" in big.json()["error"]["message"]
     small = call(r, key, "POST", "/v1/messages/batches", {"requests": requests[:10]})
     assert small.status_code == 200, small.text
 

@@ -55,7 +55,7 @@ from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body
 from router.batches.runner import BatchRunner
 from router.batches.store import ACTIVE, LINE_STATES, BatchRow, BatchStore, Line, new_id
-from router.errors import APIError, BadRequest, anthropic_error
+from router.errors import APIError, BadRequest, PayloadTooLarge, anthropic_error
 from shared.config import ServerConfig
 
 WINDOW = 24 * 3600
@@ -176,7 +176,12 @@ class MessageBatches:
         # A message batch is a file sent in the body: ``files_max_mib`` bounds it as it
         # bounds an upload (and ``max_body_bytes`` any body).
         limit = min(self.server.max_body_bytes, int(self.server.files_max_mib * 2**20))
-        req = await read_body(request, CreateMessageBatch, limit, off_loop=True)
+        try:
+            req = await read_body(request, CreateMessageBatch, limit, off_loop=True)
+        except PayloadTooLarge:
+            raise PayloadTooLarge(f"a message batch may have at most {limit} bytes (an "
+                                  "uploaded file's server.files_max_mib, within "
+                                  "server.max_body_bytes)") from None
         names = await asyncio.to_thread(self.check_requests, req.requests)
         models = await resolve_models(sorted(names), self.relay, principal)
         now = time.time()
