@@ -11,7 +11,7 @@ import time
 from bench import report
 
 ALL = ["overhead", "relay", "coldstart", "scaling", "faults", "swap", "ledger",
-       "toolcalls", "lora", "batch"]
+       "toolcalls", "lora", "batch", "hostile"]
 
 
 def main() -> int:

@@ -161,6 +161,9 @@ def build_app(preset: Preset, *, watch_config: bool = False,
                                         name="named-keys")
         supervisor.start()
         reloader.start(watch_config)
+        spools = await asyncio.to_thread(batch_store.clear_spools)
+        if spools:
+            log.info("files: removed %d upload spools a stopped router left", spools)
         runner.start()
         try:
             yield

@@ -204,6 +204,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One key's uploaded files together, at most (deleting one makes room)."""
     batch_max_lines: Annotated[int, msgspec.Meta(ge=1)] = 50_000
     """Requests one batch may hold."""
+    batches_per_key: Annotated[int, msgspec.Meta(ge=1)] = 8
+    """Batches one key may have in flight at once (not yet ended, both APIs together); a
+    create past it is a 429 (``too_many_batches``) until one ends or is cancelled."""
 
 
 class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,

@@ -97,6 +97,7 @@ TABLE: dict[tuple[str, str], Rule] = {
     ("GET", "/v1/batches"): _rule(READ, OWN_BATCHES),
     ("POST", "/v1/batches"): _rule(API, f"{ALLOWED_MODELS} (each line's); {OWN_FILES}"),
     ("GET", "/v1/batches/{batch_id}"): _rule(READ, OWN_BATCHES),
+    ("DELETE", "/v1/batches/{batch_id}"): _rule(API, OWN_BATCHES),
     ("POST", "/v1/batches/{batch_id}/cancel"): _rule(API, OWN_BATCHES),
     ("GET", "/v1/messages/batches"): _rule(READ, OWN_BATCHES),
     ("POST", "/v1/messages/batches"): _rule(API, f"{ALLOWED_MODELS} (each request's); "

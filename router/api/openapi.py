@@ -254,6 +254,8 @@ RESPONSES: dict[str, Schema] = {
                       "has_more": {"type": "boolean"}}),
     "FileDeleted": _obj({"id": _STR, "object": _const("file"),
                          "deleted": {"type": "boolean"}}),
+    "BatchDeleted": _obj({"id": _STR, "object": _const("batch.deleted"),
+                          "deleted": {"type": "boolean"}}),
     "Batch": _obj({"id": _STR, "object": _const("batch"), "endpoint": _STR,
                    "input_file_id": _STR, "completion_window": _STR, "status": _STR,
                    "created_at": _INT, "expires_at": _INT,
@@ -452,6 +454,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Run an uploaded JSONL file of requests to one endpoint as a batch, when the "
         "models have room, behind every client's own requests", CreateBatch, "Batch"),
     ("GET", "/v1/batches/{batch_id}"): Operation("A batch and its progress", None, "Batch"),
+    ("DELETE", "/v1/batches/{batch_id}"): Operation(
+        "Delete a batch that has ended, with its lines and result files (ours: what a "
+        "batch stores counts against its key's files quota)", None, "BatchDeleted"),
     ("POST", "/v1/batches/{batch_id}/cancel"): Operation(
         "Cancel a batch: lines not run yet are answered `batch_cancelled`", None, "Batch"),
     ("GET", "/v1/messages/batches"): Operation(

@@ -69,8 +69,10 @@ def _param_of(message: str) -> str | None:
     return at.group(1) or None if at else None
 
 
-async def read_body(request: Request, kind: type[T], limit: int) -> T:
-    """Read and decode a JSON body into ``kind``; errors name the offending field."""
+async def read_body(request: Request, kind: type[T], limit: int, off_loop: bool = False) -> T:
+    """Read and decode a JSON body into ``kind``; errors name the offending field.
+    ``off_loop``: decoded on a thread (a body that may be tens of MiB, a message batch's,
+    would hold the event loop for tens of milliseconds)."""
     content_type = content_length = None
     for name, value in request.scope["headers"]:  # one pass; the first of each counts
         if name == b"content-type" and content_type is None:
@@ -89,6 +91,8 @@ async def read_body(request: Request, kind: type[T], limit: int) -> T:
     if not body.strip():
         raise BadRequest("request body is empty; expected a JSON object", code="invalid_json")
     try:
+        if off_loop:
+            return await asyncio.to_thread(msgspec.json.decode, body, type=kind)
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as err:
         text = str(err)

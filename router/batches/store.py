@@ -20,11 +20,12 @@ name (``None``: an admin, who sees all), so another key's id is not found.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,15 @@ SCHEMA = (
         batch TEXT NOT NULL, line INTEGER NOT NULL, custom_id TEXT NOT NULL,
         model TEXT NOT NULL, body TEXT NOT NULL, state TEXT NOT NULL, result TEXT,
         PRIMARY KEY (batch, line))""",
+    # What a batch stores, counted against its owner's files quota, and the create's
+    # Idempotency-Key. A table of its own (not new columns of ``batches``), so a database
+    # made before it only gains a table: batches made before it count nothing.
+    """CREATE TABLE IF NOT EXISTS batch_stored (
+        batch TEXT PRIMARY KEY, owner TEXT NOT NULL, bytes BIGINTEGER NOT NULL,
+        idempotency_key TEXT)""",
+    "CREATE INDEX IF NOT EXISTS batch_stored_owner ON batch_stored (owner)",
+    ("CREATE UNIQUE INDEX IF NOT EXISTS batch_stored_idempotency ON batch_stored "
+    "(owner, idempotency_key)"),
 )
 
 _BATCH_COLUMNS = ("id", "owner", "shape", "endpoint", "input_file", "completion_window",
@@ -64,6 +74,10 @@ _BATCH_COLUMNS = ("id", "owner", "shape", "endpoint", "input_file", "completion_
                   "output_file", "error_file", "total", "succeeded", "errored", "canceled",
                   "expired")
 _FILE_COLUMNS = ("id", "owner", "purpose", "filename", "bytes", "created", "batch", "kind")
+
+
+_LINE_INSERT = ("INSERT INTO batch_lines (batch, line, custom_id, model, body, state, result) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)")
 
 
 def new_id(prefix: str) -> str:
@@ -155,7 +169,37 @@ def _owned(owner: str | None) -> tuple[str, tuple[Any, ...]]:
 
 
 class QuotaExceeded(Exception):
-    """An upload past its key's ``files_quota_mib``."""
+    """An upload or a batch past its key's ``files_quota_mib``."""
+
+
+class TooManyBatches(Exception):
+    """A batch past its key's ``batches_per_key`` in flight."""
+
+
+CHUNK = 1000
+"""Lines written to the database in one statement while a batch is made: its lines are
+read from their source as they are written, never all held at once."""
+
+
+def _stored_bytes(line: Line) -> int:
+    return len(line.custom_id) + len(line.body) + len(line.result or "")
+
+
+def _owner_lock(conn: Conn, owner: str) -> None:
+    """Hold ``owner``'s quota lock until the transaction ends: PostgreSQL's READ
+    COMMITTED would let two routers' check-and-insert pass the quota together. SQLite's
+    one connection (one thread) runs them one at a time already."""
+    if conn.postgres:
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(?))", (f"files:{owner}",))
+
+
+def _held(conn: Conn, owner: str) -> int:
+    """Bytes ``owner``'s quota holds: its uploads and what its batches stored."""
+    rows = conn.execute(
+        "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM files WHERE owner = ? AND "
+        "kind = 'upload') + (SELECT COALESCE(SUM(bytes), 0) FROM batch_stored WHERE "
+        "owner = ?)", (owner, owner))
+    return int(rows[0][0])
 
 
 class BatchStore:
@@ -179,17 +223,38 @@ class BatchStore:
         row = FileRow(new_id("file-"), owner, purpose, filename, size, time.time())
 
         def add(conn: Conn) -> None:
-            held = conn.execute("SELECT COALESCE(SUM(bytes), 0) FROM files WHERE owner = ? "
-                                "AND kind = 'upload'", (owner,))[0][0]
-            if int(held) + size > self.quota_bytes:
-                raise QuotaExceeded(f"{int(held)} bytes stored already")
-            os.replace(spool, self.body_path(row.id))
-            conn.execute(f"INSERT INTO files ({', '.join(_FILE_COLUMNS)}) VALUES "
-                         f"({', '.join('?' for _ in _FILE_COLUMNS)})",
-                         (row.id, owner, purpose, filename, size, row.created, None, "upload"))
+            with conn.atomic():  # the check and the insert, one at a time per owner
+                _owner_lock(conn, owner)
+                held = _held(conn, owner)
+                if held + size > self.quota_bytes:
+                    raise QuotaExceeded(f"{held} bytes stored already")
+                conn.execute(f"INSERT INTO files ({', '.join(_FILE_COLUMNS)}) VALUES "
+                             f"({', '.join('?' for _ in _FILE_COLUMNS)})",
+                             (row.id, owner, purpose, filename, size, row.created, None,
+                              "upload"))
+                os.replace(spool, self.body_path(row.id))  # last: a failed insert keeps none
 
         await self.db.run(add)
         return row
+
+    async def held(self, owner: str) -> int:
+        """Bytes of ``owner``'s files quota taken: its uploads and its batches' lines."""
+        return await self.db.run(lambda c: _held(c, owner))
+
+    def clear_spools(self) -> int:
+        """Remove the upload spools (``.upload-*``) a router killed mid-upload left
+        behind; how many. A spool is locked while its upload runs (the lock goes with its
+        process, kill -9 too), so another router's upload in the same folder is left."""
+        gone = 0
+        for path in self.folder.glob(".upload-*"):
+            try:
+                with path.open("rb") as handle:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    path.unlink(missing_ok=True)
+            except OSError:  # locked (an upload runs) or gone meanwhile
+                continue
+            gone += 1
+        return gone
 
     async def file(self, file_id: str, owner: str | None) -> FileRow | None:
         where, args = _owned(owner)
@@ -244,6 +309,57 @@ class BatchStore:
                             ln.result) for ln in lines])
 
         await self.db.run(add)
+
+    async def add_batch_checked(self, batch: BatchRow, lines: Callable[[], Iterable[Line]],
+                                max_in_flight: int, idempotency_key: str | None = None
+                                ) -> BatchRow:
+        """``batch`` and its ``lines`` (read as they are written, ``CHUNK`` at a time, on
+        the database's thread; ``total`` and ``errored`` counted from them) in one
+        transaction, unless: its owner has ``max_in_flight`` batches in flight already
+        (``TooManyBatches``), or what they store would take the owner past its files
+        quota (``QuotaExceeded``). With an ``idempotency_key`` the owner used before, the
+        batch made then, and nothing new."""
+        owner = batch.owner
+
+        def add(conn: Conn) -> BatchRow:
+            with conn.atomic():
+                _owner_lock(conn, owner)
+                if idempotency_key is not None:
+                    made = conn.execute(
+                        f"SELECT {', '.join('b.' + c for c in _BATCH_COLUMNS)} FROM "
+                        "batch_stored s JOIN batches b ON b.id = s.batch WHERE "
+                        "s.owner = ? AND s.idempotency_key = ?", (owner, idempotency_key))
+                    if made:
+                        return BatchRow.of(made[0])
+                in_flight = int(conn.execute(
+                    f"SELECT COUNT(*) FROM batches WHERE owner = ? AND status IN "
+                    f"({', '.join('?' for _ in ACTIVE)})", (owner, *ACTIVE))[0][0])
+                if in_flight >= max_in_flight:
+                    raise TooManyBatches(f"{in_flight} batches in flight")
+                room = self.quota_bytes - _held(conn, owner)
+                stored = total = errored = 0
+                chunk: list[tuple[Any, ...]] = []
+                for ln in lines():
+                    total += 1
+                    errored += ln.state == "errored"
+                    stored += _stored_bytes(ln)
+                    if stored > room:  # stop reading at once: the rest is not stored
+                        raise QuotaExceeded(f"{self.quota_bytes - room} bytes stored already")
+                    chunk.append((batch.id, ln.line, ln.custom_id, ln.model, ln.body,
+                                  ln.state, ln.result))
+                    if len(chunk) >= CHUNK:
+                        conn.many(_LINE_INSERT, chunk)
+                        chunk = []
+                if chunk:
+                    conn.many(_LINE_INSERT, chunk)
+                batch.total, batch.errored = total, errored
+                conn.execute(f"INSERT INTO batches ({', '.join(_BATCH_COLUMNS)}) VALUES "
+                             f"({', '.join('?' for _ in _BATCH_COLUMNS)})", batch.values())
+                conn.execute("INSERT INTO batch_stored (batch, owner, bytes, idempotency_key) "
+                             "VALUES (?, ?, ?, ?)", (batch.id, owner, stored, idempotency_key))
+                return batch
+
+        return await self.db.run(add)
 
     async def batch(self, batch_id: str, owner: str | None) -> BatchRow | None:
         where, args = _owned(owner)
@@ -301,6 +417,7 @@ class BatchStore:
                                 (batch_id, *args, *ACTIVE))
             if gone:
                 conn.execute("DELETE FROM batch_lines WHERE batch = ?", (batch_id,))
+                conn.execute("DELETE FROM batch_stored WHERE batch = ?", (batch_id,))
                 conn.execute("DELETE FROM files WHERE batch = ?", (batch_id,))
             return bool(gone)
 

@@ -15,6 +15,9 @@ request body) and run as ``POST /v1/messages`` lines. A body with no request, mo
 ``batch_max_lines``, or a ``custom_id`` twice is a 400; a request that is not one this
 server can run (``params`` not an object, ``stream: true``, no ``model``, a model the key
 may not use) is ``errored`` at once with an ``invalid_request_error``, and the others run.
+A body is bounded by ``files_max_mib`` as an uploaded file is (and ``max_body_bytes``);
+the files quota, ``batches_per_key`` and ``Idempotency-Key`` hold as for OpenAI's
+batches (``checks.add_batch``).
 A batch is ``in_progress`` until the runner has answered every request, ``canceling``
 after a cancel until then, and ``ended`` after; ``results_url`` is a relative path (the
 SDK appends it to its ``base_url``), so the results come from this server. A batch
@@ -24,8 +27,10 @@ take Anthropic's shape (``router.errors.shaped``, by the ``/v1/messages`` prefix
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
@@ -34,13 +39,23 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.access.admission import Principal, principal_of
-from router.api.batches.checks import Refused, not_found, query_int, request_model, sees
+from router.access.admission import principal_of
+from router.api.batches.checks import (
+    Refused,
+    add_batch,
+    body_head,
+    body_model,
+    idempotency_key,
+    not_found,
+    query_int,
+    resolve_models,
+    sees,
+)
 from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body
 from router.batches.runner import BatchRunner
 from router.batches.store import ACTIVE, LINE_STATES, BatchRow, BatchStore, Line, new_id
-from router.errors import APIError, BadRequest, anthropic_error
+from router.errors import APIError, BadRequest, PayloadTooLarge, anthropic_error
 from shared.config import ServerConfig
 
 WINDOW = 24 * 3600
@@ -49,11 +64,12 @@ RESULTS_MEDIA = "application/x-jsonl"
 
 
 class MessageBatchItem(msgspec.Struct, forbid_unknown_fields=True):
-    """One request of a batch: ``params`` is checked by ``request_model`` (a bad one is
+    """One request of a batch: ``params`` is checked by ``checks.body_model`` (a bad one is
     an errored line, not a refused batch) and by the Messages handler when it runs."""
 
     custom_id: Annotated[str, msgspec.Meta(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-    params: Annotated[Any, msgspec.Meta(description="A Messages request body (no stream)")]
+    params: Annotated[msgspec.Raw, msgspec.Meta(
+        description="A Messages request body (no stream); kept as its JSON text")]
 
 
 class CreateMessageBatch(msgspec.Struct, forbid_unknown_fields=True):
@@ -157,25 +173,35 @@ class MessageBatches:
 
     async def create(self, request: Request) -> Response:
         principal = principal_of(request.scope)
-        req = await read_body(request, CreateMessageBatch, self.server.max_body_bytes)
-        lines = self.check_requests(req.requests, principal)
+        # A message batch is a file sent in the body: ``files_max_mib`` bounds it as it
+        # bounds an upload (and ``max_body_bytes`` any body).
+        limit = min(self.server.max_body_bytes, int(self.server.files_max_mib * 2**20))
+        try:
+            req = await read_body(request, CreateMessageBatch, limit, off_loop=True)
+        except PayloadTooLarge:
+            raise PayloadTooLarge(f"a message batch may have at most {limit} bytes (an "
+                                  "uploaded file's server.files_max_mib, within "
+                                  "server.max_body_bytes)") from None
+        names = await asyncio.to_thread(self.check_requests, req.requests)
+        models = await resolve_models(sorted(names), self.relay, principal)
         now = time.time()
         row = BatchRow(new_id("msgbatch_"), principal.name, "anthropic", "/v1/messages",
-                       None, "24h", "validating", now, now + WINDOW, total=len(lines),
-                       errored=sum(ln.state == "errored" for ln in lines))
-        await self.store.add_batch(row, lines)
-        self.runner.created(row)
-        return JSONResponse(message_batch(row))
+                       None, "24h", "validating", now, now + WINDOW)
+        made = await add_batch(self.store, self.server, row,
+                               lambda: self.rows(req.requests, models),
+                               idempotency_key(request))
+        if made is row:
+            self.runner.created(row)
+        return JSONResponse(message_batch(made))
 
-    def check_requests(self, requests: list[MessageBatchItem], principal: Principal
-                       ) -> list[Line]:
-        """Every request as a line, checked: one this server cannot run is ``errored``
-        with its reason already (see the module doc)."""
+    def check_requests(self, requests: list[MessageBatchItem]) -> set[str]:
+        """What makes the whole batch a 400 (see the module doc), checked; the model
+        names its requests ask for (off the event loop: it reads each one's head)."""
         if len(requests) > self.server.batch_max_lines:
             raise BadRequest(f"the batch holds {len(requests)} requests; a batch may hold "
                              f"{self.server.batch_max_lines} (server.batch_max_lines)",
                              param="requests", code="too_many_lines")
-        lines: list[Line] = []
+        names: set[str] = set()
         seen: dict[str, int] = {}
         for n, item in enumerate(requests):
             if item.custom_id in seen:
@@ -184,13 +210,25 @@ class MessageBatches:
                                  param=f"requests[{n}].custom_id",
                                  code="duplicate_custom_id")
             seen[item.custom_id] = n
-            found = request_model(item.params, "params", self.relay, principal)
+            found = body_model(body_head(bytes(item.params)), "params")
+            if isinstance(found, str):
+                names.add(found)
+        return names
+
+    def rows(self, requests: list[MessageBatchItem], models: dict[str, str | Refused]
+             ) -> Iterator[Line]:
+        """Each request as a line: one this server cannot run ``errored`` with its
+        reason already (see the module doc); ``models``: each name's id for the key."""
+        for n, item in enumerate(requests):
+            params = bytes(item.params)
+            found = body_model(body_head(params), "params")
+            if isinstance(found, str):
+                found = models.get(found) or Refused("model_not_found", found)
             if isinstance(found, Refused):
-                lines.append(Line(n + 1, item.custom_id, "", "", "errored",
-                                  self.shape.invalid(item.custom_id, found.message)))
+                yield Line(n + 1, item.custom_id, "", "", "errored",
+                           self.shape.invalid(item.custom_id, found.message))
             else:
-                lines.append(Line(n + 1, item.custom_id, found, json.dumps(item.params)))
-        return lines
+                yield Line(n + 1, item.custom_id, found, params.decode())
 
     async def _owned(self, request: Request) -> BatchRow:
         bid = request.path_params["message_batch_id"]

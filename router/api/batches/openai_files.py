@@ -8,40 +8,63 @@
     POST   /v1/batches                    create from an uploaded ``purpose: batch`` file
     GET    /v1/batches                    list (``limit``, ``after``), newest first
     GET    /v1/batches/{batch_id}         retrieve, with ``request_counts``
+    DELETE /v1/batches/{batch_id}         delete an ended batch (ours: OpenAI has none)
     POST   /v1/batches/{batch_id}/cancel  cancel
 
-A batch's input file is read and every line checked when the batch is made: a file that
-is not JSONL, holds more than ``batch_max_lines`` lines or repeats a ``custom_id`` is a
-400 naming the line; a line that is not a request this server can run (not JSON, another
-``url`` or method, no ``model``, a model the key may not use, ``stream: true``) becomes
-a line of the error file with its reason, and the others run. Files and batches belong to
-the key that made them (another key's id is a 404; an admin sees all).
+A batch's input file is read and every line checked when the batch is made, a line at a
+time off the event loop (``lines``): a file that is not JSONL, holds more than
+``batch_max_lines`` lines or repeats a ``custom_id`` is a 400 naming the line; a line
+that is not a request this server can run (not JSON, another ``url`` or method, no
+``model``, a model the key may not use, ``stream`` or ``background``) becomes a line of
+the error file with its reason, and the others run. Files and batches belong to the key
+that made them (another key's id is a 404; an admin sees all); what they store counts
+against the key's ``files_quota_mib``, and a key has at most ``batches_per_key`` batches
+in flight (``checks.add_batch``). A create with an ``Idempotency-Key`` its key used
+before answers the batch made then.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import os
 import re
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
-from starlette.datastructures import UploadFile
+from starlette.datastructures import Headers, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
 from starlette.routing import Route
-from starlette.types import Message
 
-from router.access.admission import Principal, principal_of
-from router.api.batches.checks import Refused, not_found, query_int, request_model, sees
+from router.access.admission import principal_of
+from router.api.batches.checks import (
+    add_batch,
+    idempotency_key,
+    not_found,
+    query_int,
+    resolve_models,
+    sees,
+)
+from router.api.batches.lines import rows, scan
 from router.api.relay import Relay, protocol_route
 from router.api.wire import JSONResponse, read_body
 from router.batches.runner import BatchRunner
-from router.batches.store import BatchRow, BatchStore, FileRow, Line, QuotaExceeded, new_id
+from router.batches.store import (
+    ACTIVE,
+    BatchRow,
+    BatchStore,
+    FileRow,
+    Line,
+    QuotaExceeded,
+    new_id,
+)
 from router.errors import APIError, BadRequest, PayloadTooLarge
 from shared.config import ServerConfig
 
@@ -128,6 +151,8 @@ class FilesAndBatches:
         self.relay = relay
         self.server = server
         self.shape = OpenAIShape()
+        self._arriving: dict[str, int] = {}
+        """Bytes of each key's uploads arriving now (``_Arriving``)."""
 
     def routes(self) -> list[Route]:
         return [
@@ -135,7 +160,7 @@ class FilesAndBatches:
             protocol_route("/v1/files/{file_id}", self.file, methods=("GET", "DELETE")),
             protocol_route("/v1/files/{file_id}/content", self.content, methods=("GET",)),
             protocol_route("/v1/batches", self.batches, methods=("GET", "POST")),
-            protocol_route("/v1/batches/{batch_id}", self.batch, methods=("GET",)),
+            protocol_route("/v1/batches/{batch_id}", self.batch, methods=("GET", "DELETE")),
             protocol_route("/v1/batches/{batch_id}/cancel", self.cancel),
         ]
 
@@ -155,37 +180,52 @@ class FilesAndBatches:
         return JSONResponse(_page([file_object(r) for r in rows[:limit]], len(rows) > limit))
 
     async def upload(self, request: Request) -> Response:
+        """Keep an upload: its file part is written once, as it arrives, to a spool in the
+        files folder (``_SpoolOnce``), counted against ``files_max_mib`` and against what
+        is left of the key's quota (its stored files and batches, and its other uploads
+        arriving now) as the bytes come, then moved into place by one check-and-insert
+        (``BatchStore.add_file``)."""
         principal = principal_of(request.scope)
         limit = int(self.server.files_max_mib * 2**20)
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit + 2**16:
+        if declared and declared.isdigit() and int(declared) > limit + FORM_SLACK:
             raise PayloadTooLarge(f"a file may have at most {limit} bytes "
                                   "(server.files_max_mib)")
-        self.store.folder.mkdir(parents=True, exist_ok=True)
-        request = _bounded(request, limit + 2**16)  # a chunked body is counted as it comes
+        held = await self.store.held(principal.name)
+        await asyncio.to_thread(self.store.folder.mkdir, parents=True, exist_ok=True)
+        counted = _Arriving(self._arriving, principal.name, limit, held,
+                            int(self.server.files_quota_mib * 2**20))
+        parser = _SpoolOnce(request.headers, counted.stream(request), self.store.folder)
         try:
-            async with request.form(max_files=1, max_fields=8) as form:
-                purpose = form.get("purpose")
-                upload = form.get("file")
-                if not isinstance(purpose, str) or purpose not in PURPOSES:
-                    raise BadRequest(f"'purpose' must be one of {', '.join(PURPOSES)}",
-                                     param="purpose")
-                if not isinstance(upload, UploadFile):
-                    raise BadRequest("a multipart field 'file' with the file is required",
-                                     param="file")
-                spool = await _spool(upload, self.store.folder, limit)
-        except (AssertionError, ValueError, KeyError) as err:  # python-multipart's refusals
-            raise BadRequest(f"the body is not a multipart form: {err}",
-                             code="invalid_multipart") from None
-        try:
-            row = await self.store.add_file(principal.name, _filename(upload), purpose, spool)
-        except QuotaExceeded as err:
-            raise APIError(f"this key's files would exceed {self.server.files_quota_mib:g} "
-                           f"MiB (server.files_quota_mib; {err}); delete some first",
-                           status=413, type="invalid_request_error",
-                           code="files_quota_exceeded") from None
+            try:
+                form = await parser.parse()
+            except MultiPartException as err:
+                raise BadRequest(f"the body is not a multipart form: {err.message}",
+                                 code="invalid_multipart") from None
+            except (AssertionError, ValueError, KeyError) as err:  # python-multipart's
+                raise BadRequest(f"the body is not a multipart form: {err}",
+                                 code="invalid_multipart") from None
+            finally:
+                counted.done()
+            purpose = form.get("purpose")
+            upload = form.get("file")
+            if not isinstance(purpose, str) or purpose not in PURPOSES:
+                raise BadRequest(f"'purpose' must be one of {', '.join(PURPOSES)}",
+                                 param="purpose")
+            if not isinstance(upload, UploadFile) or parser.spool is None:
+                raise BadRequest("a multipart field 'file' with the file is required",
+                                 param="file")
+            if upload.size is not None and upload.size > limit:
+                raise PayloadTooLarge(f"a file may have at most {limit} bytes "
+                                      "(server.files_max_mib)")
+            await asyncio.to_thread(_synced, upload)
+            try:
+                row = await self.store.add_file(principal.name, _filename(upload), purpose,
+                                                parser.spool)
+            except QuotaExceeded as err:
+                raise _over_quota(self.server, err) from None
         finally:
-            spool.unlink(missing_ok=True)
+            parser.discard()
         return JSONResponse(file_object(row))
 
     async def _owned_file(self, request: Request) -> FileRow:
@@ -239,78 +279,20 @@ class FilesAndBatches:
         if source.purpose != "batch":
             raise BadRequest(f"file '{source.id}' has purpose '{source.purpose}'; a batch's "
                              "input file needs purpose 'batch'", param="input_file_id")
-        text = await asyncio.to_thread(_read_text, self.store.body_path(source.id), source.id)
-        lines = self.check_lines(text, req.endpoint, principal)
+        path = self.store.body_path(source.id)
+        scanned = await asyncio.to_thread(scan, path, source.id, req.endpoint,
+                                          self.server.batch_max_lines)
+        models = await resolve_models(sorted(scanned.models), self.relay, principal)
         now = time.time()
         row = BatchRow(new_id("batch_"), principal.name, "openai", req.endpoint, source.id,
                        req.completion_window, "validating", now, now + window,
-                       metadata=req.metadata, total=len(lines),
-                       errored=sum(ln.state == "errored" for ln in lines))
-        await self.store.add_batch(row, lines)
-        self.runner.created(row)
-        return JSONResponse(batch_object(row))
-
-    def check_lines(self, text: str, endpoint: str, principal: Principal) -> list[Line]:
-        """Every line of a batch's input file, checked: a line this server cannot run is
-        ``errored`` with its reason already (see the module doc)."""
-        raw = [ln for ln in text.splitlines() if ln.strip()]
-        if not raw:
-            raise BadRequest("the input file holds no lines", param="input_file_id",
-                             code="invalid_file")
-        if len(raw) > self.server.batch_max_lines:
-            raise BadRequest(f"the input file holds {len(raw)} lines; a batch may hold "
-                             f"{self.server.batch_max_lines} (server.batch_max_lines)",
-                             param="input_file_id", code="too_many_lines")
-        lines: list[Line] = []
-        seen: dict[str, int] = {}
-        parsed_any = False
-        for n, text_line in enumerate(raw, 1):
-            try:
-                item = json.loads(text_line)
-            except ValueError:
-                item = None
-            if not isinstance(item, dict):
-                lines.append(Line(n, f"line-{n}", "", "", "errored", self.shape.invalid(
-                    f"line-{n}", "invalid_json", f"line {n} is not a JSON object")))
-                continue
-            parsed_any = True
-            custom_id = item.get("custom_id")
-            if not isinstance(custom_id, str) or not custom_id:
-                custom_id = f"line-{n}"
-                reason: tuple[str, str] | None = ("missing_custom_id",
-                                                  f"line {n} has no 'custom_id' string")
-            else:
-                if custom_id in seen:
-                    raise BadRequest(f"line {n}: custom_id '{custom_id[:80]}' repeats line "
-                                     f"{seen[custom_id]}'s; each must be unique",
-                                     param="input_file_id", code="duplicate_custom_id")
-                seen[custom_id] = n
-                reason = None
-            model = ""
-            if reason is None:
-                reason, model = self._check_request(item, endpoint, principal)
-            if reason is not None:
-                lines.append(Line(n, custom_id, model, "", "errored",
-                                  self.shape.invalid(custom_id, *reason)))
-            else:
-                lines.append(Line(n, custom_id, model, json.dumps(item["body"])))
-        if not parsed_any:
-            raise BadRequest("the input file is not JSONL: no line is a JSON object",
-                             param="input_file_id", code="invalid_file")
-        return lines
-
-    def _check_request(self, item: dict[str, Any], endpoint: str, principal: Principal
-                       ) -> tuple[tuple[str, str] | None, str]:
-        """Why a line's request cannot run (code, message), or ``None``; its model's id."""
-        if item.get("method", "POST") != "POST":
-            return ("invalid_method", f"method '{item.get('method')}': only POST"), ""
-        if item.get("url") != endpoint:
-            url = item.get("url")
-            return ("invalid_url", f"url '{url}' is not the batch's endpoint '{endpoint}'"), ""
-        found = request_model(item.get("body"), "body", self.relay, principal)
-        if isinstance(found, Refused):
-            return (found.code, found.message), ""
-        return None, found
+                       metadata=req.metadata)
+        made = await add_batch(self.store, self.server, row, lambda: rows(
+            path, source.id, req.endpoint, models, self.shape.invalid),
+            idempotency_key(request))
+        if made is row:
+            self.runner.created(row)
+        return JSONResponse(batch_object(made))
 
     async def _owned_batch(self, request: Request) -> BatchRow:
         bid = request.path_params["batch_id"]
@@ -320,7 +302,17 @@ class FilesAndBatches:
         return row
 
     async def batch(self, request: Request) -> Response:
-        return JSONResponse(batch_object(await self._owned_batch(request)))
+        row = await self._owned_batch(request)
+        if request.method == "DELETE":
+            # Ours (OpenAI has none): what a batch stores counts against its key's files
+            # quota, so an ended one can be removed, as a message batch can.
+            if row.status in ACTIVE:
+                raise BadRequest(f"batch '{row.id}' has not ended (status '{row.status}'); "
+                                 "cancel it and wait for it to end before deleting it",
+                                 code="batch_not_ended")
+            await self.store.delete_batch(row.id, None)
+            return JSONResponse({"id": row.id, "object": "batch.deleted", "deleted": True})
+        return JSONResponse(batch_object(row))
 
     async def cancel(self, request: Request) -> Response:
         row = await self._owned_batch(request)
@@ -347,52 +339,93 @@ def _window(text: str) -> int:
     return seconds
 
 
-def _bounded(request: Request, limit: int) -> Request:
-    """``request`` whose body, read through it, raises ``PayloadTooLarge`` past ``limit``
-    bytes (Starlette spools a multipart body whole before a handler sees it)."""
-    size = 0
+FORM_SLACK = 2**16
+"""Bytes of a multipart body beside its file (boundaries, part headers, ``purpose``)."""
 
-    async def receive() -> Message:
-        nonlocal size
-        message = await request.receive()
-        size += len(message.get("body", b""))
-        if size > limit:
-            raise PayloadTooLarge(f"a file may have at most {limit - 2**16} bytes "
-                                  "(server.files_max_mib)")
-        return message
 
-    return Request(request.scope, receive)
+class _Arriving:
+    """An upload's body counted as it arrives, with the key's other uploads arriving
+    now (``arriving``, by key: the store's API object holds it), against the file's
+    ``limit`` and what is left of the key's ``quota`` (``held`` taken already): past
+    either, ``PayloadTooLarge`` (413) before another byte is written. The check-and-insert
+    that keeps the file counts exactly (``BatchStore.add_file``); this stops a body that
+    cannot fit, and two that cannot fit together, while they arrive."""
+
+    def __init__(self, arriving: dict[str, int], owner: str, limit: int, held: int,
+                 quota: int) -> None:
+        self.arriving = arriving
+        self.owner = owner
+        self.limit = limit
+        self.room = quota - held
+        self.quota = quota
+        self.size = 0
+
+    async def stream(self, request: Request) -> AsyncIterator[bytes]:
+        async for chunk in request.stream():
+            self.size += len(chunk)
+            self.arriving[self.owner] = self.arriving.get(self.owner, 0) + len(chunk)
+            if self.size > self.limit + FORM_SLACK:
+                raise PayloadTooLarge(f"a file may have at most {self.limit} bytes "
+                                      "(server.files_max_mib)")
+            if self.arriving[self.owner] > self.room + FORM_SLACK:
+                raise APIError(f"this key's files would exceed {self.quota / 2**20:g} MiB "
+                               "(server.files_quota_mib, with its batches and the uploads "
+                               "arriving now); delete some first", status=413,
+                               type="invalid_request_error", code="files_quota_exceeded")
+            yield chunk
+
+    def done(self) -> None:
+        left = self.arriving.get(self.owner, 0) - self.size
+        if left > 0:
+            self.arriving[self.owner] = left
+        else:
+            self.arriving.pop(self.owner, None)
+        self.size = 0
+
+
+class _SpoolOnce(MultiPartParser):
+    """Starlette's multipart parser, whose file part is written straight into a spool
+    in ``folder`` (``.upload-*``, locked while this router holds it: ``clear_spools``
+    leaves it), not into a temporary file of its own that would be copied again."""
+
+    def __init__(self, headers: Headers, stream: AsyncIterator[bytes], folder: Path) -> None:
+        super().__init__(headers, stream, max_files=1, max_fields=8)  # type: ignore[arg-type]
+        self.folder = folder
+        self.spool: Path | None = None
+        self._handle: BinaryIO | None = None
+
+    def on_headers_finished(self) -> None:
+        super().on_headers_finished()
+        part = self._current_part
+        if part.file is None:
+            return
+        part.file.file.close()  # starlette's own spool: never written
+        fd, name = tempfile.mkstemp(dir=self.folder, prefix=".upload-")  # once an upload
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh file: never waits
+        self.spool = Path(name)
+        self._handle = os.fdopen(fd, "w+b")
+        part.file.file = self._handle
+        self._files_to_close_on_error.append(self._handle)  # type: ignore[arg-type]
+
+    def discard(self) -> None:
+        """Close the spool (its lock goes) and remove it unless it was kept."""
+        if self._handle is not None:
+            self._handle.close()
+        if self.spool is not None:
+            self.spool.unlink(missing_ok=True)
+
+
+def _synced(upload: UploadFile) -> None:
+    upload.file.flush()
+    os.fsync(upload.file.fileno())
+
+
+def _over_quota(server: ServerConfig, err: QuotaExceeded) -> APIError:
+    return APIError(f"this key's files would exceed {server.files_quota_mib:g} MiB "
+                    f"(server.files_quota_mib, with what its batches store; {err}); "
+                    "delete some first", status=413, type="invalid_request_error",
+                    code="files_quota_exceeded")
 
 
 def _filename(upload: UploadFile) -> str:
     return Path(upload.filename or "upload.jsonl").name[:255] or "upload.jsonl"
-
-
-async def _spool(upload: UploadFile, folder: Path, limit: int) -> Path:
-    """The upload copied to a temporary file in ``folder`` (at most ``limit`` bytes)."""
-    fd, name = tempfile.mkstemp(dir=folder, prefix=".upload-")
-    path = Path(name)
-    size = 0
-    try:
-        with os.fdopen(fd, "wb") as out:
-            while chunk := await upload.read(1 << 20):
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"a file may have at most {limit} bytes "
-                                          "(server.files_max_mib)")
-                await asyncio.to_thread(out.write, chunk)
-            await asyncio.to_thread(os.fsync, out.fileno())
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _read_text(path: Path, file_id: str) -> str:
-    try:
-        return path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise not_found("file", file_id) from None
-    except UnicodeDecodeError:
-        raise BadRequest(f"file '{file_id}' is not UTF-8 text (JSONL)", param="input_file_id",
-                         code="invalid_file") from None

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.access.admission import principal_of
+from router.access.admission import BATCH_SCOPE_KEY, principal_of
 from router.access.limits import CAP_SCOPE_KEY, KEY_PLACE_SCOPE_KEY, ConnectionCap, KeyPlace
 from router.api.openai.schema import keep_alive_seconds
 from router.api.relay import Relay, protocol_route
@@ -115,6 +115,12 @@ class ResponsesAPI:
 
     async def create(self, request: Request) -> Response:
         req = await read_body(request, CreateResponseRequest, self.max_body_bytes)
+        if req.background and request.scope.get(BATCH_SCOPE_KEY):
+            # Fail closed even if a line's check missed it: a batch line's call holds no
+            # connection cap nor key place to keep, and a run it left would outlive the
+            # batch's own limits, its cancel and its key's revocation.
+            raise BadRequest("'background' is not supported in a batch line",
+                             param="background", code="unsupported_parameter")
         rid = f"resp_{secrets.token_hex(24)}"  # not guessable: the id opens it (for its owner)
         owner = principal_of(request.scope).name
         gen, items = create_generate(req, rid, self._prior(req.previous_response_id, owner))
