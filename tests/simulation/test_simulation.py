@@ -88,7 +88,9 @@ FOUND_ON_1A1E9EE = {
     # a batch cancelled in the turn a person's request freed the max_concurrent slot its
     # line waited for: the relay's unless_disconnected awaited its tasks' ends after the
     # line's acquire had returned, the cancel landed there, and the lease (and the slot)
-    # went to nobody; every later request on that model waited and got 503
+    # went to nobody; every later request on that model waited and got 503. Since clients
+    # leave at the moments that matter (world.MOMENTS), 41 of CI's seeds 0-1999 and 24 of
+    # 800000-801999 fail on 1a1e9ee this way (2 of 20 000 did before)
 }
 FOUND = {f"{commit}-{name}-{seed}": seed
          for commit, found in (("651c79a", FOUND_ON_651C79A), ("8b375b6", FOUND_ON_8B375B6),
