@@ -253,6 +253,62 @@ def test_a_cold_stream_left_as_its_slot_frees_leaks_no_lease_or_slot(
     run(go())
 
 
+CANCELS = [(turns, again) for turns in range(8) for again in (None, 0, 2)]
+"""Loop turns between a slot freeing and the waiting line's cancel, and whether (and how
+many turns later) a second cancel comes, as ``BatchRunner`` gives (its stop, then its
+``finally``): every turn of the hand-over's window."""
+
+
+@pytest.mark.parametrize("cancels", CANCELS,
+                         ids=lambda c: f"turns{c[0]}-" + ("once" if c[1] is None else f"again{c[1]}"))
+def test_a_batch_line_cancelled_as_its_slot_frees_leaks_no_lease_or_slot(
+        tmp_path: Path, cancels: tuple[int, int | None]) -> None:
+    """Issue 38, finding 7: a batch line waited in ``Slots``' batch line (through the
+    relay's ``_wait``: ``unless_disconnected``) while a person's request held the only
+    slot; the person's request ended, the slot went to the line, and the line's task was
+    cancelled (its batch cancelled) in that very turn. ``unless_disconnected`` then
+    awaited its two tasks' ends, the cancel landed in that await, and the lease that had
+    come was never released: the slot was kept for good, and every later request waited
+    and got 503. (Simulation seeds 734837 and 737328.) Failed before the fix (12 of
+    24): a cancel 3 to 5 turns after the slot freed (the line's ``acquire`` had returned,
+    its watch was being awaited), and a second cancel 2 turns after a first one 0 to 2
+    turns after it (the first cancel's cleanup awaited, the second landed there)."""
+    sup = supervisor(tmp_path, {"m": {"max_concurrent": 1}})
+    relay = Relay(sup)
+    turns, again = cancels
+
+    async def go() -> None:
+        entry = sup.registry.entries["m"]
+        held, _ = await sup.acquire("m")
+        request, _ = leaving_request()  # its client stays: the line is cancelled instead
+        line = asyncio.create_task(relay._wait(request, "/v1/chat/completions", "m",
+                                               "generate", False, Usage(batch="batch_1")))
+        assert entry.slots is not None
+        await until(lambda: entry.slots is not None and entry.slots.waiting == 1, 1,
+                    "the batch line waits for a slot")
+        held.release()  # the person's request ends: its slot goes to the batch line
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        line.cancel()
+        if again is not None:
+            for _ in range(again):
+                await asyncio.sleep(0)
+            line.cancel()
+        try:
+            lease, _ = await line  # it may have ended first: then the lease is its to give
+            lease.release()
+        except asyncio.CancelledError:
+            pass
+        await settle()
+        assert_nothing_held(sup, entry)
+        assert entry.batch_leases == 0 and entry.slots.free == 1
+        async with asyncio.timeout(1):  # the model still serves a person
+            lease, _ = await sup.acquire("m")
+        lease.release()
+
+    run(go())
+
+
 def test_a_one_shot_call_left_while_queued_gives_its_place_back(tmp_path: Path) -> None:
     """``Relay.call`` (embeddings, rerank, score, tokenize) did not watch its client while
     it waited (06a074e): a client gone stayed in the model's queue, and its work still ran

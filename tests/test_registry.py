@@ -111,3 +111,37 @@ def test_a_batch_line_takes_a_slot_only_when_no_one_else_waits() -> None:
         return got
 
     assert asyncio.run(main()) == ["person", "batch"]
+
+
+def test_a_batch_line_handed_a_slot_as_it_is_cancelled_passes_it_on() -> None:
+    """``Slots``: a waiter cancelled in the turn it is handed a slot passes it on, in the
+    batch line as in the first: to a client's request that began to wait meanwhile (the
+    first line before the batch line), else to the next batch line, else back to the free
+    ones. (Issue 38, finding 7, was the same window one level up, in the relay's wait
+    around ``take``: ``tests/test_lifecycle_races.py``; this passed before its fix too.)"""
+    import asyncio
+
+    from router.registry import Slots
+
+    async def main() -> None:
+        slots = Slots(1)
+        assert slots.try_take()
+        first = asyncio.create_task(slots.take(later=True))
+        second = asyncio.create_task(slots.take(later=True))
+        await asyncio.sleep(0)
+        person = asyncio.create_task(slots.take())  # runs (and waits) before ``first``
+        slots.give()  # handed to ``first``, which is cancelled before it runs
+        first.cancel()
+        await asyncio.wait({first})
+        assert first.cancelled()
+        async with asyncio.timeout(1):
+            await person  # ``first``'s slot went on to the client's request
+        assert not second.done() and slots.free == 0 and slots.waiting == 1
+        slots.give()  # the client's request ends: to ``second``, cancelled as it is handed
+        second.cancel()
+        await asyncio.wait({second})
+        assert second.cancelled()
+        assert slots.free == 1 and slots.waiting == 0  # back to the free ones
+        assert slots.try_take(later=True)
+
+    asyncio.run(main())

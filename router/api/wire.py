@@ -141,30 +141,43 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
                               undo: Callable[[T], object] | None = None) -> T:
     """Await ``work`` but cancel it, raising ``ClientGone``, if the client goes away.
 
-    Every task cancelled here is awaited: ``work`` ends by the cancel (and cleans up after
-    itself), or it finished first and its result is returned. Only when this wait is
-    itself cancelled does a result that came all the same go to ``undo`` (a lease is
-    released), since nobody else will see it."""
+    Every task cancelled here is awaited, as a task group awaits its children: ``work``
+    ends by the cancel (and cleans up after itself), or it finished first and its result
+    is returned. When this wait is itself cancelled, however often and in whichever turn
+    (a batch's line is cancelled by its batch's stop, then by its runner's ``finally``;
+    a cancel may land in the very turn ``work``'s result arrives), a result that came all
+    the same goes to ``undo`` (a lease is released), since nobody else will see it."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(disconnected(request))
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await _cancel_and_wait(task, watch)
     except BaseException:
-        await _cancel_and_wait(task, watch)
-        if undo is not None and not task.cancelled() and task.exception() is None:
+        if (undo is not None and task.done() and not task.cancelled()
+                and task.exception() is None):
             undo(task.result())
         raise
-    await _cancel_and_wait(task, watch)
     if task.cancelled():
         raise ClientGone
     return task.result()
 
 
 async def _cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
-    """Cancel ``tasks`` (those not done yet) and wait until each has ended."""
+    """Cancel ``tasks`` (those not done yet) and wait until each has ended. A cancel of
+    this wait is raised once they have (as ``TaskGroup`` does): a task left running by
+    a second cancel could still hand over a lease that nobody would give back."""
     for task in tasks:
         task.cancel()
-    await asyncio.wait(tasks)
+    cancelled = False
+    while not all(task.done() for task in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def api_error_handler(request: Request, exc: Exception) -> Response:

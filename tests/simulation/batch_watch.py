@@ -49,14 +49,16 @@ BATCH_LINE: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_line", 
 
 class WatchedSlots(Slots):
     """``Slots`` that report a slot handed to a batch line (``later``) while a client's
-    request waited in the first line."""
+    request waited in the first line, and tell ``freed`` of each slot given back (a
+    moment clients may leave at: ``harness.Simulation.moment``)."""
 
     def __init__(self, size: int, model: str, saw: Callable[[str], None],
-                 counts: Counter[str]) -> None:
+                 counts: Counter[str], freed: Callable[[str], None]) -> None:
         super().__init__(size)
         self.model = model
         self.saw = saw
         self.counts = counts
+        self.freed = freed
 
     def _first_line(self) -> int:
         return sum(not w.done() for w in self._waiters)
@@ -81,16 +83,19 @@ class WatchedSlots(Slots):
         if got and waiting:
             self.saw(f"{self.model}: (a) a freed slot went to a batch line while a client's "
                      "request waited for one")
+        self.freed(self.model)
 
 
 class BatchWatch:
     """See the module docstring. ``saw`` records a violation (once per text)."""
 
     def __init__(self, sup: Supervisor, saw: Callable[[str], None],
-                 now: Callable[[], float]) -> None:
+                 now: Callable[[], float], freed: Callable[[str], None]) -> None:
         self.sup = sup
         self.saw = saw
         self.now = now
+        self.freed = freed
+        """Told the model of each slot given back (``WatchedSlots``)."""
         self.counts: Counter[str] = Counter()
         """What the run exercised, for its trace."""
         self._causes: dict[asyncio.Task[WorkerLink], str] = {}
@@ -126,7 +131,8 @@ class BatchWatch:
             slots = entry.slots
             if (type(slots) is Slots and slots.free == slots.size and not slots.waiting
                     and entry.lora is None):
-                entry.slots = WatchedSlots(slots.size, entry.id, self.saw, self.counts)
+                entry.slots = WatchedSlots(slots.size, entry.id, self.saw, self.counts,
+                                           self.freed)
 
     def lease_now(self, model: str) -> tuple[Lease, WorkerLink] | ModelEntry:
         """A batch line's ``Supervisor.acquire_now``: its lease leaves every demand as it

@@ -6,7 +6,7 @@ counts (``SimShaper``), and each operation's ``Client``: its task and how it end
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from router.errors import APIError
@@ -56,6 +56,8 @@ class Client:
     task: asyncio.Task[str]
     left: bool = False
     """The harness made it leave (cancelled its task)."""
+    lines: set[asyncio.Task[None]] = field(default_factory=set)
+    """A batch's lines in flight."""
 
     def outcome(self) -> str:
         if not self.task.done():

@@ -279,12 +279,12 @@ class EnginePool:
         loading = self._loading.get(ref.number)
         if loading is None:  # one of the worker's tasks: its exit ends it
             loading = self._loading[ref.number] = asyncio.ensure_future(self._load(ref))
-            self.worker.calls.add(loading)
+            self.worker.calls[loading] = None
             loading.add_done_callback(self._loaded)
         await asyncio.shield(loading)
 
     def _loaded(self, loading: asyncio.Task[None]) -> None:
-        self.worker.calls.discard(loading)
+        self.worker.calls.pop(loading, None)
         for number, task in list(self._loading.items()):
             if task is loading:
                 del self._loading[number]
@@ -336,7 +336,9 @@ class SimWorker:
                      if serves_adapters(spec) else None)
         self.received: dict[str, Generate] = {}
         """Every ``Generate`` this worker took, by id: the adapter it asked for."""
-        self.calls: set[asyncio.Task[None]] = set()
+        self.calls: dict[asyncio.Task[None], None] = {}
+        """Its adapter calls and loads in flight, in the order they began (a dict: a set's
+        order is the tasks' addresses, and a seed's run would depend on memory)."""
         self._boot: asyncio.TimerHandle | None = net.later(plan.boot_delay, self._booted)
         net.workers.append(self)
         net.note(f"{model}: worker {self.pid} spawned ({plan.brief()})")
@@ -383,8 +385,8 @@ class SimWorker:
             self.tasks[message.id] = loop.create_task(self._generate(message))
         elif isinstance(message, Adapters):
             call = loop.create_task(self._adapters(message))
-            self.calls.add(call)
-            call.add_done_callback(self.calls.discard)
+            self.calls[call] = None
+            call.add_done_callback(lambda done: self.calls.pop(done, None))
         elif isinstance(message, Cancel):
             task = self.tasks.pop(message.id, None)
             if task is not None:

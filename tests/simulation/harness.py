@@ -21,6 +21,10 @@ memory budgets, short timeouts) and a schedule of operations at virtual times:
   leases at batch priority (``batch=True``: through the relay with the batch in its
   scope, or ``acquire_now``/``acquire``), ``at_once`` at a time; leaving cancels them.
 
+Some clients leave at a moment of their model rather than at a time (``world.MOMENTS``:
+the turn a slot is given back, a lease granted, a load ends), or some turns after it; a
+batch then leaves as the runner stops one (its lines cancelled, then its task).
+
 Some worlds have LoRA adapter models on one base (``world.add_adapters``): requests,
 loads and unloads may name one (a load or unload of an adapter does what
 ``/v1/models/load`` and ``/unload`` do: ``WorkerLink.adapters`` on its base), and reloads
@@ -58,6 +62,7 @@ import random
 import re
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,7 +96,8 @@ MODEL_NAME = re.compile(r"\b(?:m|ad)\d\b")
 def install_fakes(sup: Supervisor, net: SimNet) -> None:
     """Put the simulated world under ``sup``: its workers start through ``SimBackend``, and
     its links (real ``WorkerLink``s) get ``SimSocket``s from the ZeroMQ context they are
-    made with. The harness's only writes inside the supervisor; adjust here if they move."""
+    made with. The harness's only writes inside the supervisor besides the watches'
+    (``Simulation._watch_leases``, ``BatchWatch._watch_loads``); adjust here if they move."""
     sup._ctx.term()
     sup._ctx = SimContext(net)  # type: ignore[assignment]
     sup.backends["local"] = SimBackend(net)
@@ -154,7 +160,11 @@ class Simulation:
         install_fakes(self.sup, self.net)
         self.seen: dict[str, str] = {}
         """Violations seen during the run: when each was first seen."""
-        self.watch = BatchWatch(self.sup, self._saw, self.loop.time)
+        self._moments: dict[tuple[str, str], list[Callable[[], None]]] = {}
+        """Clients waiting to leave at a (moment, model): what makes each leave."""
+        self.watch = BatchWatch(self.sup, self._saw, self.loop.time,
+                                lambda model: self.moment("slot", model))
+        self._watch_leases()
         self.watch.watch_slots(self.sup.registry)
         self.relay = Relay(self.sup)
         self._watch_events()
@@ -188,11 +198,64 @@ class Simulation:
             if event["type"] == "state":
                 why = f" ({event['reason']})" if event.get("reason") else ""
                 self.net.note(f"{event['model']}: -> {event['state']}{why}")
+                if event["state"] in ("ready", "failed"):
+                    self.moment("load", event["model"])
             elif event["type"] == "eviction":
                 self.net.note(f"{event['model']}: {event['action']} for {event['for']}")
             self.watch.on_event(event)
 
         sub.offer = offer  # type: ignore[method-assign]
+
+    def _watch_leases(self) -> None:
+        """A lease granted (``acquire_now``'s, or ``acquire`` returning: the relay and the
+        batch watch call these through the supervisor) is a moment clients may leave at.
+        Wrapped in the same frames: no loop turn is added."""
+        sup = self.sup
+        now, wait = sup.acquire_now, sup.acquire
+
+        def acquire_now(name: str | None, task: str = "any",
+                        batch: bool = False) -> tuple[Lease, WorkerLink] | ModelEntry:
+            got = now(name, task, batch)
+            if isinstance(got, tuple):
+                self.moment("lease", got[0].entry.id)
+            return got
+
+        async def acquire(name: str | None, task: str = "any",
+                          batch: bool = False) -> tuple[Lease, WorkerLink]:
+            got = await wait(name, task, batch)
+            self.moment("lease", got[0].entry.id)
+            return got
+
+        sup.acquire_now = acquire_now  # type: ignore[method-assign]
+        sup.acquire = acquire  # type: ignore[method-assign]
+
+    def moment(self, kind: str, model: str) -> None:
+        """A ``kind`` moment (``world.MOMENTS``) of ``model``: the clients waiting for it
+        leave, each its ``turns`` loop turns from now (0: in this very call)."""
+        for leave in self._moments.pop((kind, model), []):
+            leave()
+
+    def _leave_at_moment(self, client: Client, request: SimRequest) -> None:
+        """Arm ``client`` to leave at its operation's ``leave_on`` moment of its model (an
+        adapter's: its base), the first one ``after`` s from now."""
+        op = client.op
+        kind = op.args["leave_on"]
+        try:
+            model = self.sup.registry.serving(self.sup.registry.resolve(op.model)).id
+        except APIError:
+            return  # refused at once: nothing to leave
+
+        def leave() -> None:
+            if not client.task.done():
+                self.net.note(f"{kind} of {model}: {op.kind} {op.model} @{op.at:g} leaves "
+                              f"{op.args['turns']} turn(s) later")
+                after_turns(self.loop, op.args["turns"], self._leave, client, request)
+
+        def arm() -> None:
+            if not client.task.done():
+                self._moments.setdefault((kind, model), []).append(leave)
+
+        self.loop.call_later(op.args["after"], arm)
 
     # operations
     def issue(self, op: Op) -> None:
@@ -213,12 +276,15 @@ class Simulation:
         if op.kind == "request":
             coro = self.request(op, request)
         elif op.kind == "batch":
-            coro = self.batch(op)
+            lines: set[asyncio.Task[None]] = set()
+            coro = self.batch(op, lines)
         elif op.kind == "load":
             coro = self.load(op)
         else:
             coro = self.unload(op)
         client = Client(op, self.loop.create_task(coro))
+        if op.kind == "batch":
+            client.lines = lines
         self.clients.append(client)
         client.task.add_done_callback(
             lambda _: self.net.note(f"answer {op.kind} {op.model} @{op.at:g}: {client.outcome()}"))
@@ -226,17 +292,29 @@ class Simulation:
         if leave is not None:
             self.loop.call_later(leave, after_turns, self.loop, op.args["turns"], self._leave,
                                  client, request)
+        elif "leave_on" in op.args:
+            self._leave_at_moment(client, request)
 
     def _leave(self, client: Client, request: SimRequest) -> None:
         if client.task.done():
             return
         self.net.note(f"leaves: {client.op.kind} {client.op.model} @{client.op.at:g}")
         request.gone.set()  # the relay's watchers see it
-        if (client.op.args["via"] == "direct" or request.streaming is not None
+        if client.op.kind == "batch" and "leave_on" in client.op.args:
+            # as ``BatchRunner`` stops a batch: each line in flight cancelled, then (its
+            # ``finally``, or the batch's own task) once more
+            for line in client.lines:
+                line.cancel()
+            after_turns(self.loop, client.op.args["again"], self._cancel, client)
+        elif (client.op.args["via"] == "direct" or request.streaming is not None
                 or client.op.kind == "batch"):
             # a direct client, Starlette cancelling a response that streams, or a batch
             # cancelled (its runner cancels its lines in flight)
-            client.left = client.task.cancel() or client.left
+            self._cancel(client)
+
+    @staticmethod
+    def _cancel(client: Client) -> None:
+        client.left = client.task.cancel() or client.left
 
     def _generate(self, op: Op) -> Generate:
         self._ids += 1
@@ -298,11 +376,12 @@ class Simulation:
             return now
         return await self.sup.acquire(model, "generate", batch=True)
 
-    async def batch(self, op: Op) -> str:
+    async def batch(self, op: Op, in_flight: set[asyncio.Task[None]]) -> str:
         """A batch's lines for one model, as ``router.batches.runner`` runs a group: each
         line starts once ``RoomMaker.batch_may_run`` says yes (looking every
         ``WAIT_FOR_ROOM`` s; after ``patience`` s the batch gives up, as one expires),
-        ``at_once`` at a time. Leaving cancels the lines in flight (a cancelled batch)."""
+        ``at_once`` at a time. Leaving cancels the lines in flight (a cancelled batch),
+        which are ``in_flight``."""
         try:
             entry: ModelEntry | None = self.sup.registry.serving(
                 self.sup.registry.resolve(op.model))
@@ -318,6 +397,8 @@ class Simulation:
                 await at_once.acquire()
                 line = lines.create_task(self._line(op, outcomes))
                 line.add_done_callback(lambda _: at_once.release())
+                in_flight.add(line)
+                line.add_done_callback(in_flight.discard)
                 started += 1
         return (f"ok {started} of {op.args['lines']} line(s) run: "
                 + ", ".join(sorted(outcomes)))

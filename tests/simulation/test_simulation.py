@@ -5,9 +5,9 @@
     SIM_SEED=1234 pytest tests/simulation -k one_seed -s   # one seed, its whole trace
 
 Seeds run in groups of ``CHUNK`` per test; a failing group names every failing seed with
-its findings, and the first one's trace. ``FOUND_ON_651C79A``, ``FOUND_ON_8B375B6`` and
-``FOUND_ON_0A18309`` name the seeds that found each defect of those commits (``-k found``
-runs them alone).
+its findings, and the first one's trace. ``FOUND_ON_651C79A``, ``FOUND_ON_8B375B6``,
+``FOUND_ON_0A18309`` and ``FOUND_ON_1A1E9EE`` name the seeds that found each defect of
+those commits (``-k found`` runs them alone).
 """
 
 from __future__ import annotations
@@ -79,9 +79,22 @@ FOUND_ON_0A18309 = {
     # the same loads stood first in the line for room (by priority) while a person's load
     # waited behind them; these seeds still fail when only the first defect is fixed
 }
+
+
+FOUND_ON_1A1E9EE = {
+    # Each seed failed on 1a1e9ee (issue 38, finding 7) and passes since. Seeds from ranges
+    # CI never runs (700000 up).
+    "batch-line-cancelled-as-its-slot-frees": [734837, 737328],
+    # a batch cancelled in the turn a person's request freed the max_concurrent slot its
+    # line waited for: the relay's unless_disconnected awaited its tasks' ends after the
+    # line's acquire had returned, the cancel landed there, and the lease (and the slot)
+    # went to nobody; every later request on that model waited and got 503. Since clients
+    # leave at the moments that matter (world.MOMENTS), 41 of CI's seeds 0-1999 and 24 of
+    # 800000-801999 fail on 1a1e9ee this way (2 of 20 000 did before)
+}
 FOUND = {f"{commit}-{name}-{seed}": seed
          for commit, found in (("651c79a", FOUND_ON_651C79A), ("8b375b6", FOUND_ON_8B375B6),
-                               ("0a18309", FOUND_ON_0A18309))
+                               ("0a18309", FOUND_ON_0A18309), ("1a1e9ee", FOUND_ON_1A1E9EE))
          for name, seeds in found.items() for seed in seeds}
 
 
@@ -102,6 +115,13 @@ def test_one_seed() -> None:
 
 def test_a_seed_replays_identically() -> None:
     """Virtual time makes a run a function of its seed: a failure found once is a seed
-    number forever."""
-    for seed in (1, 7, 42):
-        assert run_seed(seed).digest == run_seed(seed).digest
+    number forever. Objects kept alive between the runs move the next run's objects to
+    other addresses: no decision may follow their order (27, 33 and 50 ran two to four ways
+    in one process while the line for room broke ties by a set's order)."""
+    kept: list[list[object]] = []
+    for seed in (1, 7, 42, 27, 33, 50):
+        digests = set()
+        for size in (1, 1000, 3001, 777):
+            kept.append([object() for _ in range(size)])
+            digests.add(run_seed(seed).digest)
+        assert len(digests) == 1, f"seed {seed} ran {len(digests)} ways"

@@ -5,8 +5,9 @@ Some worlds (``ADAPTER_WORLDS``) give one model 1-3 LoRA adapter models (preset 
 ``{base, adapter}``, folders from ``adapter_folders``), and maybe an ``adapters_dir``
 whose folders requests name as ``<base>/<folder>``; then some requests, loads, unloads
 and reloads name an adapter. Some (``BATCH_WORLDS``) get batches (``add_batches``).
-Those draws come from random streams of their own, so a world without adapters or
-batches is the one its seed always gave.
+Some (``MOMENT_WORLDS``) have clients that leave at a moment of their model rather than
+at a time (``add_moments``). Those draws come from random streams of their own, so a
+world without adapters, batches or such clients is the one its seed always gave.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ BATCH_WORLDS = 0.4
 ADAPTER_RANKS = {"a8": 8, "b8": 8, "c16": 16, "d32": 32}
 """The declared adapters' folders and ranks (a switch to ``d32`` raises its base's
 ``max_lora_rank``: a restart)."""
+MOMENT_WORLDS = 0.5
+"""The share of worlds whose clients may leave at a moment (``add_moments``)."""
+MOMENTS = ("slot", "lease", "load")
+"""The moments a client may leave at, on its model (an adapter's: its base): a
+``max_concurrent`` slot given back, a lease granted (``acquire_now``, or ``acquire``
+returning), a load ending (the model ready, or failed). A cancel that lands in such a
+turn is where hand-overs leak."""
 FOUND = ("f0", "f1")
 """The folders in the ``adapters_dir`` a base may have."""
 
@@ -167,6 +175,9 @@ def make_world(seed: int) -> World:
     brng = random.Random(seed * 15485863 + 5)
     if brng.random() < BATCH_WORLDS:
         add_batches(brng, list(models), ops)
+    mrng = random.Random(seed * 49979687 + 11)
+    if mrng.random() < MOMENT_WORLDS:
+        add_moments(mrng, ops)
     return World(seed, {"server": server, "models": models}, chaos, ops, gpus)
 
 
@@ -235,3 +246,19 @@ def add_batches(rng: random.Random, names: list[str], ops: list[Op]) -> None:
                           {"via": "relay" if rng.random() < 0.6 else "direct",
                            "tokens": rng.randint(1, 20), "stream": rng.random() < 0.6}))
     ops.sort(key=lambda op: op.at)
+
+
+def add_moments(rng: random.Random, ops: list[Op]) -> None:
+    """Make some batches (half of those that do not leave) and some requests (of those
+    that do not leave) leave at a moment of their model (``MOMENTS``): the first one at
+    least ``after`` s after they begin, ``turns`` loop turns after it. A batch leaves as
+    ``router.batches.runner`` stops one: its lines in flight are cancelled, then ``again``
+    turns later the batch's task (and, by its task group, any line still running)."""
+    for op in ops:
+        if "leave" in op.args or op.kind not in ("batch", "request") or op.model == "nope":
+            continue
+        if rng.random() < (0.5 if op.kind == "batch" else 0.15):
+            op.args.update(leave_on=rng.choice(MOMENTS), after=quantum(rng, 20),
+                           turns=rng.randint(0, 6))
+            if op.kind == "batch":
+                op.args["again"] = rng.randint(0, 4)

@@ -99,7 +99,9 @@ def first_in_line(entry: ModelEntry, models: Iterable[ModelEntry]) -> bool:
     then the highest priority, then the longest wait. A waiting ``entry`` is in the line
     whether or not ``models`` holds it: a reload may have taken it out of the registry
     while it waits (its retirement cancels the wait)."""
-    waiting = {e for e in (*models, entry) if e.room_since is not None}
+    # In ``models``' order (a dict, not a set): a tie goes to the first, whatever the
+    # entries' addresses; a set made the line, and a seed's simulation, depend on memory.
+    waiting = [e for e in dict.fromkeys((*models, entry)) if e.room_since is not None]
     return bool(waiting) and max(
         waiting, key=lambda e: (not for_batch_alone(e), e.spec.priority,
                                 -(e.room_since or 0))) is entry
