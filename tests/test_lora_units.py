@@ -179,6 +179,39 @@ def test_adapter_folders_are_found_by_plain_names_only(tmp_path: Path) -> None:
     assert folder_in(root, "..") is None and folder_in(root, "link") is None
 
 
+def test_a_found_adapter_is_allowed_to_a_key_by_its_id_never_its_folder_name(
+        tmp_path: Path) -> None:
+    """A key limited to ``llama-*`` never reaches ``qwen/llama-tuned`` (so the qwen base)
+    through the folder's name, found before or not; ``qwen*`` does. Declared names (a
+    preset's adapter model and its aliases, a registered one's) are matched as given."""
+    from router.access.key_store import KeySpec
+
+    root = tmp_path / "adapters"
+    adapter(root / "llama-tuned")
+    declared = adapter(tmp_path / "declared")
+    registry = ModelRegistry(build_preset({"models": {
+        "qwen": {"model": "m", "adapters_dir": str(root)},
+        "llama-3": {"model": "m"},
+        "llama-chat": {"base": "qwen", "adapter": str(declared), "aliases": ["llama-c"]}}}))
+    llama, qwen = KeySpec(models=["llama-*"]).allows, KeySpec(models=["qwen*"]).allows
+    for found_first in (False, True):
+        if found_first:  # an admin's request found it: its folder name is an alias now
+            found = registry.resolve("qwen/llama-tuned")
+            assert found.spec.aliases == ["llama-tuned"] and found.names == [found.id]
+        for name in ("llama-tuned", "qwen/llama-tuned", "LLAMA-TUNED", "llama-tune"):
+            with pytest.raises(ModelNotFound) as refused:
+                registry.resolve(name, llama)
+            assert refused.value.code == "model_not_found", refused.value.message
+            assert refused.value.message.endswith("Available: llama-3, llama-chat")
+        assert registry.resolve("llama-3", llama).id == "llama-3"
+        assert registry.resolve("llama-c", llama).id == "llama-chat"  # the preset's alias
+        assert registry.resolve("llama-tuned", qwen).id == "qwen/llama-tuned"
+        assert registry.resolve("qwen/llama-tuned", qwen).id == "qwen/llama-tuned"
+    assert not llama(registry.names_of("qwen/llama-tuned"))
+    registry.register("llama-reg", "qwen", str(declared), ["llama-r"], False, 8)
+    assert registry.resolve("llama-reg", llama).spec.base == "qwen"  # the admin named it
+
+
 def test_adapter_numbers_stay_with_their_name_and_folder(tmp_path: Path) -> None:
     a, b = adapter(tmp_path / "a"), adapter(tmp_path / "b")
     first = build_preset(preset({"x": {"base": "base", "adapter": str(a)}}))
