@@ -258,7 +258,12 @@ class ModelRegistry:
         and default; adapters registered at run time stay while their base serves them and
         their names are free, and those found in an ``adapters_dir`` while their base keeps
         that folder. Returns the (added, removed) entries with workers; the caller stops
-        the removed ones' workers and restarts those whose spec needs it."""
+        the removed ones' workers and restarts those whose spec needs it.
+
+        Refuses nothing (a reload checks ``preset`` before it calls this, and a failure
+        half way would leave a mix of two presets): an adapter folder that no longer reads
+        as one makes an adapter whose requests its base's worker refuses with the
+        reason, as at a start."""
         old, old_adapters = self.entries, self.adapters
         self.entries = {name: old.get(name) or ModelEntry(spec=spec)
                         for name, spec in preset.models.items() if spec.base is None}
@@ -419,10 +424,13 @@ class ModelRegistry:
                                 param="model")
         return found
 
-    def _found_spec(self, base: ModelEntry, name: str) -> ModelSpec:
+    def _found_spec(self, base: ModelEntry, name: str) -> ModelSpec | None:
+        """The spec of adapter ``name`` (``<base>/<folder>``) found in ``base``'s
+        ``adapters_dir``; None where the folder went since it was looked for."""
         folder = name.rpartition("/")[2]
         path = folder_in(str(base.spec.adapters_dir), folder)
-        assert path is not None
+        if path is None:
+            return None
         taken = folder.lower() in self._folded
         return msgspec.structs.replace(
             base.spec, id=name, aliases=[] if taken else [folder], base=base.id,
@@ -438,7 +446,7 @@ class ModelRegistry:
         if len(bases) != 1:
             return None
         spec = self._found_spec(bases[0], f"{bases[0].id}/{name.rpartition('/')[2]}")
-        if spec.id in self._every or (shown is not None and not shown([spec.id])):  # .names
+        if spec is None or spec.id in self._every or (shown is not None and not shown([spec.id])):  # .names
             return None
         entry = self.adapters[spec.id] = self._adapter(spec, None, found=True)
         self._index(self.default_model)
