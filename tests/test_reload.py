@@ -412,6 +412,64 @@ def test_a_preload_name_is_checked_before_anything_switches(
     assert loads == ["fresh"]  # (qwen, pirate's base, was there before: not added)
 
 
+SYNTHETIC = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  spare_workers: 0
+  api_keys: [old-key, kept-key]
+  admin_api_keys: [admin-key]
+models:
+  qwen: {model: /synthetic, engine: synthetic, adapters_dir: {loras}}
+"""
+
+
+def test_over_http_a_refused_reload_is_a_400_and_the_old_key_still_works(
+        tmp_path: Path) -> None:
+    """Over HTTP, against a router of synthetic workers (no vLLM): a reload that drops a
+    key, adds a model and declares a malformed adapter folder (a 500 before) is a 400
+    changing nothing, while a found adapter's folder broken meanwhile refuses nothing;
+    the reload once the declared folder is fixed adds the model once. (A 500 that left
+    the key dropped and the model served: ``..._leaves_no_half_reload`` above.)"""
+    loras = tmp_path / "loras"
+    lora_folder(loras / "pirate")
+    tuned = lora_folder(tmp_path / "tuned", lora_alpha="sixteen")
+    with running_router(SYNTHETIC, tmp_path, "reload-all", {"loras": str(loras)}) as r:
+        def ask(key: str, method: str, path: str, body: Any = None) -> httpx.Response:
+            return r.client.request(method, r.url + path, json=body, timeout=60,
+                                    headers={"Authorization": f"Bearer {key}"})
+
+        def chat(key: str, model: str) -> httpx.Response:
+            return ask(key, "POST", "/v1/chat/completions", {
+                "model": model, "max_tokens": 2, "messages": [{"role": "user",
+                                                               "content": "hi"}]})
+
+        assert chat("admin-key", "qwen/pirate").status_code == 200  # found
+        lora_folder(loras / "pirate", lora_alpha="sixteen")  # and now broken
+        r.preset.write_text(r.preset.read_text().replace("[old-key, kept-key]", "[kept-key]")
+                            + "  fresh: {model: /synthetic, engine: synthetic}\n"
+                            f"  tuned: {{base: qwen, adapter: {tuned}}}\n")
+        refused = ask("admin-key", "POST", "/v1/config/reload")
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "invalid_config", error
+        assert "model 'tuned': key 'adapter'" in error["message"], error
+        assert "$.lora_alpha" in error["message"], error
+        assert chat("old-key", "qwen").status_code == 200  # the dropped key still works
+        assert chat("kept-key", "fresh").status_code == 404  # the new model is not served
+        lora_folder(tuned)
+        answer = ask("admin-key", "POST", "/v1/config/reload")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["added"] == ["fresh", "tuned"], answer.json()
+        assert chat("old-key", "qwen").status_code == 401
+        assert chat("kept-key", "fresh").status_code == 200
+        assert chat("kept-key", "tuned").json()["model"] == "tuned"
+        broken = chat("kept-key", "qwen/pirate")  # found, now malformed: refused, named
+        assert broken.status_code == 400 and "$.lora_alpha" in broken.text, broken.text
+        again = ask("admin-key", "POST", "/v1/config/reload").json()
+        assert again["added"] == [] and again["removed"] == [], again
+
+
 # -- a real router, real workers -----------------------------------------------------
 
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
