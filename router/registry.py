@@ -446,7 +446,9 @@ class ModelRegistry:
         if len(bases) != 1:
             return None
         spec = self._found_spec(bases[0], f"{bases[0].id}/{name.rpartition('/')[2]}")
-        if spec is None or spec.id in self._every or (shown is not None and not shown([spec.id])):  # .names
+        if spec is None or spec.id in self._every:
+            return None
+        if shown is not None and not shown([spec.id]):  # a found one's ``names``: its id
             return None
         entry = self.adapters[spec.id] = self._adapter(spec, None, found=True)
         self._index(self.default_model)

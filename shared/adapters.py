@@ -88,6 +88,8 @@ def read_adapter(path: str | Path) -> AdapterInfo:
         raise AdapterError(f"{name} is not JSON: {err}") from None
     except msgspec.ValidationError as err:
         raise AdapterError(f"{name}: {err}") from None
+    except RecursionError:  # msgspec skips an unknown field by recursion
+        raise AdapterError(f"{name} is not JSON peft writes: nested too deep") from None
     if config.peft_type.upper() != "LORA":
         raise AdapterError(f"{folder} is a {config.peft_type} adapter; only LoRA adapters "
                            "are served")

@@ -258,6 +258,8 @@ def test_a_malformed_adapter_config_is_an_adapter_error_naming_the_field(
         "empty": ("", True, "is empty"),
         "blank": ("  \n", True, "is empty"),
         "huge": (json.dumps({**good, "pad": "x" * (2 << 20)}), True, "larger than 1024 KiB"),
+        "deep": ('{"r": 8, "pad": ' + "[" * 200_000 + "]" * 200_000 + "}", True,
+                 "nested too deep"),
         "ia3": (json.dumps({**good, "peft_type": "IA3"}), True, "only LoRA adapters"),
         "noweights": (json.dumps(good), False, "has no adapter_model.safetensors"),
         "noconfig": (None, True, "cannot read"),
