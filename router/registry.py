@@ -4,7 +4,9 @@ Resolution order: exact id, exact alias, case-insensitive id or alias, an adapte
 in a base's ``adapters_dir``, unique case-insensitive substring of an id or alias, the
 longest id or alias the name begins with (so ``claude-sonnet-4-5-20250929`` reaches an
 alias ``claude-sonnet``), then the server's ``default_model`` (never for ``<base>/…``
-of a base with an ``adapters_dir``: a missing adapter is a 404).
+of a base with an ``adapters_dir``: a missing adapter is a 404). For a key limited to some
+models, only the models whose ``ModelEntry.names`` its globs match exist: an adapter found
+in an ``adapters_dir`` by its id ``<base>/<folder>`` alone, never by its folder's name.
 """
 
 from __future__ import annotations
@@ -176,7 +178,18 @@ class ModelEntry:
 
     @property
     def names(self) -> list[str]:
-        """Every name the model is known by: its id, then its aliases."""
+        """The names a key's model globs (and a budget's) match: its id, then the aliases
+        an operator declared (the preset's, or an admin's registration). An adapter found
+        in an ``adapters_dir`` is matched by its id ``<base>/<folder>`` alone: its folder
+        name is an alias a request may call it by, chosen by whoever named the folder,
+        and must not let a key limited to ``llama-*`` reach ``qwen/llama-tuned`` (and so
+        the qwen base)."""
+        return [self.spec.id] if self.found else [self.spec.id, *self.spec.aliases]
+
+    @property
+    def known_as(self) -> list[str]:
+        """Every name a request may call the model by: ``names``, and a found adapter's
+        folder name."""
         return [self.spec.id, *self.spec.aliases]
 
     def __post_init__(self) -> None:
@@ -222,7 +235,7 @@ class ModelRegistry:
         self._aliases = {alias: e.id for e in self._every.values() for alias in e.spec.aliases}
         self._folded: dict[str, str] = {}
         for entry in self._every.values():
-            for name in entry.names:
+            for name in entry.known_as:
                 self._folded[name.lower()] = entry.id
         self.default_model = default_model
 
@@ -250,7 +263,12 @@ class ModelRegistry:
         and default; adapters registered at run time stay while their base serves them and
         their names are free, and those found in an ``adapters_dir`` while their base keeps
         that folder. Returns the (added, removed) entries with workers; the caller stops
-        the removed ones' workers and restarts those whose spec needs it."""
+        the removed ones' workers and restarts those whose spec needs it.
+
+        Refuses nothing (a reload checks ``preset`` before it calls this, and a failure
+        half way would leave a mix of two presets): an adapter folder that no longer reads
+        as one makes an adapter whose requests its base's worker refuses with the
+        reason, as at a start."""
         old, old_adapters = self.entries, self.adapters
         self.entries = {name: old.get(name) or ModelEntry(spec=spec)
                         for name, spec in preset.models.items() if spec.base is None}
@@ -391,8 +409,8 @@ class ModelRegistry:
         return self.entries[entry.spec.base] if entry.spec.base is not None else entry
 
     def names_of(self, model_id: str) -> list[str]:
-        """The names of the model (or adapter) ``model_id``: its id and aliases; an id no
-        longer configured: itself."""
+        """The names keys' and budgets' globs match for the model (or adapter) ``model_id``
+        (``ModelEntry.names``); an id no longer configured: itself."""
         entry = self.entries.get(model_id) or self.adapters.get(model_id)
         return entry.names if entry is not None else [model_id]
 
@@ -411,10 +429,13 @@ class ModelRegistry:
                                 param="model")
         return found
 
-    def _found_spec(self, base: ModelEntry, name: str) -> ModelSpec:
+    def _found_spec(self, base: ModelEntry, name: str) -> ModelSpec | None:
+        """The spec of adapter ``name`` (``<base>/<folder>``) found in ``base``'s
+        ``adapters_dir``; None where the folder went since it was looked for."""
         folder = name.rpartition("/")[2]
         path = folder_in(str(base.spec.adapters_dir), folder)
-        assert path is not None
+        if path is None:
+            return None
         taken = folder.lower() in self._folded
         return msgspec.structs.replace(
             base.spec, id=name, aliases=[] if taken else [folder], base=base.id,
@@ -430,7 +451,9 @@ class ModelRegistry:
         if len(bases) != 1:
             return None
         spec = self._found_spec(bases[0], f"{bases[0].id}/{name.rpartition('/')[2]}")
-        if spec.id in self._every or (shown is not None and not shown([spec.id, *spec.aliases])):
+        if spec is None or spec.id in self._every:
+            return None
+        if shown is not None and not shown([spec.id]):  # a found one's ``names``: its id
             return None
         entry = self.adapters[spec.id] = self._adapter(spec, None, found=True)
         self._index(self.default_model)

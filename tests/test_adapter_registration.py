@@ -85,6 +85,10 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     (roots / "bad").mkdir()
     (roots / "bad" / "adapter_config.json").write_text("{not json")
     (roots / "bad" / "adapter_model.safetensors").write_bytes(b"")
+    for name, fault in (("sixteen", {"lora_alpha": "sixteen"}), ("five", {"target_modules": 5})):
+        make_adapter(roots / name)
+        config = json.loads((roots / name / "adapter_config.json").read_text())
+        (roots / name / "adapter_config.json").write_text(json.dumps({**config, **fault}))
     make_adapter(elsewhere / "evil")
     (roots / "link").symlink_to(elsewhere / "evil")
     with running_router(PRESET, top, "registration", {"roots": str(roots)}, kind=Router) as r:
@@ -154,6 +158,11 @@ def test_folders_that_are_no_adapter_are_refused_naming_it(router: Router) -> No
             "adapter_invalid", "adapter 'nope'", "no adapter folder")
     refused(router.register("nope", "base", router.roots / "bad"), 400,
             "adapter_invalid", "adapter 'nope'", "adapter_config.json is not JSON")
+    # a value of the wrong type: a 400 naming its field, never a 500
+    refused(router.register("nope", "base", router.roots / "sixteen"), 400,
+            "adapter_invalid", "adapter 'nope'", "adapter_config.json", "$.lora_alpha")
+    refused(router.register("nope", "base", router.roots / "five"), 400,
+            "adapter_invalid", "adapter 'nope'", "$.target_modules")
     refused(router.register("nope", "base", router.roots / "r32"), 400,
             "adapter_invalid", "adapter 'nope'", "rank 32", "max_lora_rank (16)")
     assert router.model("nope").status_code == 404

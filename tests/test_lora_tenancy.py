@@ -30,6 +30,7 @@ models:
   poet: {base: base, adapter: {poet}}
   vectors: {model: /synthetic, engine: synthetic, task: embed, max_loras: 2}
   tuned: {base: vectors, adapter: {tuned}}
+  qwen: {model: /synthetic, engine: synthetic, adapters_dir: {found}}
 """
 
 
@@ -45,6 +46,13 @@ def folder(path: Path) -> Path:
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     tmp = tmp_path_factory.mktemp("lora-tenancy")
     subst = {name: str(folder(tmp / name)) for name in ("pirate", "poet", "tuned")}
+    found = tmp / "found"
+    found.mkdir()
+    folder(found / "llama-tuned")
+    for name, fault in (("sixteen", {"lora_alpha": "sixteen"}), ("five", {"target_modules": 5})):
+        config = json.loads((folder(found / name) / "adapter_config.json").read_text())
+        (found / name / "adapter_config.json").write_text(json.dumps({**config, **fault}))
+    subst["found"] = str(found)
     with running_router(PRESET, tmp, "lora-tenancy", subst) as r:
         yield r
 
@@ -172,3 +180,40 @@ def test_a_generation_bases_adapter_is_refused_on_embeddings_and_scores(
     tuned = call(router, ADMIN, "POST", "/v1/chat/completions",
                  {"model": "tuned", "messages": [{"role": "user", "content": "hi"}]})
     assert tuned.status_code == 400 and tuned.json()["error"]["code"] == "wrong_model_task"
+
+
+def test_a_found_adapter_is_a_keys_by_its_id_never_by_its_folders_name(
+        router: RouterProcess) -> None:
+    """``qwen``'s ``adapters_dir`` holds ``llama-tuned``: a key limited to ``llama-*`` may
+    not reach it (nor so the qwen base) by the folder's name, found before or not, and a
+    key limited to ``qwen*`` may."""
+    llama = make_key(router, "llamas", models=["llama-*"])
+    qwen = make_key(router, "qwens", models=["qwen*"])
+    for found_first in (False, True):
+        if found_first:
+            assert chat(router, ADMIN, "qwen/llama-tuned").status_code == 200
+        for name in ("llama-tuned", "qwen/llama-tuned"):
+            refused = chat(router, llama, name)
+            assert refused.status_code == 404, refused.text  # as any model it may not use
+            assert refused.json()["error"]["code"] == "model_not_found", refused.text
+        ids = [m["id"] for m in call(router, llama, "GET", "/v1/models").json()["data"]]
+        assert ids == [], ids
+        assert call(router, llama, "GET", "/v1/models/qwen/llama-tuned").status_code == 404
+        for name in ("llama-tuned", "qwen/llama-tuned"):
+            answer = chat(router, qwen, name)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == "qwen/llama-tuned"
+
+
+def test_a_found_folders_malformed_config_is_a_400_naming_the_field(
+        router: RouterProcess) -> None:
+    """A request naming ``base/folder`` whose ``adapter_config.json`` has a value of the
+    wrong type is refused naming the field (and the folder by its last name only)."""
+    key = make_key(router, "namer", models=["qwen*"])
+    for name, field in (("qwen/sixteen", "$.lora_alpha"), ("qwen/five", "$.target_modules")):
+        refused = chat(router, key, name)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "adapter_invalid" and field in error["message"], error
+        assert str(router.preset.parent) not in error["message"], error
+    assert chat(router, key, "qwen").status_code == 200  # its base serves on

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from router.errors import ModelNotFound
 from router.registry import ModelRegistry
-from shared.adapters import folder_in, rank_cap
+from shared.adapters import AdapterError, folder_in, rank_cap, read_adapter
 from shared.config import ConfigError, build_preset, parse_ini
 from shared.protocol import LoraRef
 from worker import lora_ops
@@ -177,6 +179,39 @@ def test_adapter_folders_are_found_by_plain_names_only(tmp_path: Path) -> None:
     assert folder_in(root, "..") is None and folder_in(root, "link") is None
 
 
+def test_a_found_adapter_is_allowed_to_a_key_by_its_id_never_its_folder_name(
+        tmp_path: Path) -> None:
+    """A key limited to ``llama-*`` never reaches ``qwen/llama-tuned`` (so the qwen base)
+    through the folder's name, found before or not; ``qwen*`` does. Declared names (a
+    preset's adapter model and its aliases, a registered one's) are matched as given."""
+    from router.access.key_store import KeySpec
+
+    root = tmp_path / "adapters"
+    adapter(root / "llama-tuned")
+    declared = adapter(tmp_path / "declared")
+    registry = ModelRegistry(build_preset({"models": {
+        "qwen": {"model": "m", "adapters_dir": str(root)},
+        "llama-3": {"model": "m"},
+        "llama-chat": {"base": "qwen", "adapter": str(declared), "aliases": ["llama-c"]}}}))
+    llama, qwen = KeySpec(models=["llama-*"]).allows, KeySpec(models=["qwen*"]).allows
+    for found_first in (False, True):
+        if found_first:  # an admin's request found it: its folder name is an alias now
+            found = registry.resolve("qwen/llama-tuned")
+            assert found.spec.aliases == ["llama-tuned"] and found.names == [found.id]
+        for name in ("llama-tuned", "qwen/llama-tuned", "LLAMA-TUNED", "llama-tune"):
+            with pytest.raises(ModelNotFound) as refused:
+                registry.resolve(name, llama)
+            assert refused.value.code == "model_not_found", refused.value.message
+            assert refused.value.message.endswith("Available: llama-3, llama-chat")
+        assert registry.resolve("llama-3", llama).id == "llama-3"
+        assert registry.resolve("llama-c", llama).id == "llama-chat"  # the preset's alias
+        assert registry.resolve("llama-tuned", qwen).id == "qwen/llama-tuned"
+        assert registry.resolve("qwen/llama-tuned", qwen).id == "qwen/llama-tuned"
+    assert not llama(registry.names_of("qwen/llama-tuned"))
+    registry.register("llama-reg", "qwen", str(declared), ["llama-r"], False, 8)
+    assert registry.resolve("llama-reg", llama).spec.base == "qwen"  # the admin named it
+
+
 def test_adapter_numbers_stay_with_their_name_and_folder(tmp_path: Path) -> None:
     a, b = adapter(tmp_path / "a"), adapter(tmp_path / "b")
     first = build_preset(preset({"x": {"base": "base", "adapter": str(a)}}))
@@ -190,6 +225,72 @@ def test_adapter_numbers_stay_with_their_name_and_folder(tmp_path: Path) -> None
     assert registry.adapters["x"].lora.number != number  # type: ignore[union-attr]
     assert old.removed and not registry.adapters["x"].removed
     assert registry.serving(registry.adapters["x"]) is registry.entries["base"]
+
+
+# -- adapter_config.json, read typed --------------------------------------------------
+def broken(folder: Path, config: bytes | str | None, weights: bool = True) -> Path:
+    """An adapter folder whose ``adapter_config.json`` holds ``config`` (None: none)."""
+    folder.mkdir(parents=True)
+    if config is not None:
+        data = config.encode() if isinstance(config, str) else config
+        (folder / "adapter_config.json").write_bytes(data)
+    if weights:
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+    return folder
+
+
+def test_a_malformed_adapter_config_is_an_adapter_error_naming_the_field(
+        tmp_path: Path) -> None:
+    """Whatever an ``adapter_config.json`` holds, reading it raises ``AdapterError`` (the
+    router's 400) and nothing else, naming the field of a value of the wrong type."""
+    good = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    cases: dict[str, tuple[bytes | str | None, bool, str]] = {
+        "alpha": (json.dumps({**good, "lora_alpha": "sixteen"}), True, "$.lora_alpha"),
+        "targets": (json.dumps({**good, "target_modules": 5}), True, "$.target_modules"),
+        "target": (json.dumps({**good, "target_modules": [5]}), True, "$.target_modules[0]"),
+        "rank": (json.dumps({**good, "r": "8"}), True, "$.r"),
+        "zero": (json.dumps({**good, "r": 0}), True, "$.r"),
+        "norank": (json.dumps({"peft_type": "LORA"}), True, "`r`"),
+        "kind": (json.dumps({**good, "peft_type": 3}), True, "$.peft_type"),
+        "dora": (json.dumps({**good, "use_dora": "yes"}), True, "$.use_dora"),
+        "array": ("[1, 2]", True, "Expected `object`"),
+        "text": ("{not json", True, "is not JSON"),
+        "empty": ("", True, "is empty"),
+        "blank": ("  \n", True, "is empty"),
+        "huge": (json.dumps({**good, "pad": "x" * (2 << 20)}), True, "larger than 1024 KiB"),
+        "deep": ('{"r": 8, "pad": ' + "[" * 200_000 + "]" * 200_000 + "}", True,
+                 "nested too deep"),
+        "ia3": (json.dumps({**good, "peft_type": "IA3"}), True, "only LoRA adapters"),
+        "noweights": (json.dumps(good), False, "has no adapter_model.safetensors"),
+        "noconfig": (None, True, "cannot read"),
+    }
+    for name, (config, weights, words) in cases.items():
+        with pytest.raises(AdapterError) as caught:
+            read_adapter(broken(tmp_path / name, config, weights))
+        assert words in str(caught.value), (name, str(caught.value))
+    fifo = broken(tmp_path / "fifo", None)
+    os.mkfifo(fifo / "adapter_config.json")  # never hangs the read
+    with pytest.raises(AdapterError, match="is not a file"):
+        read_adapter(fifo)
+    folder = broken(tmp_path / "dir", None)
+    (folder / "adapter_config.json").mkdir()
+    with pytest.raises(AdapterError, match="is not a file"):
+        read_adapter(folder)
+    info = read_adapter(broken(tmp_path / "peft", json.dumps({
+        **good, "target_modules": "q_proj|v_proj", "lora_alpha": 4.5, "task_type": None,
+        "init_lora_weights": "gaussian", "rank_pattern": {}, "modules_to_save": None})))
+    assert (info.rank, info.alpha, info.target_modules) == (8, 4.5, ("q_proj|v_proj",))
+
+
+def test_a_loop_of_links_in_an_adapters_dir_names_no_folder(tmp_path: Path) -> None:
+    root = tmp_path / "adapters"
+    root.mkdir()
+    (root / "loop").symlink_to(root / "loop")
+    assert folder_in(root, "loop") is None
+    registry = ModelRegistry(build_preset({"models": {"qwen": {"model": "m",
+                                                               "adapters_dir": str(root)}}}))
+    with pytest.raises(ModelNotFound):
+        registry.resolve("qwen/loop")
 
 
 # -- the worker's pool -----------------------------------------------------------------

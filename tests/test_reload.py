@@ -9,6 +9,7 @@ file watch runs against a router of synthetic workers.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -292,6 +293,181 @@ def test_command_line_overrides_win_at_every_reload(tmp_path: Path) -> None:
     assert answer["restart_required"] == [] and answer["unchanged"] == ["first", "second",
                                                                         "third"]
     assert rl.supervisor.server.port == 7000
+
+
+# -- all or nothing: adapter folders, keys, new models ---------------------------------
+
+ADAPTED = """
+server: {port: 8080, api_keys: [old-key, kept-key], admin_api_keys: [admin-key]}
+models:
+  qwen: {model: /m, adapters_dir: loras}
+"""
+ADAPTED_AFTER = """
+server: {port: 8080, api_keys: [kept-key], admin_api_keys: [admin-key]%s}
+models:
+  qwen: {model: /m, adapters_dir: loras}
+  fresh: {model: /m}
+"""
+LORA = {"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+
+
+def lora_folder(folder: Path, **fault: Any) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({**LORA, **fault}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    return folder
+
+
+def unchanged(rl: Reloader) -> None:
+    """``rl``'s router serves as it did from ``ADAPTED``: its keys, its models."""
+    assert rl.keys.identify(b"old-key") is not None  # the key the file dropped still works
+    assert rl.keys.identify(b"kept-key") is not None
+    registry = rl.supervisor.registry
+    assert list(registry.entries) == ["qwen"] and "tuned" not in registry.adapters
+    with pytest.raises(ModelNotFound):
+        registry.resolve("fresh")  # the new model is not served
+    assert list(rl.models) == ["qwen"]  # what the next reload compares with
+
+
+def reloads_once(rl: Reloader, path: Path, added: list[str]) -> None:
+    """A good file reloads now, reporting ``added`` once (never again at the next)."""
+    answer = asyncio.run(rl.reload("test"))
+    assert answer["added"] == added and answer["removed"] == [], answer
+    assert rl.keys.identify(b"old-key") is None and rl.keys.identify(b"kept-key") is not None
+    assert rl.supervisor.registry.resolve("fresh").id == "fresh"
+    again = asyncio.run(rl.reload("test"))
+    assert again["added"] == [] and again["unchanged"] == ["qwen", *added], again
+
+
+@pytest.mark.parametrize("fault", ["malformed", "missing", "not json"])
+def test_a_reload_refused_for_an_adapter_folder_changes_nothing(
+        tmp_path: Path, fault: str) -> None:
+    """The file drops a key, adds a model and declares an adapter whose folder is
+    malformed or missing: a 400 naming file, model and key, the dropped key still works,
+    the new model is not served; once the folder is fixed, a reload adds both, once."""
+    path = tmp_path / "p.yaml"
+    path.write_text(ADAPTED)
+    (tmp_path / "loras").mkdir()
+    rl = reloader_for(path)
+    tuned = tmp_path / "tuned"
+    if fault == "malformed":
+        lora_folder(tuned, lora_alpha="sixteen")
+    elif fault == "not json":
+        lora_folder(tuned)
+        (tuned / "adapter_config.json").write_text('{"r": 8,')
+    path.write_text(ADAPTED_AFTER % "" + f"  tuned: {{base: qwen, adapter: {tuned}}}\n")
+    with pytest.raises(BadRequest) as refused:
+        asyncio.run(rl.reload("test"))
+    error = refused.value
+    assert (error.status, error.code) == (400, "invalid_config")
+    assert error.message.startswith(f"{path}: model 'tuned': key 'adapter': "), error.message
+    assert {"malformed": "$.lora_alpha", "missing": "no adapter folder",
+            "not json": "is not JSON"}[fault] in error.message
+    unchanged(rl)
+    lora_folder(tuned)
+    reloads_once(rl, path, ["fresh", "tuned"])
+
+
+def test_a_found_adapters_folder_broken_before_a_reload_leaves_no_half_reload(
+        tmp_path: Path) -> None:
+    """An adapter found in ``qwen``'s ``adapters_dir`` is rewritten with a malformed
+    config before a reload that drops a key and adds a model: the reload applies whole
+    (the found folder is no part of the file: its requests are refused with the reason),
+    never a 500 with the key already dropped and the model already served."""
+    path = tmp_path / "p.yaml"
+    path.write_text(ADAPTED)
+    lora_folder(tmp_path / "loras" / "pirate")
+    rl = reloader_for(path)
+    registry = rl.supervisor.registry
+    found = registry.resolve("qwen/pirate")
+    assert found.found and found.rank == 8
+    lora_folder(tmp_path / "loras" / "pirate", lora_alpha="sixteen", target_modules=5)
+    path.write_text(ADAPTED_AFTER % "")
+    reloads_once(rl, path, ["fresh"])
+    again = registry.resolve("qwen/pirate")
+    assert again.found and again.rank is None  # unreadable: its base's worker refuses it
+    assert again.lora is not None and found.lora is not None
+    assert again.lora.number != found.lora.number  # a folder rewritten: loaded anew
+
+
+def test_a_preload_name_is_checked_before_anything_switches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``preload`` naming the new model in another case (a start refuses it: names are
+    exact there) is a 400 that changes nothing, not a 404 after the switch."""
+    path = tmp_path / "p.yaml"
+    path.write_text(ADAPTED)
+    (tmp_path / "loras").mkdir()
+    rl = reloader_for(path)
+    loads: list[str] = []
+    monkeypatch.setattr(rl.supervisor, "start_loading", lambda entry: loads.append(entry.id))
+    path.write_text(ADAPTED_AFTER % ", preload: [FRESH]")
+    with pytest.raises(BadRequest) as refused:
+        asyncio.run(rl.reload("test"))
+    assert refused.value.code == "invalid_config"
+    assert "[server]: key 'preload': no model or alias named 'FRESH'" in refused.value.message
+    unchanged(rl)
+    lora_folder(tmp_path / "loras" / "pirate")
+    path.write_text(ADAPTED_AFTER % ", preload: [fresh, qwen/pirate]")
+    reloads_once(rl, path, ["fresh"])
+    assert loads == ["fresh"]  # (qwen, pirate's base, was there before: not added)
+
+
+SYNTHETIC = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  spare_workers: 0
+  api_keys: [old-key, kept-key]
+  admin_api_keys: [admin-key]
+models:
+  qwen: {model: /synthetic, engine: synthetic, adapters_dir: {loras}}
+"""
+
+
+def test_over_http_a_refused_reload_is_a_400_and_the_old_key_still_works(
+        tmp_path: Path) -> None:
+    """Over HTTP, against a router of synthetic workers (no vLLM): a reload that drops a
+    key, adds a model and declares a malformed adapter folder (a 500 before) is a 400
+    changing nothing, while a found adapter's folder broken meanwhile refuses nothing;
+    the reload once the declared folder is fixed adds the model once. (A 500 that left
+    the key dropped and the model served: ``..._leaves_no_half_reload`` above.)"""
+    loras = tmp_path / "loras"
+    lora_folder(loras / "pirate")
+    tuned = lora_folder(tmp_path / "tuned", lora_alpha="sixteen")
+    with running_router(SYNTHETIC, tmp_path, "reload-all", {"loras": str(loras)}) as r:
+        def ask(key: str, method: str, path: str, body: Any = None) -> httpx.Response:
+            return r.client.request(method, r.url + path, json=body, timeout=60,
+                                    headers={"Authorization": f"Bearer {key}"})
+
+        def chat(key: str, model: str) -> httpx.Response:
+            return ask(key, "POST", "/v1/chat/completions", {
+                "model": model, "max_tokens": 2, "messages": [{"role": "user",
+                                                               "content": "hi"}]})
+
+        assert chat("admin-key", "qwen/pirate").status_code == 200  # found
+        lora_folder(loras / "pirate", lora_alpha="sixteen")  # and now broken
+        r.preset.write_text(r.preset.read_text().replace("[old-key, kept-key]", "[kept-key]")
+                            + "  fresh: {model: /synthetic, engine: synthetic}\n"
+                            f"  tuned: {{base: qwen, adapter: {tuned}}}\n")
+        refused = ask("admin-key", "POST", "/v1/config/reload")
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "invalid_config", error
+        assert "model 'tuned': key 'adapter'" in error["message"], error
+        assert "$.lora_alpha" in error["message"], error
+        assert chat("old-key", "qwen").status_code == 200  # the dropped key still works
+        assert chat("kept-key", "fresh").status_code == 404  # the new model is not served
+        lora_folder(tuned)
+        answer = ask("admin-key", "POST", "/v1/config/reload")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["added"] == ["fresh", "tuned"], answer.json()
+        assert chat("old-key", "qwen").status_code == 401
+        assert chat("kept-key", "fresh").status_code == 200
+        assert chat("kept-key", "tuned").json()["model"] == "tuned"
+        broken = chat("kept-key", "qwen/pirate")  # found, now malformed: refused, named
+        assert broken.status_code == 400 and "$.lora_alpha" in broken.text, broken.text
+        again = ask("admin-key", "POST", "/v1/config/reload").json()
+        assert again["added"] == [] and again["removed"] == [], again
 
 
 # -- a real router, real workers -----------------------------------------------------

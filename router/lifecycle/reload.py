@@ -44,9 +44,10 @@ from typing import Any
 import msgspec
 
 from router.access.admission import Keys
-from router.errors import BadRequest
+from router.errors import BadRequest, ModelNotFound
 from router.lifecycle.supervisor import Supervisor
 from router.workers.placement import check_budgets
+from shared.adapters import folder_in
 from shared.config import ConfigError, ModelSpec, Preset, ServerConfig, load_preset
 
 log = logging.getLogger("modelyard.router")
@@ -145,8 +146,11 @@ class Reloader:
         return preset, Keys.load(preset.server, preset.source)
 
     def _apply(self, new: Preset, keys: Keys) -> PresetDiff:
-        """Check what only the running router can check, then switch, with no ``await``:
-        a request resolves by the old preset or the new one, never a mix."""
+        """Check everything that can refuse ``new``, then switch to it, with no ``await``:
+        a request resolves by the old preset or the new one, never a mix. All or nothing:
+        every check (the file and the adapter folders it declares were read by
+        ``load_preset``; memory budgets, ``preload``, an admin key left) runs before
+        anything switches, and the switch (``_switch``) refuses nothing."""
         live = self.supervisor.server
         diff = diff_presets(Preset(server=live, models=self.models), new)
         after = msgspec.structs.replace(live, **{k: getattr(new.server, k)
@@ -156,12 +160,23 @@ class Reloader:
         except ConfigError as err:
             raise ConfigError(f"{new.source}: {err}") from None
         self._check_preload(new, after)
-        if keys.preset_digests != self.keys.preset_digests:
-            if not self.keys.keeps_an_admin(keys):
-                raise ConfigError(f"{new.source}: [server]: keys 'api_keys', "
-                                  "'admin_api_keys': this would leave no admin key (the "
-                                  "named ones included); make an admin key first, or "
-                                  "restart with this file")
+        new_keys = keys.preset_digests != self.keys.preset_digests
+        if new_keys and not self.keys.keeps_an_admin(keys):
+            raise ConfigError(f"{new.source}: [server]: keys 'api_keys', "
+                              "'admin_api_keys': this would leave no admin key (the "
+                              "named ones included); make an admin key first, or "
+                              "restart with this file")
+        self._switch(new, keys if new_keys else None, diff, after)
+        return diff
+
+    def _switch(self, new: Preset, keys: Keys | None, diff: PresetDiff,
+                after: ServerConfig) -> None:
+        """Serve ``new`` (checked by ``_apply``) from now on: its keys (``keys``; None:
+        unchanged), runtime server keys and models. Refuses nothing: ``reconfigure``
+        takes an adapter folder that no longer reads as one whose requests are refused,
+        and a ``preload`` name whose folder went since the check loads nothing."""
+        live = self.supervisor.server
+        if keys is not None:
             self.keys.set_preset(keys)
             diff.applied.append("api_keys")
             if self.keys.required and not keys.preset_digests[0] | keys.preset_digests[1]:
@@ -181,7 +196,13 @@ class Reloader:
                             "serves it no more, or the preset took one of its names)",
                             entry.id, entry.spec.base)
         self.models = dict(new.models)
-        preload = {registry.serving(registry.named(name)).id for name in live.preload}
+        preload = set()
+        for name in live.preload:
+            try:
+                preload.add(registry.serving(registry.named(name)).id)
+            except ModelNotFound:
+                log.warning("config reload: preload %s: its adapter folder went since the "
+                            "file was checked; nothing is loaded for it", name)
         for entry in removed:
             self.supervisor.retire(entry)
         for entry in added:
@@ -193,15 +214,23 @@ class Reloader:
             changed = registry.entries[name]
             self.supervisor.refresh(changed, load=changed.spec.load_on_startup
                                     or name in preload)
-        return diff
 
     @staticmethod
     def _check_preload(new: Preset, server: ServerConfig) -> None:
-        names = {n.lower() for spec in new.models.values() for n in (spec.id, *spec.aliases)}
+        """Each ``preload`` name names a model of ``new`` as it would at a start
+        (``ModelRegistry.named``): an exact id or alias, or an adapter folder a base's
+        ``adapters_dir`` holds (``<base>/<folder>``, or ``<folder>`` where one base has
+        it)."""
+        names = {n for spec in new.models.values() for n in (spec.id, *spec.aliases)}
         for name in server.preload:
-            if name.lower() not in names:
-                raise ConfigError(f"{new.source}: [server]: key 'preload': no model or alias "
-                                  f"named '{name}'")
+            base_id, _, folder = name.rpartition("/")
+            holding = [spec.id for spec in new.models.values()
+                       if spec.adapters_dir is not None and base_id in ("", spec.id)
+                       and folder_in(spec.adapters_dir, folder) is not None]
+            if name not in names and len(holding) != 1:
+                raise ConfigError(f"{new.source}: [server]: key 'preload': no model or "
+                                  f"alias named '{name}' (its exact id or alias, as at a "
+                                  "start), nor an adapter folder of that name")
 
     # -- triggers ----------------------------------------------------------------------
     def start(self, watch: bool) -> None:
