@@ -124,6 +124,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
                         KEY_TABLES + LEDGER_TABLES + BATCH_TABLES)
     ledger = Ledger(database)
     relay = Relay(supervisor, metrics.metrics, ledger)
+    relay.follow_keys(keys)  # a revoked key's generations end at once
     openai = OpenAIAPI(relay, server.max_body_bytes)
     anthropic = AnthropicAPI(relay, server.max_body_bytes)
     responses = ResponsesAPI(relay, server.max_body_bytes, ResponseStore(
@@ -157,7 +158,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
             raise
         # While the database is away the last read serves STALE_MAX s, then named keys
         # open nothing until it answers (router.access.key_store.follow).
-        following = asyncio.create_task(follow_keys(named.refresh, lambda: keys.set_named(())),
+        following = asyncio.create_task(follow_keys(named.refresh, keys.set_stale),
                                         name="named-keys")
         supervisor.start()
         reloader.start(watch_config)

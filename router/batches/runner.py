@@ -32,7 +32,7 @@ import logging
 import secrets
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -217,6 +217,14 @@ class BatchRunner:
         self._key_lines: dict[str, asyncio.Semaphore] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        keys.on_revoked(self._revoked)
+
+    def _revoked(self, names: frozenset[str]) -> None:
+        """Keys ``names`` were revoked: their batches stop (the lines in flight are
+        cancelled within a second, ``_run_group``) and end ``failed``."""
+        for running in self._running.values():
+            if running.batch.owner in names and running.stop is None:
+                running.stop = "revoked"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="batch-runner")
@@ -309,13 +317,13 @@ class BatchRunner:
             self.tell(batch, "in_progress")
         if batch.status == "cancelling":
             me.stop = "canceled"
-        pending = [] if me.stop else await self.store.pending(batch.id)
+        groups = [] if me.stop else await self._groups(batch.id)
         shape = self.shapes[batch.shape]
         done: list[Line] = []
         flusher = asyncio.create_task(self._flush_every(batch, me, done))
         try:
-            for group in self._groups(pending):
-                await self._run_group(batch, me, group, shape, done)
+            for models in groups:
+                await self._run_group(batch, me, models, shape, done)
                 if me.stop:
                     break
         finally:
@@ -324,29 +332,41 @@ class BatchRunner:
                 await flusher
             await self._flush(batch, done)
         if me.stop:
-            state = "expired" if me.stop == "expired" else "canceled"
-            message = {"canceled": "the batch was cancelled before this request ran",
-                       "expired": "the batch expired before this request ran",
-                       "revoked": "the key that made the batch no longer admits requests"
-                       }[me.stop]
-            rest = await self.store.pending(batch.id)
+            await self._end_unrun(batch, me.stop, shape, done)
+        await self._finalize(batch, me.stop)
+
+    async def _end_unrun(self, batch: BatchRow, stop: str, shape: Shape,
+                         done: list[Line]) -> None:
+        """The lines still pending of a batch that stops early, answered as its end says,
+        a page at a time."""
+        state = "expired" if stop == "expired" else "canceled"
+        message = {"canceled": "the batch was cancelled before this request ran",
+                   "expired": "the batch expired before this request ran",
+                   "revoked": "the key that made the batch no longer admits requests"
+                   }[stop]
+        after = -1
+        while rest := await self.store.pending_page(batch.id, None, after):
             done.extend(Line(ln.line, ln.custom_id, ln.model, "", state,
                              shape.unrun(ln, state, message)) for ln in rest)
             for _ in rest:
                 self._finished(batch, state)
             await self._flush(batch, done)
-        await self._finalize(batch, me.stop)
+            after = rest[-1].line  # not "pending again": a batch taken over stays pending
 
-    def _groups(self, lines: list[Line]) -> list[list[Line]]:
-        """``lines`` by the model that serves them (an adapter's: its base's), each in
-        line order; a model ready now first, then in the order the batch first names
-        them."""
-        groups: dict[str, list[Line]] = defaultdict(list)
-        for line in lines:
-            groups[self._served_by(line.model)].append(line)
+    async def _groups(self, batch_id: str) -> list[list[str]]:
+        """The models ``batch_id``'s pending lines name, grouped by the model that serves
+        them (an adapter's: its base's); a model ready now first, then in the order the
+        batch first names them. Only names are held: the lines are paged
+        (``_run_group``)."""
+        firsts: dict[str, int] = {}
+        groups: dict[str, list[str]] = defaultdict(list)
+        for model, first in await self.store.pending_models(batch_id):
+            served = self._served_by(model)
+            groups[served].append(model)
+            firsts[served] = min(first, firsts.get(served, first))
         ready = {e.id for e in self.registry if e.state == "ready"}
-        return sorted(groups.values(), key=lambda g: (self._served_by(g[0].model) not in ready,
-                                                      g[0].line))
+        return [groups[served] for served in sorted(
+            groups, key=lambda served: (served not in ready, firsts[served]))]
 
     def _served_by(self, model: str) -> str:
         try:
@@ -354,20 +374,32 @@ class BatchRunner:
         except ModelNotFound:
             return model  # gone since (a reload): its lines fail as any request would
 
-    async def _run_group(self, batch: BatchRow, me: _Running, group: list[Line],
+    async def _pages(self, batch: BatchRow, models: list[str]) -> AsyncIterator[Line]:
+        """``batch``'s pending lines of ``models``, in line order, read a page
+        (``BatchStore.page_lines``) at a time as they are taken: the runner holds one
+        page of a batch, whatever its size (and the lines in flight)."""
+        after = -1
+        while page := await self.store.pending_page(batch.id, models, after):
+            for line in page:
+                yield line
+            after = page[-1].line  # lines in flight are pending still: read after them
+
+    async def _run_group(self, batch: BatchRow, me: _Running, models: list[str],
                          shape: Shape, done: list[Line]) -> None:
-        model = self._served_by(group[0].model)
+        model = self._served_by(models[0])
         per_model = self._model_lines.setdefault(model, _Share())
         per_key = self._key_lines.setdefault(
             batch.owner, asyncio.Semaphore(self.server.batch_key_concurrency))
         in_flight: set[asyncio.Task[None]] = set()
         entry = self.registry.entries.get(model)
+        lines = self._pages(batch, models)
         try:
-            for line in group:
+            async for line in lines:
                 while entry is not None and not self.supervisor.rooms.batch_may_run(entry):
                     if self._should_stop(batch, me):
                         break
                     await asyncio.sleep(WAIT_FOR_ROOM)  # a person uses the room it needs
+                await self._owner_known(batch, me)
                 await per_key.acquire()
                 try:
                     await per_model.take(lambda: self._allowed(entry))
@@ -393,6 +425,7 @@ class BatchRunner:
                         task.cancel()
                 await asyncio.wait(in_flight, timeout=1.0)
         finally:
+            await lines.aclose()
             for task in in_flight:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
@@ -412,11 +445,20 @@ class BatchRunner:
             me.stop = "expired"
         return me.stop is not None
 
+    async def _owner_known(self, batch: BatchRow, me: _Running) -> None:
+        """Wait while whether ``batch``'s owner still admits cannot be read (the database
+        away past ``STALE_MAX``: ``Keys.unknown``): an outage is not a revocation, so no
+        line starts and none fails until the key reads again."""
+        while self.keys.unknown(batch.owner) and not self._should_stop(batch, me):
+            await asyncio.sleep(WAIT_FOR_ROOM)
+
     async def _one(self, batch: BatchRow, line: Line, shape: Shape, done: list[Line],
                    me: _Running) -> None:
+        await self._owner_known(batch, me)
         principal = self._principal(batch.owner)
-        if principal is None:
-            me.stop = "revoked"
+        if principal is None:  # read, and revoked (or stopped meanwhile: left pending)
+            if me.stop is None:
+                me.stop = "revoked"
             return
         entry = self.registry.entries.get(self._served_by(line.model))
         attempt = 0
@@ -435,8 +477,8 @@ class BatchRunner:
             # the server's passing trouble (a worker died, the database away): again later
             await asyncio.sleep(RETRY_AFTER * 2**attempt)
             attempt += 1
-        if status in (502, 503) and me.stop is not None:
-            return  # left pending: answered as the batch's end says (cancelled, expired)
+        if status in (401, 502, 503) and me.stop is not None:
+            return  # left pending: answered as the batch's end says (cancelled, revoked)
         state, text = shape.result(line, status, body)
         done.append(Line(line.line, line.custom_id, line.model, "", state, text))
         self._finished(batch, state)
