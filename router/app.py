@@ -203,4 +203,6 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     app.state.rules = rules
     app.state.keys = keys
     app.state.keys_api = named
+    app.state.relay = relay
+    app.state.responses = responses
     return app

@@ -5,7 +5,7 @@ revocation (finding 5); a revocation ends the key's streams, background response
 batches; a batch line run again after a kill -9 is charged once.
 
 In-process apps (``build_app`` in its lifespan, driven over ASGI) with synthetic workers,
-and one real router for a stream that must be read as it goes. No timing is asserted:
+No timing is asserted:
 deadlines are generous, and what is waited for is an event (a status, an end).
 """
 
@@ -28,7 +28,6 @@ from router.access.database import Conn
 from router.app import build_app
 from router.batches.store import BatchStore
 from shared.config import load_preset
-from tests.conftest import RouterProcess, running_router
 
 ADMIN = "k-admin-runner-7f3"
 PRESET = """
@@ -157,3 +156,114 @@ def test_a_batch_is_run_and_read_a_page_at_a_time(tmp_path: Path,
     assert bodies and max(bodies) <= PAGE, f"lines read at once: {bodies}"
     assert sum(bodies) >= 90  # every line was read, a page at a time
     assert results and max(results) <= PAGE, f"results read at once: {results}"
+
+
+# -- named keys: an outage is not a revocation; a revocation ends the key's work -----------
+
+async def named_key(app: App, name: str) -> str:
+    made = await app.ask("POST", "/v1/keys", json={"name": name, "role": "user"})
+    assert made.status_code == 201, made.text
+    return str(made.json()["key"])
+
+
+async def until(check: Any, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        await asyncio.sleep(0.1)
+
+
+def test_a_database_outage_past_stale_max_does_not_fail_a_keys_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Named keys' reads fail past a (shortened) ``STALE_MAX``: the key opens nothing for
+    new requests (fail closed, as before), but its running batch neither fails nor ends
+    its lines; once the keys read again it goes on and completes, every line succeeded.
+    On 1a1e9ee the runner took the dropped key for a revoked one: the batch ended
+    ``failed`` with its pending lines cancelled ("no longer admits requests")."""
+    import functools
+
+    from router import app as app_module
+    from router.access.database import DatabaseUnavailable
+    from router.access.key_store import follow
+    from router.api.keys import KeysAPI
+
+    monkeypatch.setattr(app_module, "follow_keys",
+                        functools.partial(follow, every=0.1, stale_max=0.4))
+    away = asyncio.Event()
+    refresh = KeysAPI.refresh
+
+    async def flaky(self: KeysAPI) -> None:
+        if away.is_set():
+            raise DatabaseUnavailable("the database is away (the test's outage)")
+        await refresh(self)
+
+    monkeypatch.setattr(KeysAPI, "refresh", flaky)
+
+    async def go() -> tuple[dict[str, Any], int]:
+        async with serving(tmp_path) as app:
+            carol = await named_key(app, "carol")
+            keys = app.app.state.keys
+            bid = await make_batch(app, [chat_line(f"c-{i}", "slow", 4) for i in range(8)],
+                                   carol)
+            # an outage while the batch runs, long past STALE_MAX
+            await until(lambda: keys.current("carol") is not None, "carol read")
+            away.set()
+            await until(lambda: keys.current("carol") is None, "carol dropped")
+            refused = await app.ask("POST", "/v1/chat/completions", carol, json={
+                "model": "m", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2})
+            await asyncio.sleep(3.0)  # the lines that waited would have failed by now
+            during = (await app.ask("GET", f"/v1/batches/{bid}")).json()
+            assert during["status"] == "in_progress", during
+            assert during["request_counts"]["failed"] == 0, during
+            away.clear()
+            return await ended(app, bid), refused.status_code
+
+    batch, refused = asyncio.run(go())
+    assert refused == 401  # fail closed: an unknown key admits no new request
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": 8, "completed": 8, "failed": 0}
+
+
+def test_a_revocation_ends_the_keys_stream_background_response_and_batch(
+        tmp_path: Path) -> None:
+    """A named key streams from a slow model (100 s of tokens), has a background response
+    and a batch running on it; it is revoked: the stream ends with an in-band 401
+    (``key_revoked``) and no ``[DONE]``, the background response ends ``failed``, the
+    batch ends ``failed`` (its lines not run: cancelled), each long before its tokens
+    would have. On 1a1e9ee all three ran on to their end."""
+
+    async def go() -> tuple[str, dict[str, Any], dict[str, Any]]:
+        async with serving(tmp_path) as app:
+            dave = await named_key(app, "dave")
+            relay, responses = app.app.state.relay, app.app.state.responses
+            stream = asyncio.create_task(app.ask("POST", "/v1/chat/completions", dave, json={
+                "model": "slow", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 400, "stream": True}))
+            made = await app.ask("POST", "/v1/responses", dave, json={
+                "model": "slow", "input": "hi", "max_output_tokens": 400,
+                "background": True})
+            assert made.status_code == 200, made.text
+            rid = made.json()["id"]
+            bid = await make_batch(app, [chat_line(f"d-{i}", "slow", 400) for i in range(6)],
+                                   dave)
+            # the stream, the background response and a batch line all generating
+            await until(lambda: len(relay._generating.get("dave", ())) >= 3,
+                        "dave's work generating", timeout=60)
+            gone = await app.ask("DELETE", "/v1/keys/dave")
+            assert gone.status_code == 200, gone.text
+            async with asyncio.timeout(30):
+                streamed = await stream
+            assert streamed.status_code == 200
+            await until(lambda: rid not in responses.background, "background run ended")
+            stored = responses.store.get(rid, "dave")
+            return streamed.text, json.loads(stored.response), await ended(app, bid, 30)
+
+    text, background, batch = asyncio.run(go())
+    assert "key_revoked" in text and "[DONE]" not in text, text[-400:]
+    assert background["status"] == "failed", background
+    assert "revoked" in background["error"]["message"], background["error"]
+    assert batch["status"] == "failed", batch
+    assert batch["errors"]["data"][0]["code"] == "key_not_admitted", batch["errors"]
+    assert batch["request_counts"]["completed"] == 0, batch
