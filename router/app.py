@@ -138,7 +138,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
                              int(server.files_quota_mib * 2**20))
     runner = BatchRunner(batch_store, LineCaller(lambda: app.inner()), keys, supervisor,
                          {"openai": OpenAIShape(), "anthropic": AnthropicShape()},
-                         metrics.metrics)
+                         metrics.metrics, ledger)
     batches = FilesAndBatches(batch_store, runner, relay, server)
     message_batches = MessageBatches(batch_store, runner, relay, server)
 

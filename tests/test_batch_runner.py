@@ -4,9 +4,9 @@ streamed a page at a time (finding 2); a database outage past ``STALE_MAX`` is n
 revocation (finding 5); a revocation ends the key's streams, background responses and
 batches; a batch line run again after a kill -9 is charged once.
 
-In-process apps (``build_app`` in its lifespan, driven over ASGI) with synthetic workers,
-No timing is asserted:
-deadlines are generous, and what is waited for is an event (a status, an end).
+In-process apps (``build_app`` in its lifespan, driven over ASGI) with synthetic workers.
+No timing is asserted: deadlines are generous, and what is waited for is an event (a
+status, an end).
 """
 
 from __future__ import annotations
@@ -267,3 +267,50 @@ def test_a_revocation_ends_the_keys_stream_background_response_and_batch(
     assert batch["status"] == "failed", batch
     assert batch["errors"]["data"][0]["code"] == "key_not_admitted", batch["errors"]
     assert batch["request_counts"]["completed"] == 0, batch
+
+
+# -- a line run again after a kill -9 is charged once ------------------------------------
+
+def test_a_line_run_again_after_the_router_died_is_charged_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router runs a one-line batch and dies before it writes the line's result (its
+    writes of results fail from then on, as a process killed would make none), while its
+    usage ledger goes on as usual; a second router over the same database takes the batch
+    and runs the line again. The usage table has that line once. On 1a1e9ee the first
+    run's row was queued and written at once, apart from its result: the line was charged
+    twice."""
+    import sqlite3
+
+    from router.access.database import DatabaseUnavailable
+
+    dead = asyncio.Event()
+    finish = BatchStore.finish
+
+    async def dying(self: BatchStore, *args: Any, **kw: Any) -> int:
+        if dead.is_set() or not args[2]:  # nothing written by a router that died
+            raise DatabaseUnavailable("the router died before it wrote this")
+        dead.set()
+        raise DatabaseUnavailable("the router died before it wrote this")
+
+    async def first() -> None:
+        async with serving(tmp_path) as app:
+            await make_batch(app, [chat_line("once", "m", 5)])
+            async with asyncio.timeout(60):
+                await dead.wait()
+            # the ledger's writer goes on until the end (a kill -9 only loses its last second)
+
+    async def second() -> dict[str, Any]:
+        async with serving(tmp_path) as app:
+            listed = (await app.ask("GET", "/v1/batches")).json()["data"]
+            return await ended(app, listed[0]["id"])
+
+    monkeypatch.setattr(BatchStore, "finish", dying)
+    asyncio.run(first())
+    monkeypatch.setattr(BatchStore, "finish", finish)
+    batch = asyncio.run(second())
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+    with contextlib.closing(sqlite3.connect(tmp_path / "cache" / "modelyard.db")) as db:
+        rows = db.execute("SELECT status, completion_tokens FROM usage WHERE "
+                          "endpoint = 'chat'").fetchall()
+    assert rows == [(200, 5)], rows

@@ -39,6 +39,7 @@ from typing import IO, Any, Protocol
 from starlette.types import ASGIApp, Message
 
 from router.access.admission import BATCH_SCOPE_KEY, PRINCIPAL_SCOPE_KEY, Keys, Principal
+from router.access.ledger import BATCH_LINE, Ledger
 from router.batches.store import BatchRow, BatchStore, Line
 from router.errors import APIError, ModelNotFound
 from router.lifecycle.policy.room import BATCH_QUIET, wanted_in_person
@@ -199,8 +200,10 @@ class BatchRunner:
     def __init__(self, store: BatchStore, call: Callable[[str, bytes, Principal, str],
                                                          Awaitable[tuple[int, bytes]]],
                  keys: Keys, supervisor: Supervisor, shapes: dict[str, Shape],
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, ledger: Ledger | None = None) -> None:
         self.store = store
+        self.ledger = ledger
+        """Where lines' usage rows are held until their results are written with them."""
         self.call = call
         self.keys = keys
         self.supervisor = supervisor
@@ -461,10 +464,16 @@ class BatchRunner:
                 me.stop = "revoked"
             return
         entry = self.registry.entries.get(self._served_by(line.model))
+        if self.ledger is not None:  # its usage is written with its result (``_flush``)
+            self.ledger.hold(batch.id, line.line)
+            BATCH_LINE.set((batch.id, line.line))  # this task's own context
         attempt = 0
         while True:
             status, body = await self.call(batch.endpoint, line.body.encode(), principal,
                                            batch.id)
+            # The relay logs an answer in a callback it schedules as it answers: let it run,
+            # so the line's usage row is held before its result can be written.
+            await asyncio.sleep(0)
             if status == 503 and entry is not None and me.stop is None:
                 waited = False
                 while not self.supervisor.rooms.batch_may_run(entry) and me.stop is None:
@@ -502,11 +511,17 @@ class BatchRunner:
             return
         taken = done[:]
         del done[: len(taken)]
+        ledger = self.ledger
+        usage = {} if ledger is None else {ln.line: ledger.held(batch.id, ln.line)
+                                           for ln in taken}
         try:
-            await self.store.finish(batch.id, self.name, taken)
+            await self.store.finish(batch.id, self.name, taken, usage)
         except BaseException:
-            done[:0] = taken  # written with the next flush
+            done[:0] = taken  # written with the next flush (their usage rows still held)
             raise
+        if ledger is not None:
+            for ln in taken:
+                ledger.let_go(batch.id, ln.line)
 
     async def _finalize(self, batch: BatchRow, stop: str | None) -> None:
         fresh = await self.store.batch(batch.id, None)

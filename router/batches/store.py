@@ -24,12 +24,14 @@ import json
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from router.access.database import Conn, Database
+from router.access.ledger import INSERT as USAGE_INSERT
+from router.access.ledger import Row as UsageRow
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 """Statuses of a batch that still has a runner's work to do."""
@@ -395,10 +397,15 @@ class BatchStore:
             (batch_id, *args, after, self.page_lines)))
         return [Line(*r) for r in rows]
 
-    async def finish(self, batch_id: str, runner: str, done: Sequence[Line]) -> int:
+    async def finish(self, batch_id: str, runner: str, done: Sequence[Line],
+                     usage: Mapping[int, Sequence[UsageRow]] | None = None) -> int:
         """Write the results of ``done`` (lines still pending only) and count them in
         the batch, in one transaction, if ``runner`` still holds the batch; the lines
-        written."""
+        written. ``usage``: each line's ledger rows (``Ledger.hold``), written in the same
+        transaction for the lines written only: a line's run is charged if and only if
+        its result is the one kept."""
+        usage = usage or {}
+
         def finish(conn: Conn) -> int:
             with conn.atomic():
                 if not conn.execute("SELECT 1 FROM batches WHERE id = ? AND runner = ?",
@@ -410,6 +417,8 @@ class BatchStore:
                                     "batch = ? AND line = ? AND state = 'pending' "
                                     "RETURNING line", (ln.state, ln.result, batch_id, ln.line)):
                         counts[ln.state] += 1
+                        if usage.get(ln.line):
+                            conn.many(USAGE_INSERT, usage[ln.line])
                 conn.execute("UPDATE batches SET " + ", ".join(
                     f"{state} = {state} + ?" for state in LINE_STATES) + " WHERE id = ?",
                     (*counts.values(), batch_id))
