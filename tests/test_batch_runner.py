@@ -314,3 +314,62 @@ def test_a_line_run_again_after_the_router_died_is_charged_once(
         rows = db.execute("SELECT status, completion_tokens FROM usage WHERE "
                           "endpoint = 'chat'").fetchall()
     assert rows == [(200, 5)], rows
+
+
+# -- units: the keys' standing, the ledger's held rows -----------------------------------
+
+def test_keys_tell_an_outage_from_a_revocation() -> None:
+    """Past ``STALE_MAX`` (``set_stale``) named keys open nothing and are ``unknown``, and
+    nobody is told of a revocation; a read that lacks a key tells its revocation, also
+    when that read ends an outage; a key revoked before the outage is not unknown."""
+    from router.access.admission import Keys
+    from router.access.key_store import NamedKey
+
+    def key(name: str) -> tuple[bytes, NamedKey]:
+        return name.encode().ljust(32, b"."), NamedKey(name=name, role="user")
+
+    keys = Keys(admin=["k-admin"])
+    told: list[frozenset[str]] = []
+    keys.on_revoked(told.append)
+    keys.set_named([key("a"), key("b"), key("c")])
+    keys.set_named([key("a"), key("b")])  # c revoked
+    assert told == [frozenset({"c"})]
+    keys.set_stale()
+    assert keys.current("a") is None and keys.unknown("a") and keys.unknown("b")
+    assert not keys.unknown("c")  # revoked before the outage: revoked
+    assert keys.identify(b"a") is None
+    assert told == [frozenset({"c"})]  # an outage is not a revocation
+    keys.set_named([key("a")])  # the database answers: b was revoked meanwhile
+    assert told == [frozenset({"c"}), frozenset({"b"})]
+    assert keys.current("a") is not None and not keys.unknown("a") and not keys.unknown("b")
+
+
+def test_a_batch_lines_rows_are_held_until_its_result_is_written(tmp_path: Path) -> None:
+    """A row recorded in a batch line's context is held, not queued: unwritten (budgets
+    count it from memory) until its result's write takes it; a new run of the line drops
+    the rows of a run whose result was never written; other rows are queued as before."""
+    from router.access.database import Database
+    from router.access.ledger import BATCH_LINE, Ledger
+    from router.access.ledger import SCHEMA as LEDGER_TABLES
+
+    async def go() -> None:
+        ledger = Ledger(Database(f"sqlite:///{tmp_path / 'd.db'}", LEDGER_TABLES))
+
+        async def line_run(tokens: int) -> None:
+            ledger.hold("b1", 0)
+            BATCH_LINE.set(("b1", 0))
+            ledger.record("k", "m", "chat", 200, 1, 0, tokens, 0.1)
+
+        await asyncio.create_task(line_run(7))
+        assert not ledger._queue and ledger.unwritten_since() is not None
+        await asyncio.create_task(line_run(9))  # the first run's result never written
+        assert [r[7] for r in ledger.held("b1", 0)] == [9]
+        ledger.record("k", "m", "chat", 200, 1, 0, 2, 0.1)  # not a batch line: queued
+        assert len(ledger._queue) == 1
+        ledger.let_go("b1", 0)
+        assert ledger.held("b1", 0) == []
+        await ledger.flush()
+        assert ledger.unwritten_since() is None
+        ledger.db.close()
+
+    asyncio.run(go())

@@ -135,6 +135,12 @@ class Ledger:
         run's were): its rows are no longer held."""
         self._held.pop((batch, line), None)
 
+    def let_go_batch(self, batch: str) -> None:
+        """Whatever ``batch``'s lines still hold here (lines cut short and left pending,
+        or written by another runner) is let go: run again, they are charged then."""
+        for held in [k for k in self._held if k[0] == batch]:
+            del self._held[held]
+
     async def _write(self) -> None:
         away = False
         while True:

@@ -312,6 +312,9 @@ class BatchRunner:
             log.warning("batch %s: %s", batch.id, err.message)
         except Exception:
             log.exception("batch %s: runner failed", batch.id)
+        finally:
+            if self.ledger is not None:  # lines left pending: charged when they run again
+                self.ledger.let_go_batch(batch.id)
 
     async def _run_lines(self, batch: BatchRow) -> None:
         me = self._running[batch.id]
