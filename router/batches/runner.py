@@ -9,7 +9,11 @@ any is. The request is marked as a batch line (``BATCH_SCOPE_KEY``): the relay g
 batch priority (``router.api.relay``).
 
 A batch's lines run grouped by model, a model already loaded first, so a batch over two
-models under ``max_loaded_models: 1`` loads each once. At most
+models under ``max_loaded_models: 1`` loads each once; they are read from the database a
+page at a time as they are taken (``BatchStore.pending_page``), so a router holds one page
+of a batch, whatever its size. A revoked owner's batch stops at once (``Keys.on_revoked``);
+an owner that cannot be read (the database away past ``STALE_MAX``: ``Keys.unknown``) is
+not revoked: its lines wait, and none fails. At most
 ``batch_model_concurrency`` lines of one model and ``batch_key_concurrency`` of one key
 run at once, over every batch. Results are written every ``FLUSH_EVERY`` seconds (each
 line once: ``BatchStore.finish``); a router that stops, cleanly or not, leaves the lines
