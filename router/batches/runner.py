@@ -36,7 +36,7 @@ import logging
 import secrets
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any, Protocol
 
@@ -384,7 +384,7 @@ class BatchRunner:
         except ModelNotFound:
             return model  # gone since (a reload): its lines fail as any request would
 
-    async def _pages(self, batch: BatchRow, models: list[str]) -> AsyncIterator[Line]:
+    async def _pages(self, batch: BatchRow, models: list[str]) -> AsyncGenerator[Line, None]:
         """``batch``'s pending lines of ``models``, in line order, read a page
         (``BatchStore.page_lines``) at a time as they are taken: the runner holds one
         page of a batch, whatever its size (and the lines in flight)."""

@@ -24,7 +24,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,7 +235,7 @@ class BatchStore:
         return bool(gone)
 
     async def result_pages(self, batch_id: str, states: Sequence[str]
-                           ) -> AsyncIterator[list[str]]:
+                           ) -> AsyncGenerator[list[str], None]:
         """The result lines of ``batch_id``'s lines in ``states``, in line order, a page
         (``page_lines``) at a time (each page one read off the event loop): a results file of any size is
         sent without being held whole."""
@@ -260,7 +260,7 @@ class BatchStore:
         the client takes them."""
         pages = self.result_pages(batch_id, states)
         try:
-            first = await anext(pages, [])
+            first: list[str] = await anext(pages, [])
         except BaseException:
             await pages.aclose()
             raise
@@ -387,10 +387,8 @@ class BatchStore:
                            after: int) -> list[Line]:
         """At most ``page_lines`` of ``batch_id``'s pending lines after line ``after``, of
         the models ``models`` (``None``: any), in line order."""
-        where, args = "", ()
-        if models is not None:
-            where = f" AND model IN ({', '.join('?' for _ in models)})"
-            args = tuple(models)
+        args = tuple(models or ())
+        where = "" if models is None else f" AND model IN ({', '.join('?' for _ in args)})"
         rows = await self.db.run(lambda c: c.execute(
             "SELECT line, custom_id, model, body FROM batch_lines WHERE batch = ? AND "
             f"state = 'pending'{where} AND line > ? ORDER BY line LIMIT ?",
