@@ -248,9 +248,11 @@ def test_a_revocation_ends_the_keys_stream_background_response_and_batch(
             rid = made.json()["id"]
             bid = await make_batch(app, [chat_line(f"d-{i}", "slow", 400) for i in range(6)],
                                    dave)
-            # the stream, the background response and a batch line all generating
-            await until(lambda: len(relay._generating.get("dave", ())) >= 3,
-                        "dave's work generating", timeout=60)
+            def generating() -> bool:  # the stream, the background response, a batch line
+                flights = [s.usage.batch for s in relay._generating.get("dave", ())]
+                return flights.count(None) >= 2 and len(flights) >= 3
+
+            await until(generating, "dave's work generating", timeout=60)
             gone = await app.ask("DELETE", "/v1/keys/dave")
             assert gone.status_code == 200, gone.text
             async with asyncio.timeout(30):
