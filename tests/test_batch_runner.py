@@ -228,17 +228,22 @@ def test_a_database_outage_past_stale_max_does_not_fail_a_keys_batch(
 
 def test_a_revocation_ends_the_keys_stream_background_response_and_batch(
         tmp_path: Path) -> None:
-    """A named key streams from a slow model (100 s of tokens), has a background response
-    and a batch running on it; it is revoked: the stream ends with an in-band 401
-    (``key_revoked``) and no ``[DONE]``, the background response ends ``failed``, the
-    batch ends ``failed`` (its lines not run: cancelled), each long before its tokens
-    would have. On 1a1e9ee all three ran on to their end."""
+    """A named key streams from a slow model (100 s of tokens) over OpenAI's and
+    Anthropic's APIs, has a background response and a batch running on it; it is revoked:
+    each stream ends with its protocol's in-band 401 (``key_revoked``; Anthropic's
+    ``authentication_error``) and no ``[DONE]`` or ``message_stop``, the background
+    response ends ``failed``, the batch ends ``failed`` (its lines not run: cancelled),
+    each long before its tokens would have. On 1a1e9ee they all ran on to their end (the
+    first stream was still running 30 s after the revocation)."""
 
     async def go() -> tuple[str, dict[str, Any], dict[str, Any]]:
         async with serving(tmp_path) as app:
             dave = await named_key(app, "dave")
             relay, responses = app.app.state.relay, app.app.state.responses
             stream = asyncio.create_task(app.ask("POST", "/v1/chat/completions", dave, json={
+                "model": "slow", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 400, "stream": True}))
+            messages = asyncio.create_task(app.ask("POST", "/v1/messages", dave, json={
                 "model": "slow", "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 400, "stream": True}))
             made = await app.ask("POST", "/v1/responses", dave, json={
@@ -248,16 +253,21 @@ def test_a_revocation_ends_the_keys_stream_background_response_and_batch(
             rid = made.json()["id"]
             bid = await make_batch(app, [chat_line(f"d-{i}", "slow", 400) for i in range(6)],
                                    dave)
-            def generating() -> bool:  # the stream, the background response, a batch line
+
+            def generating() -> bool:  # both streams, the background response, a line
                 flights = [s.usage.batch for s in relay._generating.get("dave", ())]
-                return flights.count(None) >= 2 and len(flights) >= 3
+                return flights.count(None) >= 3 and len(flights) >= 4
 
             await until(generating, "dave's work generating", timeout=60)
             gone = await app.ask("DELETE", "/v1/keys/dave")
             assert gone.status_code == 200, gone.text
             async with asyncio.timeout(30):
                 streamed = await stream
-            assert streamed.status_code == 200
+                anthropic = await messages
+            assert streamed.status_code == 200 and anthropic.status_code == 200
+            assert "event: error" in anthropic.text, anthropic.text[-400:]
+            assert "authentication_error" in anthropic.text, anthropic.text[-400:]
+            assert "message_stop" not in anthropic.text, anthropic.text[-400:]
             await until(lambda: rid not in responses.background, "background run ended")
             stored = responses.store.get(rid, "dave")
             return streamed.text, json.loads(stored.response), await ended(app, bid, 30)
