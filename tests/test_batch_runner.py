@@ -156,6 +156,11 @@ def test_a_batch_is_run_and_read_a_page_at_a_time(tmp_path: Path,
     assert bodies and max(bodies) <= PAGE, f"lines read at once: {bodies}"
     assert sum(bodies) >= 90  # every line was read, a page at a time
     assert results and max(results) <= PAGE, f"results read at once: {results}"
+    import sqlite3  # the streamed file is the rows as a whole read gives them (1a1e9ee's)
+    with contextlib.closing(sqlite3.connect(tmp_path / "cache" / "modelyard.db")) as db:
+        whole = db.execute("SELECT result FROM batch_lines WHERE state = 'succeeded' "
+                           "ORDER BY line").fetchall()
+    assert text == "".join(f"{r[0]}\n" for r in whole)
 
 
 # -- named keys: an outage is not a revocation; a revocation ends the key's work -----------
