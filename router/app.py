@@ -130,6 +130,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     responses = ResponsesAPI(relay, server.max_body_bytes, ResponseStore(
         server.responses_store_items, int(server.responses_store_mib * 2**20),
         server.responses_store_ttl))
+    keys.on_revoked(responses.background.revoked)  # after the relay's: see ``revoked``
     watch = EventsAPI(supervisor, events)
     reloader = Reloader(preset.source, preset, supervisor, keys, overrides)
     admin = AdminAPI(supervisor, server.max_body_bytes, reloader)

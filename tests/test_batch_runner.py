@@ -43,6 +43,7 @@ models:
   m: {{model: /synthetic, engine: synthetic}}
   other: {{model: /synthetic, engine: synthetic}}
   slow: {{model: /synthetic, engine: synthetic, engine_args: {{tokens_per_second: 4}}}}
+  late: {{model: /synthetic, engine: synthetic, engine_args: {{start_seconds: 120}}}}
 """
 
 
@@ -284,6 +285,32 @@ def test_a_revocation_ends_the_keys_stream_background_response_and_batch(
     assert batch["status"] == "failed", batch
     assert batch["errors"]["data"][0]["code"] == "key_not_admitted", batch["errors"]
     assert batch["request_counts"]["completed"] == 0, batch
+
+
+def test_a_revoked_keys_background_response_waiting_for_its_model_ends(
+        tmp_path: Path) -> None:
+    """A background response queued behind its model's load (two minutes) when its key is
+    revoked ends then (``cancelled``), its connection and key place given back, not when
+    the model is ready. On 1a1e9ee it waited for the load."""
+
+    async def go() -> dict[str, Any]:
+        async with serving(tmp_path) as app:
+            erin = await named_key(app, "erin")
+            responses = app.app.state.responses
+            made = await app.ask("POST", "/v1/responses", erin, json={
+                "model": "late", "input": "hi", "max_output_tokens": 4,
+                "background": True})
+            assert made.status_code == 200, made.text
+            rid = made.json()["id"]
+            await asyncio.sleep(0.5)  # its run waits for the load
+            assert rid in responses.background
+            gone = await app.ask("DELETE", "/v1/keys/erin")
+            assert gone.status_code == 200, gone.text
+            await until(lambda: rid not in responses.background, "background run ended", 60)
+            return dict(json.loads(responses.store.get(rid, "erin").response))
+
+    stored = asyncio.run(go())
+    assert stored["status"] in ("cancelled", "failed"), stored
 
 
 # -- a line run again after a kill -9 is charged once ------------------------------------
