@@ -124,11 +124,13 @@ def build_app(preset: Preset, *, watch_config: bool = False,
                         KEY_TABLES + LEDGER_TABLES + BATCH_TABLES)
     ledger = Ledger(database)
     relay = Relay(supervisor, metrics.metrics, ledger)
+    relay.follow_keys(keys)  # a revoked key's generations end at once
     openai = OpenAIAPI(relay, server.max_body_bytes)
     anthropic = AnthropicAPI(relay, server.max_body_bytes)
     responses = ResponsesAPI(relay, server.max_body_bytes, ResponseStore(
         server.responses_store_items, int(server.responses_store_mib * 2**20),
         server.responses_store_ttl))
+    keys.on_revoked(responses.background.revoked)  # after the relay's: see ``revoked``
     watch = EventsAPI(supervisor, events)
     reloader = Reloader(preset.source, preset, supervisor, keys, overrides)
     admin = AdminAPI(supervisor, server.max_body_bytes, reloader)
@@ -137,7 +139,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
                              int(server.files_quota_mib * 2**20))
     runner = BatchRunner(batch_store, LineCaller(lambda: app.inner()), keys, supervisor,
                          {"openai": OpenAIShape(), "anthropic": AnthropicShape()},
-                         metrics.metrics)
+                         metrics.metrics, ledger)
     batches = FilesAndBatches(batch_store, runner, relay, server)
     message_batches = MessageBatches(batch_store, runner, relay, server)
 
@@ -157,7 +159,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
             raise
         # While the database is away the last read serves STALE_MAX s, then named keys
         # open nothing until it answers (router.access.key_store.follow).
-        following = asyncio.create_task(follow_keys(named.refresh, lambda: keys.set_named(())),
+        following = asyncio.create_task(follow_keys(named.refresh, keys.set_stale),
                                         name="named-keys")
         supervisor.start()
         reloader.start(watch_config)
@@ -205,4 +207,6 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     app.state.rules = rules
     app.state.keys = keys
     app.state.keys_api = named
+    app.state.relay = relay
+    app.state.responses = responses
     return app

@@ -71,6 +71,18 @@ the relay runs at batch priority."""
 KEYS_SCOPE_KEY = "modelyard.keys"
 
 
+class KeyRevoked(APIError):
+    """The key a request (a stream, a background response, a batch line) runs as was
+    revoked while it ran: its work ends (``Keys.on_revoked``)."""
+
+    status = 401
+    type = "invalid_request_error"
+    default_code = "key_revoked"
+
+    def __init__(self) -> None:
+        super().__init__("the API key of this request was revoked; its work ends")
+
+
 def principal_of(scope: Scope) -> Principal:
     """The principal ``KeyGuard`` found for a request (``OPEN`` when keys are off)."""
     found: Principal = scope.get(PRINCIPAL_SCOPE_KEY, OPEN)
@@ -120,6 +132,12 @@ class Keys:
         """Whether a request needs a key: latched on (see the class doc)."""
         self._users_are_users = False
         """Latched on once an admin key was seen: preset ``user`` keys are never promoted."""
+        self.stale = False
+        """Whether the named keys could not be read for ``key_store.STALE_MAX`` seconds
+        (``set_stale``): they open nothing, and whether each is revoked is unknown."""
+        self._read: frozenset[str] = frozenset()
+        """Names of the named keys at the last read of the database."""
+        self._revoked_listeners: list[Callable[[frozenset[str]], None]] = []
         self._build()
 
     def _build(self) -> None:
@@ -149,13 +167,47 @@ class Keys:
     def set_preset(self, other: Keys) -> None:
         """The preset's keys after a reload, from ``other`` (rotated in place: ``KeyGuard``
         holds this object). Keys dropped stop working at once; keys stay required."""
+        known_before = set(self._by_name)
         self._user, self._admin = list(other._user), list(other._admin)
         self._build()
+        self._tell_revoked(known_before)
 
     def set_named(self, named: Iterable[tuple[bytes, NamedKey]]) -> None:
-        """The database's keys not revoked, as the last look found them."""
+        """The database's keys not revoked, as the last look found them. Names the last
+        read had and this one has not are revoked: ``on_revoked``'s listeners are told
+        (a name that only went unread in an outage is told once the database says so)."""
+        known_before = {p.name for p in self.preset.values()} | self._read
         self.named = {digest: Principal(key.name, key.role, key.spec) for digest, key in named}
+        self.stale = False
+        self._read = frozenset(p.name for p in self.named.values())
         self._build()
+        self._tell_revoked(known_before)
+
+    def set_stale(self) -> None:
+        """The named keys could not be read for ``key_store.STALE_MAX`` seconds: they open
+        nothing (fail closed) until a read succeeds, but none is revoked: ``unknown``
+        tells their work (a batch's lines) to wait rather than end."""
+        self.named = {}
+        self.stale = True
+        self._build()
+
+    def unknown(self, name: str) -> bool:
+        """Whether the key named ``name`` opens nothing now only because the database
+        cannot be read (``set_stale``): it was there at the last read. A key revoked
+        before the outage is not unknown: it is revoked."""
+        return self.stale and name in self._read
+
+    def on_revoked(self, listener: Callable[[frozenset[str]], None]) -> None:
+        """Call ``listener`` with the names of keys that no longer open anything (a
+        revocation read from the database, a reload that drops preset keys), at once:
+        what those keys have running (streams, background responses, batches) ends."""
+        self._revoked_listeners.append(listener)
+
+    def _tell_revoked(self, known_before: set[str]) -> None:
+        gone = frozenset(known_before - self._by_name.keys())
+        if gone:
+            for listener in self._revoked_listeners:
+                listener(gone)
 
     @property
     def preset_admins(self) -> int:

@@ -10,7 +10,10 @@ see a change within ``REFRESH`` seconds.
 While the database is away a router keeps the named keys it last read for ``STALE_MAX``
 seconds (a key revoked meanwhile still opens what it opened: the revocation cannot be
 read); past that, named keys open nothing (``follow``) until a read succeeds again, and
-the first read after the database returns takes every change made meanwhile. Keys are
+the first read after the database returns takes every change made meanwhile. An outage is
+not a revocation: past ``STALE_MAX`` a key is unknown (``Keys.set_stale``, ``Keys.unknown``),
+and what it has running (a batch) waits rather than ends; only a read that lacks the key
+ends its work (``Keys.on_revoked``). Keys are
 not created or revoked while it is away (``/v1/keys`` answers 503).
 """
 

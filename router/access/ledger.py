@@ -17,6 +17,11 @@ without one go on and their rows are kept all the same, counted (``overflow``) a
 
 Budgets (``router.access.budgets``) read the sums and see each row as it is recorded
 (``on_record``).
+
+A batch line's rows are not queued: they are held with the line (``hold``, ``BATCH_LINE``)
+until its result is written, and written in the same transaction
+(``router.batches.store.BatchStore.finish``), so a line run again after a kill -9 (its
+result was never written) is charged once: for the run whose result counts.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import calendar
 import contextlib
+import contextvars
 import functools
 import logging
 import time
@@ -55,6 +61,11 @@ SCHEMA = (
     # every request makes, keep one index instead of two (1.7 against 2.3 us a row).
     "CREATE INDEX IF NOT EXISTS usage_key_time ON usage (key, time)",
 )
+BATCH_LINE: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "modelyard_batch_line", default=None)
+"""The batch line (batch id, line) a task runs, if any: set by the batch runner in the
+line's own task, read by ``Ledger.record`` (the relay logs in that task, or in a callback
+it schedules, which carries the task's context)."""
 GROUPS = ("key", "model", "endpoint", "day")
 INSERT = (f"INSERT INTO usage ({', '.join(COLUMNS)}) "
           f"VALUES ({', '.join('?' for _ in COLUMNS)})")
@@ -92,6 +103,8 @@ class Ledger:
         self.on_record: Callable[[float, str, str, int], None] | None = None
         """Called with each row's (time, key, model, prompt+completion tokens) as it is
         queued (``router.access.budgets``)."""
+        self._held: dict[tuple[str, int], list[Row]] = {}
+        """Rows of batch lines whose results are not written yet (``hold``)."""
 
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write(), name="ledger")
@@ -100,14 +113,41 @@ class Ledger:
                cached: int, completion: int, seconds: float) -> None:
         """Queue one request's row (the event loop does nothing more)."""
         now = time.time()
-        if len(self._queue) >= QUEUE_MAX:
-            self._overflowed()
-        self._queue.append((now, key, model, endpoint, status, prompt, cached, completion,
-                            round(seconds, 4)))
+        row = (now, key, model, endpoint, status, prompt, cached, completion, round(seconds, 4))
         if self.on_record is not None:
             self.on_record(now, key, model, prompt + completion)
+        line = BATCH_LINE.get() if self._held else None
+        held = self._held.get(line) if line is not None else None
+        if held is not None:  # a batch line's: written with its result (``hold``)
+            held.append(row)
+            return
+        if len(self._queue) >= QUEUE_MAX:
+            self._overflowed()
+        self._queue.append(row)
         if len(self._queue) >= FLUSH_ROWS:
             self._wake.set()
+
+    def hold(self, batch: str, line: int) -> None:
+        """A run of ``batch``'s ``line`` begins: the rows it records (``BATCH_LINE``) are
+        held, not queued, until its result is written with them (``held``, ``let_go``).
+        An earlier run's rows, never written, go: only the run whose result counts is
+        charged."""
+        self._held[(batch, line)] = []
+
+    def held(self, batch: str, line: int) -> list[Row]:
+        """The rows held for ``batch``'s ``line`` (to be written with its result)."""
+        return self._held.get((batch, line), [])
+
+    def let_go(self, batch: str, line: int) -> None:
+        """``batch``'s ``line`` has its result written (and its rows with it, or another
+        run's were): its rows are no longer held."""
+        self._held.pop((batch, line), None)
+
+    def let_go_batch(self, batch: str) -> None:
+        """Whatever ``batch``'s lines still hold here (lines cut short and left pending,
+        or written by another runner) is let go: run again, they are charged then."""
+        for held in [k for k in self._held if k[0] == batch]:
+            del self._held[held]
 
     async def _write(self) -> None:
         away = False
@@ -196,7 +236,8 @@ class Ledger:
         """The time of the oldest row not yet committed (queued, or being written); None
         when every row is. Every row before it is in the database."""
         oldest = [batch[0][0] for batch in self._writing] + (
-            [self._queue[0][0]] if self._queue else [])
+            [self._queue[0][0]] if self._queue else []) + [
+            rows[0][0] for rows in self._held.values() if rows]
         return min(oldest) if oldest else None
 
 

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from router.access.admission import BATCH_SCOPE_KEY, Principal, principal_of
+from router.access.admission import BATCH_SCOPE_KEY, KeyRevoked, Keys, Principal, principal_of
 from router.access.buckets import TokensPerMinute
 from router.access.budgets import Budgets, Reservation
 from router.access.ledger import Ledger
@@ -91,6 +91,41 @@ class Relay:
         self._reserved: dict[Usage, Reservation] = {}
         """Budget holds of requests in flight, settled by their log line (``_log``, just
         after their ledger row) or, on a path that ended without one, by ``_settle``."""
+        self.keys: Keys | None = None
+        self._generating: dict[str, set[RequestStream]] = {}
+        """Generations in flight by key name: a revocation fails them (``follow_keys``)."""
+
+    def follow_keys(self, keys: Keys) -> None:
+        """End a key's generations in flight once it is revoked (``Keys.on_revoked``):
+        a stream gets its protocol's in-band error event (a 401, ``key_revoked``), an
+        answer not begun (a background response's, a batch line's) fails with it. Nothing
+        is checked per token: the revocation comes to the streams."""
+        self.keys = keys
+        keys.on_revoked(self._revoked)
+
+    def _revoked(self, names: frozenset[str]) -> None:
+        for name in names:
+            for stream in self._generating.pop(name, ()):
+                stream._fail(KeyRevoked())
+
+    def _follow(self, stream: RequestStream, key: str) -> None:
+        """Count ``stream`` among ``key``'s generations; one whose key was revoked while
+        it waited for its model fails at once."""
+        keys = self.keys
+        if keys is None or not key:
+            return  # no keys followed (an app without admission), or the open server's
+        if keys.required and keys.current(key) is None and not keys.unknown(key):
+            stream._fail(KeyRevoked())
+            return
+        self._generating.setdefault(key, set()).add(stream)
+
+    def _close(self, stream: RequestStream) -> None:
+        stream.close()
+        held = self._generating.get(stream.usage.key)
+        if held is not None:
+            held.discard(stream)
+            if not held:
+                del self._generating[stream.usage.key]
 
     keepalive_every = 5.0
     """Seconds between keep-alive events on a stream that waits for a cold model."""
@@ -169,7 +204,7 @@ class Relay:
             status = 499
             raise
         finally:
-            stream.close()
+            self._close(stream)
             lease.release()
             if status == 200:  # counted and logged once the answer is written
                 asyncio.get_running_loop().call_soon(
@@ -230,12 +265,13 @@ class Relay:
                     gen.priority = BATCH_PRIORITY
             _refuse_oversized(lease.entry, gens)
             stream = link.submit(gens, usage)
+            self._follow(stream, usage.key)
             first = await _first_batch(request, stream)
             usage.first_at = time.perf_counter()
             return stream, first
         except BaseException as err:
             if stream is not None:
-                stream.close()
+                self._close(stream)
             lease.release()
             if isinstance(err, APIError):  # ClientGone too: a 499 nobody reads
                 self._log(endpoint, lease.name, streaming, err.status, usage)
@@ -444,7 +480,7 @@ class Relay:
             status = 499  # the client went away (the generator was closed or cancelled)
             raise
         finally:
-            stream.close()
+            self._close(stream)
             lease.release()
             self._log(endpoint, lease.name, True, status, usage)
 

@@ -9,7 +9,11 @@ any is. The request is marked as a batch line (``BATCH_SCOPE_KEY``): the relay g
 batch priority (``router.api.relay``).
 
 A batch's lines run grouped by model, a model already loaded first, so a batch over two
-models under ``max_loaded_models: 1`` loads each once. At most
+models under ``max_loaded_models: 1`` loads each once; they are read from the database a
+page at a time as they are taken (``BatchStore.pending_page``), so a router holds one page
+of a batch, whatever its size. A revoked owner's batch stops at once (``Keys.on_revoked``);
+an owner that cannot be read (the database away past ``STALE_MAX``: ``Keys.unknown``) is
+not revoked: its lines wait, and none fails. At most
 ``batch_model_concurrency`` lines of one model and ``batch_key_concurrency`` of one key
 run at once, over every batch. Lines yield to people (``_allowed``, ``_Share``): the
 moment a person's request is admitted on a model (``ModelEntry.person_hook``), the lines
@@ -37,13 +41,14 @@ import logging
 import secrets
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 from starlette.types import ASGIApp, Message
 
 from router.access.admission import BATCH_SCOPE_KEY, PRINCIPAL_SCOPE_KEY, Keys, Principal
+from router.access.ledger import BATCH_LINE, Ledger
 from router.batches.store import BatchRow, BatchStore, Line
 from router.errors import APIError, ModelNotFound
 from router.lifecycle.policy.room import BATCH_QUIET, wanted_in_person
@@ -249,8 +254,10 @@ class BatchRunner:
     def __init__(self, store: BatchStore, call: Callable[[str, bytes, Principal, str],
                                                          Awaitable[tuple[int, bytes]]],
                  keys: Keys, supervisor: Supervisor, shapes: dict[str, Shape],
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, ledger: Ledger | None = None) -> None:
         self.store = store
+        self.ledger = ledger
+        """Where lines' usage rows are held until their results are written with them."""
         self.call = call
         self.keys = keys
         self.supervisor = supervisor
@@ -267,6 +274,14 @@ class BatchRunner:
         self._key_lines: dict[str, asyncio.Semaphore] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        keys.on_revoked(self._revoked)
+
+    def _revoked(self, names: frozenset[str]) -> None:
+        """Keys ``names`` were revoked: their batches stop (the lines in flight are
+        cancelled within a second, ``_run_group``) and end ``failed``."""
+        for running in self._running.values():
+            if running.batch.owner in names and running.stop is None:
+                running.stop = "revoked"
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="batch-runner")
@@ -351,6 +366,9 @@ class BatchRunner:
             log.warning("batch %s: %s", batch.id, err.message)
         except Exception:
             log.exception("batch %s: runner failed", batch.id)
+        finally:
+            if self.ledger is not None:  # lines left pending: charged when they run again
+                self.ledger.let_go_batch(batch.id)
 
     async def _run_lines(self, batch: BatchRow) -> None:
         me = self._running[batch.id]
@@ -359,13 +377,13 @@ class BatchRunner:
             self.tell(batch, "in_progress")
         if batch.status == "cancelling":
             me.stop = "canceled"
-        pending = [] if me.stop else await self.store.pending(batch.id)
+        groups = [] if me.stop else await self._groups(batch.id)
         shape = self.shapes[batch.shape]
         done: list[Line] = []
         flusher = asyncio.create_task(self._flush_every(batch, me, done))
         try:
-            for group in self._groups(pending):
-                await self._run_group(batch, me, group, shape, done)
+            for models in groups:
+                await self._run_group(batch, me, models, shape, done)
                 if me.stop:
                     break
         finally:
@@ -374,29 +392,41 @@ class BatchRunner:
                 await flusher
             await self._flush(batch, done)
         if me.stop:
-            state = "expired" if me.stop == "expired" else "canceled"
-            message = {"canceled": "the batch was cancelled before this request ran",
-                       "expired": "the batch expired before this request ran",
-                       "revoked": "the key that made the batch no longer admits requests"
-                       }[me.stop]
-            rest = await self.store.pending(batch.id)
+            await self._end_unrun(batch, me.stop, shape, done)
+        await self._finalize(batch, me.stop)
+
+    async def _end_unrun(self, batch: BatchRow, stop: str, shape: Shape,
+                         done: list[Line]) -> None:
+        """The lines still pending of a batch that stops early, answered as its end says,
+        a page at a time."""
+        state = "expired" if stop == "expired" else "canceled"
+        message = {"canceled": "the batch was cancelled before this request ran",
+                   "expired": "the batch expired before this request ran",
+                   "revoked": "the key that made the batch no longer admits requests"
+                   }[stop]
+        after = -1
+        while rest := await self.store.pending_page(batch.id, None, after):
             done.extend(Line(ln.line, ln.custom_id, ln.model, "", state,
                              shape.unrun(ln, state, message)) for ln in rest)
             for _ in rest:
                 self._finished(batch, state)
             await self._flush(batch, done)
-        await self._finalize(batch, me.stop)
+            after = rest[-1].line  # not "pending again": a batch taken over stays pending
 
-    def _groups(self, lines: list[Line]) -> list[list[Line]]:
-        """``lines`` by the model that serves them (an adapter's: its base's), each in
-        line order; a model ready now first, then in the order the batch first names
-        them."""
-        groups: dict[str, list[Line]] = defaultdict(list)
-        for line in lines:
-            groups[self._served_by(line.model)].append(line)
+    async def _groups(self, batch_id: str) -> list[list[str]]:
+        """The models ``batch_id``'s pending lines name, grouped by the model that serves
+        them (an adapter's: its base's); a model ready now first, then in the order the
+        batch first names them. Only names are held: the lines are paged
+        (``_run_group``)."""
+        firsts: dict[str, int] = {}
+        groups: dict[str, list[str]] = defaultdict(list)
+        for model, first in await self.store.pending_models(batch_id):
+            served = self._served_by(model)
+            groups[served].append(model)
+            firsts[served] = min(first, firsts.get(served, first))
         ready = {e.id for e in self.registry if e.state == "ready"}
-        return sorted(groups.values(), key=lambda g: (self._served_by(g[0].model) not in ready,
-                                                      g[0].line))
+        return [groups[served] for served in sorted(
+            groups, key=lambda served: (served not in ready, firsts[served]))]
 
     def _served_by(self, model: str) -> str:
         try:
@@ -404,9 +434,19 @@ class BatchRunner:
         except ModelNotFound:
             return model  # gone since (a reload): its lines fail as any request would
 
-    async def _run_group(self, batch: BatchRow, me: _Running, group: list[Line],
+    async def _pages(self, batch: BatchRow, models: list[str]) -> AsyncGenerator[Line, None]:
+        """``batch``'s pending lines of ``models``, in line order, read a page
+        (``BatchStore.page_lines``) at a time as they are taken: the runner holds one
+        page of a batch, whatever its size (and the lines in flight)."""
+        after = -1
+        while page := await self.store.pending_page(batch.id, models, after):
+            for line in page:
+                yield line
+            after = page[-1].line  # lines in flight are pending still: read after them
+
+    async def _run_group(self, batch: BatchRow, me: _Running, models: list[str],
                          shape: Shape, done: list[Line]) -> None:
-        model = self._served_by(group[0].model)
+        model = self._served_by(models[0])
         per_model = self._model_lines.setdefault(model, _Share())
         per_key = self._key_lines.setdefault(
             batch.owner, asyncio.Semaphore(self.server.batch_key_concurrency))
@@ -417,12 +457,15 @@ class BatchRunner:
 
         def allowed() -> int:
             return self._allowed(entry)
+
+        lines = self._pages(batch, models)
         try:
-            for line in group:
+            async for line in lines:
                 while entry is not None and not self.supervisor.rooms.batch_may_run(entry):
                     if self._should_stop(batch, me):
                         break
                     await asyncio.sleep(WAIT_FOR_ROOM)  # a person uses the room it needs
+                await self._owner_known(batch, me)
                 await per_key.acquire()
                 try:
                     await per_model.take(allowed)
@@ -449,6 +492,7 @@ class BatchRunner:
                         task.cancel()
                 await asyncio.wait(in_flight, timeout=1.0)
         finally:
+            await lines.aclose()
             for task in in_flight:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
@@ -485,24 +529,41 @@ class BatchRunner:
             me.stop = "expired"
         return me.stop is not None
 
+    async def _owner_known(self, batch: BatchRow, me: _Running) -> None:
+        """Wait while whether ``batch``'s owner still admits cannot be read (the database
+        away past ``STALE_MAX``: ``Keys.unknown``): an outage is not a revocation, so no
+        line starts and none fails until the key reads again."""
+        while self.keys.unknown(batch.owner) and not self._should_stop(batch, me):
+            await asyncio.sleep(WAIT_FOR_ROOM)
+
     async def _one(self, batch: BatchRow, line: Line, shape: Shape, done: list[Line],
                    me: _Running, share: _Share, allowed: Callable[[], int]) -> None:
+        await self._owner_known(batch, me)
         principal = self._principal(batch.owner)
-        if principal is None:
-            me.stop = "revoked"
+        if principal is None:  # read, and revoked (or stopped meanwhile: left pending)
+            if me.stop is None:
+                me.stop = "revoked"
             return
         entry = self.registry.entries.get(self._served_by(line.model))
         if entry is not None and wanted_in_person(entry):
             await share.requeue(allowed)  # a person came since its place was taken
+        if self.ledger is not None:  # its usage is written with its result (``_flush``)
+            self.ledger.hold(batch.id, line.line)
+            BATCH_LINE.set((batch.id, line.line))  # this task's own context
         attempt = cuts = 0
         while True:
             got = await self._attempt(batch, line, principal, share, cuts < CUTS)
+            # The relay logs an answer in a callback it schedules as it answers: let it run,
+            # so the line's usage row is held before its result can be written.
+            await asyncio.sleep(0)
             if got is None:  # a person's request cut it: again once theirs are done
                 cuts += 1
                 await share.requeue(allowed)
+                await self._owner_known(batch, me)
                 principal = self._principal(batch.owner)
                 if principal is None:
-                    me.stop = "revoked"
+                    if me.stop is None:
+                        me.stop = "revoked"
                     return
                 continue
             status, body = got
@@ -518,8 +579,8 @@ class BatchRunner:
             # the server's passing trouble (a worker died, the database away): again later
             await asyncio.sleep(RETRY_AFTER * 2**attempt)
             attempt += 1
-        if status in (502, 503) and me.stop is not None:
-            return  # left pending: answered as the batch's end says (cancelled, expired)
+        if status in (401, 502, 503) and me.stop is not None:
+            return  # left pending: answered as the batch's end says (cancelled, revoked)
         state, text = shape.result(line, status, body)
         done.append(Line(line.line, line.custom_id, line.model, "", state, text))
         self._finished(batch, state)
@@ -564,11 +625,17 @@ class BatchRunner:
             return
         taken = done[:]
         del done[: len(taken)]
+        ledger = self.ledger
+        usage = {} if ledger is None else {ln.line: ledger.held(batch.id, ln.line)
+                                           for ln in taken}
         try:
-            await self.store.finish(batch.id, self.name, taken)
+            await self.store.finish(batch.id, self.name, taken, usage)
         except BaseException:
-            done[:0] = taken  # written with the next flush
+            done[:0] = taken  # written with the next flush (their usage rows still held)
             raise
+        if ledger is not None:
+            for ln in taken:
+                ledger.let_go(batch.id, ln.line)
 
     async def _finalize(self, batch: BatchRow, stop: str | None) -> None:
         fresh = await self.store.batch(batch.id, None)

@@ -25,12 +25,14 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from router.access.database import Conn, Database
+from router.access.ledger import INSERT as USAGE_INSERT
+from router.access.ledger import Row as UsageRow
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 """Statuses of a batch that still has a runner's work to do."""
@@ -67,7 +69,13 @@ SCHEMA = (
     "CREATE INDEX IF NOT EXISTS batch_stored_owner ON batch_stored (owner)",
     ("CREATE UNIQUE INDEX IF NOT EXISTS batch_stored_idempotency ON batch_stored "
     "(owner, idempotency_key)"),
+    # The runner pages a batch's pending lines model by model, in line order
+    # (``pending_models``, ``pending_page``): this index is that order.
+    "CREATE INDEX IF NOT EXISTS batch_lines_pending ON batch_lines (batch, state, model, line)",
 )
+PAGE_LINES = 256
+"""Lines read at once: what a runner holds of a batch (``pending_page``) and what a read of
+its results holds (``result_pages``), whatever the batch's size."""
 
 _BATCH_COLUMNS = ("id", "owner", "shape", "endpoint", "input_file", "completion_window",
                   "status", "created", "expires", "times", "metadata", "errors",
@@ -205,6 +213,10 @@ def _held(conn: Conn, owner: str) -> int:
 class BatchStore:
     """Files and batches in ``db``; upload bodies under ``folder``."""
 
+    page_lines = PAGE_LINES
+    """Lines a read of a batch's lines returns at most (``pending_page``,
+    ``result_pages``)."""
+
     def __init__(self, db: Database, folder: Path, quota_bytes: int) -> None:
         self.db = db
         self.folder = folder
@@ -287,13 +299,47 @@ class BatchStore:
             self.body_path(file_id).unlink(missing_ok=True)
         return bool(gone)
 
-    async def results(self, batch_id: str, states: Sequence[str]) -> list[str]:
-        """The result lines of ``batch_id``'s lines in ``states``, in line order."""
+    async def result_pages(self, batch_id: str, states: Sequence[str]
+                           ) -> AsyncGenerator[list[str], None]:
+        """The result lines of ``batch_id``'s lines in ``states``, in line order, a page
+        (``page_lines``) at a time (each page one read off the event loop): a results file of any size is
+        sent without being held whole."""
         marks = ", ".join("?" for _ in states)
-        rows = await self.db.run(lambda c: c.execute(
-            f"SELECT result FROM batch_lines WHERE batch = ? AND state IN ({marks}) "
-            "ORDER BY line", (batch_id, *states)))
-        return [r[0] for r in rows]
+        sql = (f"SELECT line, result FROM batch_lines WHERE batch = ? AND line > ? AND "
+               f"state IN ({marks}) ORDER BY line LIMIT ?")
+        after, size = -1, self.page_lines
+        while True:
+            args = (batch_id, after, *states, size)
+            rows = await self.db.run(lambda c, args=args: c.execute(sql, args))  # type: ignore[misc]
+            if not rows:
+                return
+            yield [r[1] for r in rows]
+            if len(rows) < size:
+                return
+            after = rows[-1][0]
+
+    async def result_body(self, batch_id: str, states: Sequence[str]
+                          ) -> AsyncIterator[bytes]:
+        """``result_pages`` as the bytes of a JSONL file. The first page is read here,
+        before any answer begins (the database away: a 503, not a cut file); the rest as
+        the client takes them."""
+        pages = self.result_pages(batch_id, states)
+        try:
+            first: list[str] = await anext(pages, [])
+        except BaseException:
+            await pages.aclose()
+            raise
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                if first:
+                    yield "".join(f"{ln}\n" for ln in first).encode()
+                async for page in pages:
+                    yield "".join(f"{ln}\n" for ln in page).encode()
+            finally:
+                await pages.aclose()
+
+        return body()
 
     # -- batches ---------------------------------------------------------------------
 
@@ -447,16 +493,34 @@ class BatchStore:
             "UPDATE batches SET runner = NULL, lease_until = NULL WHERE runner = ?",
             (runner,)))
 
-    async def pending(self, batch_id: str) -> list[Line]:
+    async def pending_models(self, batch_id: str) -> list[tuple[str, int]]:
+        """The models ``batch_id``'s pending lines name, each with its first such line."""
+        rows = await self.db.run(lambda c: c.execute(
+            "SELECT model, MIN(line) FROM batch_lines WHERE batch = ? AND state = 'pending' "
+            "GROUP BY model", (batch_id,)))
+        return [(str(r[0]), int(r[1])) for r in rows]
+
+    async def pending_page(self, batch_id: str, models: Sequence[str] | None,
+                           after: int) -> list[Line]:
+        """At most ``page_lines`` of ``batch_id``'s pending lines after line ``after``, of
+        the models ``models`` (``None``: any), in line order."""
+        args = tuple(models or ())
+        where = "" if models is None else f" AND model IN ({', '.join('?' for _ in args)})"
         rows = await self.db.run(lambda c: c.execute(
             "SELECT line, custom_id, model, body FROM batch_lines WHERE batch = ? AND "
-            "state = 'pending' ORDER BY line", (batch_id,)))
+            f"state = 'pending'{where} AND line > ? ORDER BY line LIMIT ?",
+            (batch_id, *args, after, self.page_lines)))
         return [Line(*r) for r in rows]
 
-    async def finish(self, batch_id: str, runner: str, done: Sequence[Line]) -> int:
+    async def finish(self, batch_id: str, runner: str, done: Sequence[Line],
+                     usage: Mapping[int, Sequence[UsageRow]] | None = None) -> int:
         """Write the results of ``done`` (lines still pending only) and count them in
         the batch, in one transaction, if ``runner`` still holds the batch; the lines
-        written."""
+        written. ``usage``: each line's ledger rows (``Ledger.hold``), written in the same
+        transaction for the lines written only: a line's run is charged if and only if
+        its result is the one kept."""
+        usage = usage or {}
+
         def finish(conn: Conn) -> int:
             with conn.atomic():
                 if not conn.execute("SELECT 1 FROM batches WHERE id = ? AND runner = ?",
@@ -468,6 +532,8 @@ class BatchStore:
                                     "batch = ? AND line = ? AND state = 'pending' "
                                     "RETURNING line", (ln.state, ln.result, batch_id, ln.line)):
                         counts[ln.state] += 1
+                        if usage.get(ln.line):
+                            conn.many(USAGE_INSERT, usage[ln.line])
                 conn.execute("UPDATE batches SET " + ", ".join(
                     f"{state} = {state} + ?" for state in LINE_STATES) + " WHERE id = ?",
                     (*counts.values(), batch_id))

@@ -36,7 +36,7 @@ from typing import Annotated, Any
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from router.access.admission import principal_of
@@ -263,5 +263,6 @@ class MessageBatches:
             raise BadRequest(f"message batch '{row.id}' has not ended (processing_status "
                              f"'{processing_status(row)}'); its results come once it has "
                              "ended (results_url is set then)", code="batch_not_ended")
-        lines = await self.store.results(row.id, LINE_STATES)
-        return Response("".join(f"{ln}\n" for ln in lines).encode(), media_type=RESULTS_MEDIA)
+        # Streamed a page at a time: a results file is never held whole.
+        return StreamingResponse(await self.store.result_body(row.id, LINE_STATES),
+                                 media_type=RESULTS_MEDIA)

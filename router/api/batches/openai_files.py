@@ -40,7 +40,7 @@ import msgspec
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
-from starlette.responses import FileResponse, Response
+from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from router.access.admission import principal_of
@@ -251,9 +251,9 @@ class FilesAndBatches:
             return FileResponse(path, media_type="application/octet-stream")
         assert row.batch is not None
         states = ("succeeded",) if row.kind == "output" else ("errored", "canceled", "expired")
-        lines = await self.store.results(row.batch, states)
-        return Response("".join(f"{ln}\n" for ln in lines).encode(),
-                        media_type="application/octet-stream")
+        # Streamed a page at a time: a results file is never held whole.
+        return StreamingResponse(await self.store.result_body(row.batch, states),
+                                 media_type="application/octet-stream")
 
     # -- batches -----------------------------------------------------------------------
 

@@ -17,11 +17,12 @@ from router.access.admission import PRINCIPAL_SCOPE_KEY, Principal
 
 
 class _Run:
-    __slots__ = ("gone", "task")
+    __slots__ = ("gone", "owner", "task")
 
-    def __init__(self, task: asyncio.Task[None], gone: asyncio.Event) -> None:
+    def __init__(self, task: asyncio.Task[None], gone: asyncio.Event, owner: str) -> None:
         self.task = task
         self.gone = gone
+        self.owner = owner
 
 
 class BackgroundRuns:
@@ -51,8 +52,18 @@ class BackgroundRuns:
             await run(request)
 
         task = asyncio.create_task(main(), name=f"background {rid}")
-        self._runs[rid] = _Run(task, gone)  # held until done: the loop keeps weak references
+        # held until done: the loop keeps weak references
+        self._runs[rid] = _Run(task, gone, principal.name)
         task.add_done_callback(lambda _: self._runs.pop(rid, None))
+
+    def revoked(self, names: frozenset[str]) -> None:
+        """Keys ``names`` were revoked (``Keys.on_revoked``): their runs end now, as a
+        cancel would end them. One that generates has already failed (the relay ends a
+        revoked key's generations: ``failed``); one still waiting for its model is
+        cancelled here (``cancelled``), rather than when the model is ready."""
+        for run in self._runs.values():
+            if run.owner in names:
+                run.gone.set()
 
     async def cancel(self, rid: str) -> None:
         """Cancel ``rid``'s run, if it is running, and wait until it has ended."""
