@@ -43,6 +43,7 @@ models:
   m: {{model: /synthetic, engine: synthetic}}
   other: {{model: /synthetic, engine: synthetic}}
   slow: {{model: /synthetic, engine: synthetic, engine_args: {{tokens_per_second: 4}}}}
+  slow-lines: {{model: /synthetic, engine: synthetic, engine_args: {{tokens_per_second: 4}}}}
   late: {{model: /synthetic, engine: synthetic, engine_args: {{start_seconds: 120}}}}
 """
 
@@ -257,8 +258,9 @@ def test_a_revocation_ends_the_keys_stream_background_response_and_batch(
                 "background": True})
             assert made.status_code == 200, made.text
             rid = made.json()["id"]
-            bid = await make_batch(app, [chat_line(f"d-{i}", "slow", 400) for i in range(6)],
-                                   dave)
+            # on a model of its own: a person's stream on its model would cut its lines
+            bid = await make_batch(app, [chat_line(f"d-{i}", "slow-lines", 400)
+                                         for i in range(6)], dave)
 
             def generating() -> bool:  # both streams, the background response, a line
                 flights = [s.usage.batch for s in relay._generating.get("dave", ())]
