@@ -362,6 +362,37 @@ def test_a_line_run_again_after_the_router_died_is_charged_once(
     assert rows == [(200, 5)], rows
 
 
+def test_a_batch_cancelled_while_its_lines_generate_is_charged_for_them(
+        tmp_path: Path) -> None:
+    """A key's 4-line batch generates on a slow model (4 tok/s, 400 tokens a line); after
+    some seconds of tokens the key cancels it: its lines end ``canceled``, and the tokens
+    they spent are in the usage table, one row a line at most (with its ``canceled``
+    result). Before, a line ended by its batch's stop was a 499 the relay charged as if
+    it were cut for a person: nothing, so a key that cancels its batches before their
+    lines end (then makes another) spent past any budget and token rate without a row."""
+    import sqlite3
+
+    async def go() -> dict[str, Any]:
+        async with serving(tmp_path) as app:
+            eve = await named_key(app, "eve")
+            relay = app.app.state.relay
+            bid = await make_batch(app, [chat_line(f"e-{i}", "slow-lines", 400)
+                                         for i in range(4)], eve)
+            await until(lambda: len(relay._generating.get("eve", ())) == 4, "lines running",
+                        timeout=60)
+            await asyncio.sleep(2)  # ~8 tokens a line
+            got = await app.ask("POST", f"/v1/batches/{bid}/cancel", eve)
+            assert got.status_code == 200, got.text
+            return await ended(app, bid, 30)
+
+    batch = asyncio.run(go())
+    assert batch["status"] == "cancelled", batch
+    with contextlib.closing(sqlite3.connect(tmp_path / "cache" / "modelyard.db")) as db:
+        rows = db.execute("SELECT status, completion_tokens FROM usage WHERE key = 'eve' "
+                          "AND endpoint = 'chat'").fetchall()
+    assert 1 <= len(rows) <= 4 and all(done > 0 for _, done in rows), rows
+
+
 # -- units: the keys' standing, the ledger's held rows -----------------------------------
 
 def test_keys_tell_an_outage_from_a_revocation() -> None:

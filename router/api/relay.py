@@ -490,15 +490,15 @@ class Relay:
         (``now``: when it ended, if not now)."""
         now = now or time.perf_counter()
         self.metrics.request(endpoint, model, status, usage, now)
-        # A batch line that ended unanswered (cut short for a person's request, its batch
-        # cancelled, the router stopping) is no row and no spending: its line is still
-        # pending, or answered as never run, and is charged once, by the run that answers.
-        charged = not (usage.batch is not None and status == 499)
-        if self.ledger is not None and charged:
+        # A batch line that ended unanswered is a row as any request is: held with its
+        # line (``Ledger.hold``), it is written with the line's ``canceled`` result (its
+        # batch stopped: the tokens were spent) or dropped by the runner (cut short for a
+        # person's request, or the router stopping: the line runs again, charged then).
+        if self.ledger is not None:
             self.ledger.record(usage.key, model, endpoint, status, usage.prompt_tokens,
                                usage.cached_tokens, usage.completion, now - usage.started)
         self._settle(usage)  # after the row: a concurrent reservation sees one or the other
-        if usage.key and (usage.prompt or usage.completion) and charged:
+        if usage.key and (usage.prompt or usage.completion):
             self.tpm.spend(usage.key, usage.prompt_tokens + usage.completion)
         if log.isEnabledFor(logging.INFO):  # its arguments cost more than the check
             ttft, decode, total = _timings(usage, now)

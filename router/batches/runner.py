@@ -558,6 +558,8 @@ class BatchRunner:
             await asyncio.sleep(0)
             if got is None:  # a person's request cut it: again once theirs are done
                 cuts += 1
+                if self.ledger is not None:  # the cut run is not charged: its rows go
+                    self.ledger.hold(batch.id, line.line)
                 await share.requeue(allowed)
                 await self._owner_known(batch, me)
                 principal = self._principal(batch.owner)
@@ -588,9 +590,10 @@ class BatchRunner:
     async def _attempt(self, batch: BatchRow, line: Line, principal: Principal,
                        share: _Share, cuttable: bool) -> tuple[int, bytes] | None:
         """One run of ``line``: its status and body; ``None``: a person's request cut it
-        short (``_Share.cut``; ``cuttable``). A line cut short has no result, and is no
-        row of the usage ledger (``Relay``: a batch line that ends unanswered): it is
-        answered, and charged, once, when it runs to its end."""
+        short (``_Share.cut``; ``cuttable``). A line cut short has no result, and its rows
+        are dropped (``_one``: ``Ledger.hold`` again): it is answered, and charged, once,
+        when it runs to its end. A line its batch's stop ends is charged for what it
+        spent: its rows are written with its ``canceled`` result (``_end_unrun``)."""
         call = asyncio.ensure_future(self.call(batch.endpoint, line.body.encode(), principal,
                                                batch.id))
         if cuttable:
