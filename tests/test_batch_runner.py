@@ -26,6 +26,7 @@ import pytest
 
 from router.access.database import Conn
 from router.app import build_app
+from router.batches.runner import BatchRunner
 from router.batches.store import BatchStore
 from shared.config import load_preset
 
@@ -391,6 +392,45 @@ def test_a_batch_cancelled_while_its_lines_generate_is_charged_for_them(
         rows = db.execute("SELECT status, completion_tokens FROM usage WHERE key = 'eve' "
                           "AND endpoint = 'chat'").fetchall()
     assert 1 <= len(rows) <= 4 and all(done > 0 for _, done in rows), rows
+
+
+def test_a_batch_cancelled_while_a_person_holds_its_model_ends_at_once(
+        tmp_path: Path) -> None:
+    """An 8-line batch runs 4 lines on a slow model; a person's 15 s stream there cuts
+    them; the key cancels its batch a second later: it is ``cancelled`` within 3 s, and
+    the model's batch places are all back. Before, the runner waited for the model's next
+    place (none while the person's request is in flight) before it looked at the stop:
+    the batch stayed ``cancelling`` (and in the key's ``batches_per_key``) as long as
+    people used the model."""
+
+    async def go() -> tuple[list[str], int]:
+        async with serving(tmp_path) as app:
+            eve = await named_key(app, "eve")
+            relay = app.app.state.relay
+            bid = await make_batch(app, [chat_line(f"e-{i}", "slow", 400)
+                                         for i in range(8)], eve)
+            await until(lambda: len(relay._generating.get("eve", ())) == 4, "lines running",
+                        timeout=60)
+            person = asyncio.create_task(app.ask("POST", "/v1/chat/completions", json={
+                "model": "slow", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 60, "stream": True}))
+            await until(lambda: not relay._generating.get("eve"), "lines cut", timeout=10)
+            got = await app.ask("POST", f"/v1/batches/{bid}/cancel", eve)
+            assert got.status_code == 200, got.text
+            seen: list[str] = []
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and "cancelled" not in seen:
+                seen.append((await app.ask("GET", f"/v1/batches/{bid}", eve)).json()["status"])
+                await asyncio.sleep(0.2)
+            assert not person.done()
+            person.cancel()
+            runner = next(f.__self__ for f in app.app.state.keys._revoked_listeners
+                          if isinstance(getattr(f, "__self__", None), BatchRunner))
+            return seen, runner._model_lines["slow"].in_flight
+
+    seen, places = asyncio.run(go())
+    assert seen[-1] == "cancelled", seen
+    assert places == 0, places
 
 
 # -- units: the keys' standing, the ledger's held rows -----------------------------------

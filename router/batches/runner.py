@@ -191,10 +191,13 @@ class _Share:
         """Calls cut (cancelled) by ``cut``: their lines run again."""
         self._freed = asyncio.Event()
 
-    async def take(self, allowed: Callable[[], int], again: bool = False) -> None:
+    async def take(self, allowed: Callable[[], int], again: bool = False,
+                   stopped: Callable[[], bool] = lambda: False) -> None:
+        """Wait for a place and take it; ``stopped()`` (its batch stops) ends the wait
+        too, the place taken all the same (its caller sees the stop and gives it back)."""
         self.again += again
         try:
-            while self.in_flight >= allowed() or (self.again and not again):
+            while (self.in_flight >= allowed() or (self.again and not again)) and not stopped():
                 self._freed.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(SHARE_LOOK):  # the limit may rise meanwhile
@@ -468,7 +471,8 @@ class BatchRunner:
                 await self._owner_known(batch, me)
                 await per_key.acquire()
                 try:
-                    await per_model.take(allowed)
+                    # a cancel or a revocation is seen while a person holds the model
+                    await per_model.take(allowed, stopped=lambda: self._should_stop(batch, me))
                 except BaseException:
                     per_key.release()
                     raise
