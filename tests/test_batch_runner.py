@@ -433,6 +433,50 @@ def test_a_batch_cancelled_while_a_person_holds_its_model_ends_at_once(
     assert places == 0, places
 
 
+def test_a_write_of_results_that_fails_once_loses_no_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 16-line batch; the first write of its results fails (the database away for a
+    moment), the next ones work: every line runs once, and results are written again
+    within a few flushes. Before, the failed write ended the flusher: every later result
+    was held in memory until the batch's end, which then raised the old failure, so all of
+    them were dropped and every line ran twice (a blip a run: the batch never ends)."""
+    from router.access.database import DatabaseUnavailable
+    from router.batches.runner import LineCaller
+
+    finish = BatchStore.finish
+    failed = asyncio.Event()
+    writes: list[int] = []
+
+    async def blip(self: BatchStore, *args: Any, **kw: Any) -> int:
+        if args[2] and not failed.is_set():
+            failed.set()
+            raise DatabaseUnavailable("the database is away for a moment")
+        if args[2]:
+            writes.append(len(args[2]))
+        return await finish(self, *args, **kw)
+
+    calls = 0
+    call = LineCaller.__call__
+
+    async def counted(self: LineCaller, *args: Any) -> tuple[int, bytes]:
+        nonlocal calls
+        calls += 1
+        return await call(self, *args)
+
+    monkeypatch.setattr(BatchStore, "finish", blip)
+    monkeypatch.setattr(LineCaller, "__call__", counted)
+
+    async def go() -> dict[str, Any]:
+        async with serving(tmp_path) as app:
+            bid = await make_batch(app, [chat_line(f"l-{i}", "slow", 4) for i in range(16)])
+            return await ended(app, bid, 90)
+
+    batch = asyncio.run(go())
+    assert batch["request_counts"] == {"total": 16, "completed": 16, "failed": 0}, batch
+    assert calls == 16, calls
+    assert failed.is_set() and sum(writes) == 16 and len(writes) > 1, writes
+
+
 # -- units: the keys' standing, the ledger's held rows -----------------------------------
 
 def test_keys_tell_an_outage_from_a_revocation() -> None:

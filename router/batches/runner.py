@@ -621,7 +621,11 @@ class BatchRunner:
     async def _flush_every(self, batch: BatchRow, me: _Running, done: list[Line]) -> None:
         while True:
             await asyncio.sleep(FLUSH_EVERY)
-            await self._flush(batch, done)
+            try:
+                await self._flush(batch, done)
+            except APIError as err:  # the database away: they wait for the next flush
+                log.warning("batch %s: results not written yet: %s", batch.id, err.message)
+                continue
             now = time.monotonic()
             if batch.done != me.told_done and now - me.told_at >= PROGRESS_EVERY:
                 me.told_at, me.told_done = now, batch.done
