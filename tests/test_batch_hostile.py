@@ -246,6 +246,29 @@ def test_one_file_cannot_feed_batches_past_the_files_quota(router: RouterProcess
 
 
 @pytest.mark.integration
+def test_a_batchs_results_count_against_the_files_quota(router: RouterProcess) -> None:
+    """A 30-line file of a few KB whose lines each ask for 8 choices of 300 tokens: the
+    batch's results (about 330 KB) are stored bytes of its key too, so once it has ended
+    past the 0.25 MiB quota even a 1 KB upload is refused, until the batch is deleted.
+    Before, only the file and the copied lines counted: the results stored ~20x the
+    quota, and uploads went on being accepted."""
+    r = router
+    key = new_key(r, "hostile-results")
+    made = upload(r, key, [chat_line(f"r-{i}", n=8, max_tokens=300) for i in range(30)])
+    assert made.status_code == 200, made.text
+    batch = create(r, key, made.json()["id"])
+    assert batch.status_code == 200, batch.text
+    done = finished(r, key, batch.json()["id"])
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 30, done
+    small = upload(r, key, [chat_line("s")])
+    assert small.status_code == 413, small.text
+    assert small.json()["error"]["code"] == "files_quota_exceeded"
+    gone = call(r, key, "DELETE", f"/v1/batches/{batch.json()['id']}")
+    assert gone.status_code == 200, gone.text
+    assert upload(r, key, [chat_line("s")]).status_code == 200
+
+
+@pytest.mark.integration
 def test_a_key_holds_at_most_batches_per_key_in_flight(router: RouterProcess) -> None:
     """``batches_per_key: 2``: a third batch while two are in flight is a 429 in each
     API's shape, and one cancelled (ended) makes room. On 1a1e9ee all were accepted."""

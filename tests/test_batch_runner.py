@@ -505,6 +505,27 @@ def test_keys_tell_an_outage_from_a_revocation() -> None:
     assert keys.current("a") is not None and not keys.unknown("a") and not keys.unknown("b")
 
 
+def test_a_key_made_after_the_last_read_is_unseen_not_revoked() -> None:
+    """A batch made on another router sharing the database, by a key made there after
+    this router's last read: the key is ``unseen`` (its lines wait) until a read, which
+    either finds it or tells that it is not there; a key this router knows, or one read
+    after the batch was made, is never unseen. Before, the runner that claimed such a
+    batch first took its owner for revoked and failed the batch."""
+    import time as clock
+
+    from router.access.admission import Keys
+    from router.access.key_store import NamedKey
+
+    keys = Keys(admin=["k-admin"])
+    keys.set_named([(b"a".ljust(32, b"."), NamedKey(name="a", role="user"))])
+    made = clock.time() + 1  # a batch made after that read
+    assert keys.unseen("new", made) and not keys.unseen("a", made)
+    assert not keys.unseen("new", keys.read_at - 1)  # read since: not there is not there
+    keys.set_named([(b"a".ljust(32, b"."), NamedKey(name="a", role="user")),
+                    (b"new".ljust(32, b"."), NamedKey(name="new", role="user"))])
+    assert not keys.unseen("new", made - 1) and keys.current("new") is not None
+
+
 def test_a_batch_lines_rows_are_held_until_its_result_is_written(tmp_path: Path) -> None:
     """A row recorded in a batch line's context is held, not queued: unwritten (budgets
     count it from memory) until its result's write takes it; a new run of the line drops
@@ -534,3 +555,49 @@ def test_a_batch_lines_rows_are_held_until_its_result_is_written(tmp_path: Path)
         ledger.db.close()
 
     asyncio.run(go())
+
+
+def test_a_person_who_never_leaves_a_gap_slows_a_batch_but_never_stops_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """People keep the slow model busy without a gap (two looping streams, overlapping);
+    a 4-line batch of short lines there still ends ``completed`` while they do: once no
+    line has moved for ``STARVED_AFTER`` (1 s here) one runs beside them. Before, no line
+    ever started while a person's request was in flight: the batch stayed ``in_progress``
+    with nothing done for as long as people kept the model busy."""
+    from router.batches import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "STARVED_AFTER", 1.0)
+
+    async def go() -> tuple[dict[str, Any], int]:
+        async with serving(tmp_path) as app:
+            relay = app.app.state.relay
+            busy = asyncio.Event()
+            asked = 0
+
+            async def person(delay: float) -> None:
+                nonlocal asked
+                await asyncio.sleep(delay)
+                while not busy.is_set():
+                    asked += 1
+                    await app.ask("POST", "/v1/chat/completions", json={
+                        "model": "slow", "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 8, "stream": True})
+
+            people = [asyncio.create_task(person(d)) for d in (0.0, 1.0)]
+            await until(lambda: any(s.usage.batch is None
+                                    for ss in relay._generating.values() for s in ss),
+                        "a person generating")
+            bid = await make_batch(app, [chat_line(f"p-{i}", "slow", 2) for i in range(4)])
+            try:
+                batch = await ended(app, bid, 60)
+                still = all(not p.done() for p in people)
+            finally:
+                busy.set()
+                await asyncio.gather(*people, return_exceptions=True)
+            assert still
+            return batch, asked
+
+    batch, asked = asyncio.run(go())
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": 4, "completed": 4, "failed": 0}, batch
+    assert asked >= 4, asked

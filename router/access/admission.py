@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,8 @@ class Keys:
         (``set_stale``): they open nothing, and whether each is revoked is unknown."""
         self._read: frozenset[str] = frozenset()
         """Names of the named keys at the last read of the database."""
+        self.read_at = 0.0
+        """When (``time.time()``) the named keys were last read from the database."""
         self._revoked_listeners: list[Callable[[frozenset[str]], None]] = []
         self._build()
 
@@ -179,6 +182,7 @@ class Keys:
         known_before = {p.name for p in self.preset.values()} | self._read
         self.named = {digest: Principal(key.name, key.role, key.spec) for digest, key in named}
         self.stale = False
+        self.read_at = time.time()
         self._read = frozenset(p.name for p in self.named.values())
         self._build()
         self._tell_revoked(known_before)
@@ -196,6 +200,13 @@ class Keys:
         cannot be read (``set_stale``): it was there at the last read. A key revoked
         before the outage is not unknown: it is revoked."""
         return self.stale and name in self._read
+
+    def unseen(self, name: str, since: float) -> bool:
+        """Whether the key named ``name`` may be one this router has not read yet: it
+        knows no such key, and has not read the database since ``since`` (a batch made
+        on another router sharing the database, with a key made there after this one's
+        last read). Its work waits for the next read rather than ending as revoked."""
+        return name not in self._by_name and self.read_at < since
 
     def on_revoked(self, listener: Callable[[frozenset[str]], None]) -> None:
         """Call ``listener`` with the names of keys that no longer open anything (a

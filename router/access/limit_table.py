@@ -171,12 +171,13 @@ TABLE: dict[tuple[str, str], Cell] = {
     ("files_quota", "request"): _not(_NO_FILE),
     ("files_quota", "stream"): _not(_NO_FILE),
     ("files_quota", "background"): _not(_NO_FILE),
-    ("files_quota", "batch"): _holds(_FILES, "the lines a batch stores count with the "
-                                             "file it was made of: a create past the "
-                                             "quota is refused (`files_quota_exceeded`)"),
-    ("files_quota", "message_batch"): _holds(_FILES, "its requests are stored as the key's "
-                                                     "and count: a create past the quota "
-                                                     "is refused"),
+    ("files_quota", "batch"): _holds(_FILES, "the lines a batch stores, and its results "
+                                             "as they are written, count with the file it "
+                                             "was made of: a create past the quota is "
+                                             "refused (`files_quota_exceeded`)"),
+    ("files_quota", "message_batch"): _holds(_FILES, "its requests and results are "
+                                                     "stored as the key's and count: a "
+                                                     "create past the quota is refused"),
     ("files_quota", "upload"): _holds(_FILES + ".add_file", "413 `files_quota_exceeded`, as the bytes "
                                               "arrive"),
     ("store_bound", "request"): _holds(_STORE, "the key's least recently used response "

@@ -72,6 +72,10 @@ RETRY_AFTER = 2.0
 SHARE_LOOK = 0.5
 """Seconds between looks at a model's batch line limit while it is reached (a person's
 request that ends wakes the lines waiting at once)."""
+STARVED_AFTER = 10.0
+"""Seconds a model's batch lines may wait with none starting or ending while people keep
+its requests in flight without a gap: then one line runs beside them (``_allowed``), so
+a person who never leaves a model idle slows its batches, never stops them."""
 CUTS = 2
 """Times a person's request may cut one line short (``_Share.cut``); a line cut that often
 runs to its end beside whoever comes next, so a person who leaves the model only short
@@ -178,7 +182,7 @@ class _Share:
     A line cut short gives its place back and waits for it again ahead of every line not
     yet begun (``take(again=True)``), so a cut line runs again before new ones start."""
 
-    __slots__ = ("_freed", "again", "calls", "cut_calls", "in_flight")
+    __slots__ = ("_freed", "_waiting", "again", "calls", "cut_calls", "in_flight", "moved_at")
 
     def __init__(self) -> None:
         self.in_flight = 0
@@ -190,12 +194,19 @@ class _Share:
         self.cut_calls: set[asyncio.Future[tuple[int, bytes]]] = set()
         """Calls cut (cancelled) by ``cut``: their lines run again."""
         self._freed = asyncio.Event()
+        self.moved_at = time.monotonic()
+        """When a line last started or ended here, or began to wait where none was
+        running or waiting (``STARVED_AFTER``)."""
+        self._waiting = 0
 
     async def take(self, allowed: Callable[[], int], again: bool = False,
                    stopped: Callable[[], bool] = lambda: False) -> None:
         """Wait for a place and take it; ``stopped()`` (its batch stops) ends the wait
         too, the place taken all the same (its caller sees the stop and gives it back)."""
+        if not self.in_flight and not self._waiting:
+            self.moved_at = time.monotonic()  # the first to wait: its clock starts now
         self.again += again
+        self._waiting += 1
         try:
             while (self.in_flight >= allowed() or (self.again and not again)) and not stopped():
                 self._freed.clear()
@@ -204,11 +215,18 @@ class _Share:
                         await self._freed.wait()
         finally:
             self.again -= again
+            self._waiting -= 1
         self.in_flight += 1
+        self.moved_at = time.monotonic()
 
     def give(self) -> None:
         self.in_flight -= 1
+        self.moved_at = time.monotonic()
         self._freed.set()
+
+    def starved(self) -> bool:
+        """No line here has started or ended for ``STARVED_AFTER`` s."""
+        return time.monotonic() - self.moved_at >= STARVED_AFTER
 
     async def requeue(self, allowed: Callable[[], int]) -> None:
         """A cut line: its place given back, then taken again once the limit allows,
@@ -459,7 +477,7 @@ class BatchRunner:
             entry.person_hook = self._person  # a person's request cuts the lines in flight
 
         def allowed() -> int:
-            return self._allowed(entry)
+            return self._allowed(entry, per_model)
 
         lines = self._pages(batch, models)
         try:
@@ -501,19 +519,20 @@ class BatchRunner:
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
 
-    def _allowed(self, entry: ModelEntry | None) -> int:
+    def _allowed(self, entry: ModelEntry | None, share: _Share | None = None) -> int:
         """Batch lines ``entry`` may run at once now: none while a person's request is in
         flight there (the lines running as it was admitted were cut, but those cut
         ``CUTS`` times, which go on); ``batch_shared_concurrency`` in the gaps of a
         person's use (no request of theirs in flight, one within ``BATCH_QUIET`` s), each
-        cut when their next request comes; else ``batch_model_concurrency``. vLLM's
+        cut when their next request comes; else ``batch_model_concurrency``. Where
+        people leave no gap, one line once none has moved for ``STARVED_AFTER`` s. vLLM's
         priority orders its waiting requests, not who shares a step: every line in the
         engine's batch slows each step a person's tokens wait for, and its prefill is
         chunked in among them."""
         if entry is None:
             return self.server.batch_model_concurrency
-        if wanted_in_person(entry):
-            return 0
+        if wanted_in_person(entry):  # but one line if none moved for STARVED_AFTER s
+            return 1 if share is not None and share.starved() else 0
         if time.monotonic() - entry.interactive_at < BATCH_QUIET:
             return self.server.batch_shared_concurrency
         return self.server.batch_model_concurrency
@@ -535,9 +554,11 @@ class BatchRunner:
 
     async def _owner_known(self, batch: BatchRow, me: _Running) -> None:
         """Wait while whether ``batch``'s owner still admits cannot be read (the database
-        away past ``STALE_MAX``: ``Keys.unknown``): an outage is not a revocation, so no
-        line starts and none fails until the key reads again."""
-        while self.keys.unknown(batch.owner) and not self._should_stop(batch, me):
+        away past ``STALE_MAX``: ``Keys.unknown``; a key made on another router after
+        this one's last read: ``Keys.unseen``): an outage is not a revocation, so no line
+        starts and none fails until the key reads again."""
+        while ((self.keys.unknown(batch.owner) or self.keys.unseen(batch.owner, batch.created))
+               and not self._should_stop(batch, me)):
             await asyncio.sleep(WAIT_FOR_ROOM)
 
     async def _one(self, batch: BatchRow, line: Line, shape: Shape, done: list[Line],

@@ -527,13 +527,19 @@ class BatchStore:
                                     (batch_id, runner)):
                     return 0  # taken over (its lease ran out): the new runner writes
                 counts = dict.fromkeys(LINE_STATES, 0)
+                stored = 0
                 for ln in done:
                     if conn.execute("UPDATE batch_lines SET state = ?, result = ? WHERE "
                                     "batch = ? AND line = ? AND state = 'pending' "
                                     "RETURNING line", (ln.state, ln.result, batch_id, ln.line)):
                         counts[ln.state] += 1
+                        stored += len(ln.result.encode())
                         if usage.get(ln.line):
                             conn.many(USAGE_INSERT, usage[ln.line])
+                # Results are stored bytes of the owner's too: its files quota counts them
+                # (a batch made before ``batch_stored`` has no row, and counts nothing).
+                conn.execute("UPDATE batch_stored SET bytes = bytes + ? WHERE batch = ?",
+                             (stored, batch_id))
                 conn.execute("UPDATE batches SET " + ", ".join(
                     f"{state} = {state} + ?" for state in LINE_STATES) + " WHERE id = ?",
                     (*counts.values(), batch_id))
