@@ -566,7 +566,7 @@ def test_a_person_who_never_leaves_a_gap_slows_a_batch_but_never_stops_it(
     with nothing done for as long as people kept the model busy."""
     from router.batches import runner as runner_module
 
-    monkeypatch.setattr(runner_module, "STARVED_AFTER", 1.0)
+    monkeypatch.setattr(runner_module, "STARVED_AFTER", 1.0, raising=False)
 
     async def go() -> tuple[dict[str, Any], int]:
         async with serving(tmp_path) as app:
