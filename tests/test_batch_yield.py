@@ -153,7 +153,8 @@ def test_a_persons_request_cuts_the_lines_in_flight_they_run_again_later(
 
 def test_a_person_with_short_gaps_still_lets_a_batch_end(router: RouterProcess) -> None:
     """Bob keeps a request on the model but for 0.2 s gaps, each too short for a line
-    (2 s): a line is cut ``CUTS`` times at most, then runs to its end beside him."""
+    (2 s) and shorter than ``GAP``: no line starts in them, but once none has moved for
+    ``STARVED_AFTER`` s one runs to its end beside him, and the batch ends."""
     assert CUTS >= 1
     lines = 3
     stop = threading.Event()

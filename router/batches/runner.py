@@ -72,10 +72,15 @@ RETRY_AFTER = 2.0
 SHARE_LOOK = 0.5
 """Seconds between looks at a model's batch line limit while it is reached (a person's
 request that ends wakes the lines waiting at once)."""
-STARVED_AFTER = 10.0
+STARVED_AFTER = 5.0
 """Seconds a model's batch lines may wait with none starting or ending while people keep
-its requests in flight without a gap: then one line runs beside them (``_allowed``), so
-a person who never leaves a model idle slows its batches, never stops them."""
+its requests in flight without a gap: then one line runs beside them (``_allowed``), to
+its end (never cut), so a person who never leaves a model idle slows its batches, never
+stops them."""
+GAP = 0.5
+"""Seconds a model must have had no person's request in flight before batch lines start
+in the gap: a line started in a shorter one would be cut by the person's next request,
+most often in its prefill, the step that person's first token then waits behind."""
 CUTS = 2
 """Times a person's request may cut one line short (``_Share.cut``); a line cut that often
 runs to its end beside whoever comes next, so a person who leaves the model only short
@@ -182,7 +187,8 @@ class _Share:
     A line cut short gives its place back and waits for it again ahead of every line not
     yet begun (``take(again=True)``), so a cut line runs again before new ones start."""
 
-    __slots__ = ("_freed", "_waiting", "again", "calls", "cut_calls", "in_flight", "moved_at")
+    __slots__ = ("_freed", "_waiting", "again", "calls", "cut_calls", "in_flight", "moved_at",
+                 "person_left")
 
     def __init__(self) -> None:
         self.in_flight = 0
@@ -198,6 +204,8 @@ class _Share:
         """When a line last started or ended here, or began to wait where none was
         running or waiting (``STARVED_AFTER``)."""
         self._waiting = 0
+        self.person_left = 0.0
+        """When the last person's request in flight on the model ended (``GAP``)."""
 
     async def take(self, allowed: Callable[[], int], again: bool = False,
                    stopped: Callable[[], bool] = lambda: False) -> None:
@@ -524,18 +532,26 @@ class BatchRunner:
         flight there (the lines running as it was admitted were cut, but those cut
         ``CUTS`` times, which go on); ``batch_shared_concurrency`` in the gaps of a
         person's use (no request of theirs in flight, one within ``BATCH_QUIET`` s), each
-        cut when their next request comes; else ``batch_model_concurrency``. Where
-        people leave no gap, one line once none has moved for ``STARVED_AFTER`` s. vLLM's
+        cut when their next request comes, once the gap is ``GAP`` s long; else
+        ``batch_model_concurrency``. Where people leave no such gap, one line once none
+        has moved for ``STARVED_AFTER`` s. vLLM's
         priority orders its waiting requests, not who shares a step: every line in the
         engine's batch slows each step a person's tokens wait for, and its prefill is
         chunked in among them."""
         if entry is None:
             return self.server.batch_model_concurrency
-        if wanted_in_person(entry):  # but one line if none moved for STARVED_AFTER s
+        if self._beside_people(entry, share):  # one line, if none moved for STARVED_AFTER s
             return 1 if share is not None and share.starved() else 0
         if time.monotonic() - entry.interactive_at < BATCH_QUIET:
             return self.server.batch_shared_concurrency
         return self.server.batch_model_concurrency
+
+    @staticmethod
+    def _beside_people(entry: ModelEntry | None, share: _Share | None) -> bool:
+        """Whether a line starting now on ``entry`` would run beside a person's request:
+        one is in flight there, or the last ended less than ``GAP`` s ago."""
+        return entry is not None and (wanted_in_person(entry) or (
+            share is not None and time.monotonic() - share.person_left < GAP))
 
     def _person(self, entry: ModelEntry, arrived: bool) -> None:
         """``ModelEntry.person_hook``: a person's request was admitted on ``entry`` (its
@@ -544,8 +560,9 @@ class BatchRunner:
         if share is not None:
             if arrived:
                 share.cut()
-            else:
-                share.wake()
+            else:  # they may start once the gap is GAP s long
+                share.person_left = time.monotonic()
+                asyncio.get_running_loop().call_later(GAP, share.wake)
 
     def _should_stop(self, batch: BatchRow, me: _Running) -> bool:
         if me.stop is None and time.time() >= batch.expires:
@@ -577,7 +594,9 @@ class BatchRunner:
             BATCH_LINE.set((batch.id, line.line))  # this task's own context
         attempt = cuts = 0
         while True:
-            got = await self._attempt(batch, line, principal, share, cuts < CUTS)
+            # a line let run beside people (starved) runs to its end: a cut only wastes it
+            cuttable = cuts < CUTS and not self._beside_people(entry, share)
+            got = await self._attempt(batch, line, principal, share, cuttable)
             # The relay logs an answer in a callback it schedules as it answers: let it run,
             # so the line's usage row is held before its result can be written.
             await asyncio.sleep(0)
