@@ -191,11 +191,12 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Batch lines one model runs at once, over every batch and key."""
     batch_shared_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 2
     """Batch lines one model starts in the gaps of people's use (no request of theirs in
-    flight, one within the last 10 s). While a person's request is in flight none start,
-    and those running when it came were cut, to run again in a gap: every line in the
-    engine's batch slows each step a person's tokens wait for. A line cut twice runs to
-    its end (``router.batches.runner.CUTS``), so a batch still ends beside a person who
-    leaves only short gaps."""
+    flight for ``router.batches.runner.GAP`` s, one within the last 10 s). While a
+    person's request is in flight none start, and those running when it came were cut,
+    to run again in a gap: every line in the engine's batch slows each step a person's
+    tokens wait for. A line cut twice runs to its end (``CUTS``), and where people leave
+    no gap one line runs beside them once none moved for ``STARVED_AFTER`` s, so a batch
+    still ends beside people who keep a model busy."""
     batch_key_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 16
     """Batch lines one key's batches run at once."""
     files_max_mib: Annotated[float, msgspec.Meta(gt=0)] = 200.0
