@@ -107,6 +107,38 @@ def test_anthropics_endpoints_answer_anthropics_401(keyed: RouterProcess) -> Non
     assert info.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
 
 
+def test_a_budgets_hold_is_the_prompt_the_engine_counts(keyed: RouterProcess) -> None:
+    """A named key with a 300-token daily budget on the real model: a chat whose prompt
+    (a long message and two tools) takes more than that is refused, the refusal naming
+    the real vLLM worker's count of it (``Tokenize`` with ``count_only``), the same count
+    ``/v1/tokenize`` gives for those messages and tools; the key's "hi" then fits, and its
+    usage row holds what the engine ran."""
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    made = call(keyed, "POST", "/v1/keys", {"name": "thrifty-real", "budgets": [
+        {"tokens": 300, "period": "day"}]}, admin)
+    assert made.status_code == 201, made.text
+    key = {"Authorization": f"Bearer {made.json()['key']}"}
+    tools = [{"type": "function", "function": {
+        "name": name, "description": f"Look up the {name} of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}} for name in ("weather", "population")]
+    messages = [{"role": "user", "content": "Tell me about Paris. " * 60}]
+    counted = call(keyed, "POST", "/v1/tokenize", {"model": "smollm2", "messages": messages,
+                                                   "tools": tools}, admin)
+    assert counted.status_code == 200, counted.text
+    count = counted.json()["count"]
+    assert count > 300
+    refused = call(keyed, "POST", "/v1/chat/completions", {
+        "model": "smollm2", "messages": messages, "tools": tools, "max_tokens": 4}, key)
+    assert refused.status_code == 429, refused.text
+    assert f"its prompt of {count} tokens" in refused.json()["error"]["message"], refused.text
+    hi = call(keyed, "POST", "/v1/chat/completions", {
+        "model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4}, key)
+    assert hi.status_code == 200, hi.text
+    assert 0 < hi.json()["usage"]["prompt_tokens"] < 50
+
+
 def test_loading_and_unloading_need_an_admin_key(keyed: RouterProcess) -> None:
     body = {"model": "smollm2"}
     r = call(keyed, "POST", "/v1/models/unload", body, {"Authorization": f"Bearer {USER}"})
