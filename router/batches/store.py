@@ -533,7 +533,7 @@ class BatchStore:
                                     "batch = ? AND line = ? AND state = 'pending' "
                                     "RETURNING line", (ln.state, ln.result, batch_id, ln.line)):
                         counts[ln.state] += 1
-                        stored += len(ln.result.encode())
+                        stored += len((ln.result or "").encode())
                         if usage.get(ln.line):
                             conn.many(USAGE_INSERT, usage[ln.line])
                 # Results are stored bytes of the owner's too: its files quota counts them
