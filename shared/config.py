@@ -171,6 +171,20 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     serving its clients; then the busy one takes no new requests, finishes the ones it
     has and stops. Until then requests for each model are served together, not one swap
     per request. A model idle for 2 s is evicted at once."""
+    max_parked_models: Annotated[int, msgspec.Meta(ge=0)] = 4
+    """Models whose workers may be parked at once: a model that makes room for another
+    (``max_loaded_models``, a memory budget) keeps its memory and gives up its cores
+    instead of stopping, and wakes in milliseconds (``router.lifecycle.parking``). 0:
+    never park (a model that makes room stops). Models on a GPU are not parked yet."""
+    park_memory_gib: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """What parked workers may hold in all (their resident sets as measured when they
+    parked). Unset: a model parks while this host's available memory, less what the
+    model making room is expected to take, stays above ``PARK_MARGIN`` of its total."""
+    park_quantum: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """Seconds a model keeps the cores, once it runs, while another waits for them; then
+    it is parked between two engine steps (its streams pause, and go on at its next
+    turn) and the other runs: two models with work take turns of this length, and no
+    request waits much longer than one turn."""
     preload: list[str] = []
     """Models (ids or aliases) to load at start-up, as ``load_on_startup`` does."""
     spare_workers: Annotated[int, msgspec.Meta(ge=0, le=8)] = 1

@@ -74,6 +74,8 @@ class SyntheticEngine:
         self._script: list[dict[str, Any]] = list(spec.engine_args.get("script", []))
         self._turns = 0
         self._running = 0
+        self._awake = asyncio.Event()
+        self._awake.set()
         # Fault injection: a start that takes this long (blocking, as loading weights is).
         time.sleep(float(spec.engine_args.get("start_seconds", 0)))
         if spec.cpu_cores:
@@ -273,6 +275,7 @@ class SyntheticEngine:
         self._running += 1
         try:
             while sent < total:
+                await self._awake.wait()
                 if sent:
                     self._step(gen.lora)
                 step = min(self._per_step, total - sent)
@@ -295,10 +298,12 @@ class SyntheticEngine:
         return self._running
 
     async def sleep(self, level: int) -> None:
-        return None
+        """Parked or asleep at any level: no step runs until ``wake`` (as vLLM's paused
+        scheduler keeps its requests)."""
+        self._awake.clear()
 
     async def wake(self) -> None:
-        return None
+        self._awake.set()
 
     def shutdown(self) -> None:
         return None

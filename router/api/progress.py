@@ -90,7 +90,7 @@ class LoadProgress:
         waited = f"{round(now - self.since)}s"
         if entry.state == "ready":  # loaded: the request waits for a slot now
             doing, how = "waiting", waited
-        elif entry.state == "sleeping":
+        elif entry.state in ("sleeping", "parking", "parked", "waking"):
             doing, how = "waking", waited
         else:
             found = estimate(entry, now)

@@ -35,6 +35,9 @@ class WorkerRecord:
         self.link = link
         self.log_path = handle.log_path
         self.watcher: asyncio.Task[None] | None = None
+        self.parked = False
+        """Its engine is paused (``Sleep(level=0)`` answered) and not yet woken; on this
+        host its processes are stopped too (``router.lifecycle.parking``)."""
 
     async def gone(self) -> int | None:
         """Until the worker is gone: its exit code, or ``None``. A remote worker whose link

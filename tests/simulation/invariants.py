@@ -83,9 +83,10 @@ def quiescent_violations(sup: Supervisor, entries: Iterable[ModelEntry],
     for entry in entries:
         if entry not in current and entry.id in sup.registry.entries:
             continue  # removed, then added again: its id names the new entry's worker
-        if entry.state in ("ready", "sleeping") and entry.id not in running:
+        if entry.state in ("ready", "sleeping", "parked") and entry.id not in running:
             out.append(f"{entry.id}: '{entry.state}' with no worker")
-        if entry.id in running and entry.state not in ("ready", "sleeping", "stopping"):
+        if entry.id in running and entry.state not in ("ready", "sleeping", "parked",
+                                                        "stopping"):
             out.append(f"{entry.id}: '{entry.state}' but its worker is kept")
     cpu = {m for m, w in running.items() if w.spec is None or w.spec.device == "cpu"}
     held = held_placements(sup.placer)

@@ -9,6 +9,14 @@ has waited ``swap_wait``, and only to a model of its priority or higher; one tha
 batch lines alone yields at once to a model a person waits for. A load that batch lines
 alone wait for goes after every other load in line, and takes only room no person used
 for ``BATCH_QUIET`` s.
+
+Where the victim may park instead (``policy.park.may_park``: memory allows), stopping's
+caution has no reason left: an idle victim, or one serving batch lines alone for a
+person, parks at once, and a busy one once it has run ``park_quantum`` since its turn
+began (then the two take turns). A parked model waking up waits in the same line, needs
+no memory, and is the same kind of waiter as a load. Parked models hold memory but run
+nothing: they count against memory budgets, not ``max_loaded_models``; when memory is
+what is short, a parked one with nothing in flight stops first.
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from router.lifecycle.policy import park
 from router.registry import ModelEntry
-from router.workers.placement import GpuMemory, fits
+from router.workers.placement import GpuMemory, fits, runs_beside
 from shared.config import ServerConfig
 
 ACTIVE_GAP = 2.0
@@ -33,11 +42,12 @@ UNKNOWN_LOAD_SECONDS = 30.0
 
 @dataclass(frozen=True, slots=True)
 class RoomDecision:
-    """What a load waiting for room does now: start (``fits``), stop ``victim`` at once
-    (``evict``), make a busy ``victim`` take no new requests and stop when done
+    """What a load (or a wake) waiting for room does now: start (``fits``), stop
+    ``victim`` at once (``evict``), park it (``park``: between two engine steps, its
+    requests kept), make a busy ``victim`` take no new requests and stop when done
     (``yield``), or look again later (``wait``). ``why`` is the victim's reason."""
 
-    action: Literal["fits", "evict", "yield", "wait"]
+    action: Literal["fits", "evict", "park", "yield", "wait"]
     victim: ModelEntry | None = None
     why: str = ""
 
@@ -79,16 +89,19 @@ def for_batch_alone(entry: ModelEntry) -> bool:
 
 
 def batch_may_run(entry: ModelEntry, loaded: list[ModelEntry], server: ServerConfig,
-                  gpus: dict[int, GpuMemory], now: float) -> bool:
+                  gpus: dict[int, GpuMemory], now: float,
+                  parked: Iterable[ModelEntry] = ()) -> bool:
     """Whether a batch may start a line on ``entry`` (``now``: ``time.monotonic()``): it
-    serves or loads already and makes room for no one; or its load fits beside the
-    ``loaded`` models; or none of those has had a person's request for ``BATCH_QUIET``
-    seconds. A batch fills idle room; it never evicts a model people use."""
+    serves or loads already and makes room for no one; or its load (or wake) fits
+    beside the ``loaded`` models (and the ``parked`` ones' memory); or none of those
+    has had a person's request for ``BATCH_QUIET`` seconds. A batch fills idle room; it
+    never evicts, or parks, a model people use."""
     if entry.yield_to is not None:
         return False
-    if entry.state in ("ready", "loading", "sleeping"):
+    if entry.state in ("ready", "loading", "sleeping", "waking"):
         return True
-    if fits(entry.spec, [e.spec for e in loaded], server, gpus, {}):
+    if fits(entry.spec, [e.spec for e in loaded], server, gpus, {},
+            [e.spec for e in parked if e is not entry]):
         return True
     return not any(used_in_person(e, now) for e in loaded)
 
@@ -144,18 +157,46 @@ def why(victim: ModelEntry, now: float) -> str:
 def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEntry],
            server: ServerConfig, gpus: dict[int, GpuMemory],
            held: dict[str, dict[str, float]], *, now: float, wall: float,
-           waited: float) -> RoomDecision:
-    """What ``entry``'s load, waiting for room for ``waited`` seconds, does now.
+           waited: float, parked: list[ModelEntry] | None = None,
+           memory: park.HostMemory | None = None, parking: bool = False) -> RoomDecision:
+    """What ``entry``'s load (or wake), waiting for room for ``waited`` seconds, does now.
 
     ``models`` are those that may wait for room (the line), ``loaded`` the others that
-    hold room, ``held`` what each sleeping one still holds on its GPUs. Only the first in
-    line acts. An idle victim goes at once; one in use keeps serving until ``entry`` has
-    waited ``swap_wait``, then yields if ``entry``'s priority is at least its own."""
+    run (or will soon), ``parked`` those that hold memory and no core, ``held`` what
+    each sleeping one still holds on its GPUs, ``memory`` this host's (for
+    ``park.may_park``); ``parking``: the executor can park (else victims stop). Only the
+    first in line acts. A victim that may park parks at
+    once when idle and after its ``park_quantum`` when busy; one that must stop goes at
+    once when idle, and when in use keeps serving until ``entry`` has waited
+    ``swap_wait``, then yields if ``entry``'s priority is at least its own."""
     if not first_in_line(entry, models):
         return WAIT
-    if fits(entry.spec, [e.spec for e in loaded], server, gpus, held):
+    parked = [e for e in parked or () if e is not entry]
+    if fits(entry.spec, [e.spec for e in loaded], server, gpus, held, [e.spec for e in parked]):
         return RoomDecision("fits")
+    if runs_beside(entry.spec, [e.spec for e in loaded], server):
+        # Memory is what is short: a parked model with nothing in flight goes first
+        # (parking a running one would free none).
+        idle_parked = [e for e in parked if park.stoppable(e) and not e.spec.pinned]
+        if idle_parked:
+            gone = min(idle_parked, key=lambda e: (e.spec.priority, expected_cost(e, now),
+                                                   e.last_used))
+            return RoomDecision("evict", gone, "parked; " + why(gone, now))
+        return _stop_for(entry, victim(entry, loaded, now, wall), server, now, waited)
     chosen = victim(entry, loaded, now, wall)
+    if (parking and chosen is not None
+            and park.may_park(chosen, entry, [*loaded, *parked], server, memory)):
+        if is_idle(chosen) or (batch_only(chosen) and wanted_in_person(entry)):
+            return RoomDecision("park", chosen, why(chosen, now))
+        if park.turn_over(chosen, now, server) and chosen.spec.priority <= entry.spec.priority:
+            return RoomDecision("park", chosen, "its turn is over; " + why(chosen, now))
+        return WAIT
+    return _stop_for(entry, chosen, server, now, waited)
+
+
+def _stop_for(entry: ModelEntry, chosen: ModelEntry | None, server: ServerConfig,
+              now: float, waited: float) -> RoomDecision:
+    """Stopping ``chosen`` for ``entry``: at once when idle, as a yield when in use."""
     if chosen is None:
         return WAIT
     if is_idle(chosen) and (chosen.yield_to == entry.id or now - chosen.last_used >= ACTIVE_GAP):

@@ -45,6 +45,21 @@ class LocalHandle(WorkerHandle):
     def pids(self) -> set[int]:
         return {self.pid, *(p.pid for p in self.descendants)}
 
+    def freeze(self, frozen: bool) -> bool:
+        if self.proc.returncode is not None:
+            return False  # exited: its pid, the group's id, may name someone else now
+        kill_tree(self.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+        return True
+
+    def resident_bytes(self) -> int:
+        total = 0
+        for pid in self.pids():
+            try:
+                total += psutil.Process(pid).memory_info().rss
+            except psutil.Error:
+                pass  # gone meanwhile: it holds nothing
+        return total
+
     async def kill(self) -> None:
         if self.proc.returncode is None:
             self.descendants += descendants(self.pid)
