@@ -58,15 +58,19 @@ class Parker:
         self.observe: Callable[[str, str, float], None] = lambda model, kind, seconds: None
         """Told of each ``park`` and ``wake`` and its seconds (the metrics' histogram)."""
 
-    async def park(self, entry: ModelEntry, reason: str = "") -> None:
+    async def park(self, entry: ModelEntry, reason: str = "") -> bool:
         """Park ``entry`` now (it is ``ready``; anything else is left as it is). Its
         requests in flight pause and take its next turn, which it asks for at once. A
         park, once begun, is never cancelled by whoever waits for it (a load making room
-        that is itself unloaded): it runs as a task of its own, awaited shielded."""
+        that is itself unloaded): it runs as a task of its own, awaited shielded. False:
+        it could not begin (no worker to park), and the caller stops it instead."""
+        if entry.state != "ready" or self.worker_of(entry) is None or entry.link is None:
+            return False
         task = asyncio.create_task(self._park(entry, reason), name=f"park-{entry.id}")
         self._parks.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._parks.discard)
         await asyncio.shield(task)
+        return True
 
     async def _park(self, entry: ModelEntry, reason: str) -> None:
         worker, link = self.worker_of(entry), entry.link

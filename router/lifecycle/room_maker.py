@@ -41,7 +41,7 @@ class RoomMaker:
                  placer: Placer, events: EventBus,
                  worker_of: Callable[[ModelEntry], WorkerRecord | None],
                  stop: Callable[[ModelEntry], Coroutine[Any, Any, None]], poll: float,
-                 park_victim: Callable[[ModelEntry, str], Coroutine[Any, Any, None]]
+                 park_victim: Callable[[ModelEntry, str], Coroutine[Any, Any, bool]]
                  | None = None) -> None:
         self.registry = registry
         self.removed = removed
@@ -117,7 +117,9 @@ class RoomMaker:
                              decision.why)
                     self.events.publish("eviction", victim.id, action="park",
                                         reason=decision.why, **{"for": entry.id})
-                    await self.park_victim(victim, f"for {entry.id}")
+                    if not await self.park_victim(victim, f"for {entry.id}"):
+                        victim.evictions += 1  # nothing there to park: it stops
+                        await self.stop(victim)
                     continue
                 if decision.action == "evict" and victim is not None:
                     log.info("model %s: evicting %s to make room (%s)", entry.id, victim.id,
