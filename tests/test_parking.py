@@ -10,6 +10,7 @@ does the same with vLLM.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import time
@@ -168,17 +169,16 @@ def test_a_parked_worker_killed_is_noticed_and_cleaned_up(tmp_path: Path) -> Non
 def test_a_memory_ceiling_stops_instead_of_parking(tmp_path: Path) -> None:
     """``park_memory_gib`` below what a worker holds: the model that makes room stops, as
     before parking; ``max_parked_models: 0`` too."""
+    async def scenario(sup: Supervisor) -> None:
+        a = sup.registry.entries["a"]
+        await use(sup, "a")
+        await until(lambda: a.resident_bytes > 0, 5, "a's memory is measured")
+        await use(sup, "b")
+        assert a.state == "unloaded" and a.evictions == 1 and a.parks == 0
+
     for server in ({"park_memory_gib": 0.001}, {"max_parked_models": 0}):
         sup = supervisor(tmp_path, server, a={}, b={})
-
-        async def scenario() -> None:
-            a = sup.registry.entries["a"]
-            await use(sup, "a")
-            await until(lambda: a.resident_bytes > 0, 5, "a's memory is measured")
-            await use(sup, "b")
-            assert a.state == "unloaded" and a.evictions == 1 and a.parks == 0
-
-        run(sup, scenario)
+        run(sup, functools.partial(scenario, sup))
 
 
 def test_a_parked_model_stops_cleanly_on_unload_and_on_its_ttl(tmp_path: Path) -> None:
