@@ -157,13 +157,16 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``GET``; the oldest go first. 0: none are kept."""
     responses_store_mib: Annotated[float, msgspec.Meta(ge=0)] = 64.0
     """The stored responses' JSON, at most; the oldest go first."""
-    loading_progress: Literal["off", "comments"] = "off"
+    loading_progress: Literal["off", "comments", "reasoning"] = "off"
     """``comments``: a streamed generation request that waits for its model to load gets
     SSE comment lines about every second (``: modelyard loading smollm2 phase=engine
-    62%``), which SDKs ignore; its response (status 200) then begins with the first of
-    them, so a failure to load arrives as the protocol's error event. A model's own
-    ``loading_progress`` wins, and a request's ``X-Modelyard-Loading-Progress: comments``
-    or ``off`` header over both (``router.api.progress``)."""
+    62%``), which SDKs ignore; ``reasoning``: the same news as the protocol's reasoning
+    (chat's ``delta.reasoning_content``, an Anthropic ``thinking`` block, a Responses
+    ``reasoning`` item; legacy completions, which have none, get the comments), which chat
+    UIs show. Either way its response (status 200) then begins with the first of them, so
+    a failure to load arrives as the protocol's error event. A model's own
+    ``loading_progress`` wins, and a request's ``X-Modelyard-Loading-Progress: comments``,
+    ``reasoning`` or ``off`` header over both (``router.api.progress``)."""
     responses_store_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     """Seconds a stored response is kept after its last write."""
     swap_wait: Annotated[float, msgspec.Meta(ge=0)] = 40.0
@@ -335,9 +338,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     sampling_defaults: SamplingDefaults = msgspec.field(default_factory=SamplingDefaults)
     """Sampling parameters for what a request leaves out (``SamplingDefaults``), on every
     protocol; INI: ``sampling_defaults.temperature = 0.2``."""
-    loading_progress: Literal["off", "comments"] | None = None
-    """Comment lines to a stream that waits for this model's load (the server's
-    ``loading_progress``); default: the server's."""
+    loading_progress: Literal["off", "comments", "reasoning"] | None = None
+    """Progress (comment lines, or reasoning) to a stream that waits for this model's
+    load (the server's ``loading_progress``); default: the server's."""
     owned_by: str = "modelyard"
     base: str | None = None
     """An adapter model: the id of the model whose engine serves it, with the LoRA
@@ -605,7 +608,8 @@ def _off_word(body: Any, where: str) -> Any:
     if not isinstance(body, dict) or not isinstance(body.get("loading_progress"), bool):
         return body
     if body["loading_progress"]:
-        raise ConfigError(f"{where}: key 'loading_progress': expected off or comments")
+        raise ConfigError(f"{where}: key 'loading_progress': expected off, comments or "
+                          "reasoning")
     return {**body, "loading_progress": "off"}
 
 

@@ -16,9 +16,10 @@ by the words they share; with an adapter, its name is one more word of each text
 and of each query scored, so an adapter's answer differs from its base's, the same every
 time.
 With ``engine_args.script`` (a list of turns) it answers the i-th request with the i-th
-turn, round and round: ``{"text": "..."}``, or ``{"tool_call": {"name": ...,
-"arguments": {...}}}`` (finishing ``tool_calls``), so that a client's tool round trip can
-be scripted (protocol tests with real agent CLIs; the real model runs the rest).
+turn, round and round: ``{"text": "..."}`` (with ``"reasoning": "..."``, reasoning
+before it, as a reasoning parser's), or ``{"tool_call": {"name": ..., "arguments":
+{...}}}`` (finishing ``tool_calls``), so that a client's tool round trip can be scripted
+(protocol tests with real agent CLIs; the real model runs the rest).
 """
 
 from __future__ import annotations
@@ -212,6 +213,10 @@ class SyntheticEngine:
                              index=0, id=f"call_{self._turns}", name=call["name"],
                              arguments=json.dumps(call.get("arguments", {})))])]
             return
+        thought = str(turn.get("reasoning", "")).split(" ") if turn.get("reasoning") else []
+        for i, word in enumerate(thought):
+            yield [Delta(id=gen.id, reasoning=word + " ", tokens=1,
+                         prompt_tokens=prompt_len if i == 0 else 0)]
         words = str(turn.get("text", "")).split(" ")
         for i, word in enumerate(words):
             last = i == len(words) - 1
