@@ -31,8 +31,10 @@ from shared.protocol import Generate, SamplingSpec
 
 def supervisor(tmp_path: Path, server: dict[str, Any] | None = None,
                **models: dict[str, Any]) -> Supervisor:
+    # A ceiling of its own: whether a model parks must not hang on what else this host
+    # runs meanwhile (the default reads its available memory).
     preset = build_preset({"server": {"max_loaded_models": 1, "spare_workers": 0,
-                                      **(server or {})},
+                                      "park_memory_gib": 4, **(server or {})},
                            "models": {name: {"model": "/synthetic", "engine": "synthetic",
                                              **spec} for name, spec in models.items()}})
     return Supervisor(ModelRegistry(preset), preset.server, tmp_path, Placer(cores={0}, gpus={}))
@@ -176,7 +178,7 @@ def test_a_memory_ceiling_stops_instead_of_parking(tmp_path: Path) -> None:
         await use(sup, "b")
         assert a.state == "unloaded" and a.evictions == 1 and a.parks == 0
 
-    for server in ({"park_memory_gib": 0.001}, {"max_parked_models": 0}):
+    for server in ({"park_memory_gib": 0.001}, {"max_parked_models": 0, "park_memory_gib": None}):
         sup = supervisor(tmp_path, server, a={}, b={})
         run(sup, functools.partial(scenario, sup))
 
@@ -185,7 +187,7 @@ def test_a_parked_model_stops_cleanly_on_unload_and_on_its_ttl(tmp_path: Path) -
     """A stop of a parked model continues its processes first, so its worker reads
     ``Shutdown`` and exits 0 (not killed after the grace); a parked model's idle ttl
     stops it too."""
-    sup = supervisor(tmp_path, a={"ttl": 600}, b={}, c={"ttl": 0.5})
+    sup = supervisor(tmp_path, a={"ttl": 600}, b={}, c={"ttl": 3})
 
     async def scenario() -> None:
         a, c = sup.registry.entries["a"], sup.registry.entries["c"]

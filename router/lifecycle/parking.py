@@ -1,9 +1,10 @@
 """``Parker``: parks a model's worker and wakes it (``router.lifecycle.policy.park`` says
 who and when; the ``RoomMaker`` asks for a park when a victim may park).
 
-A park is ``ready → parking → parked``: the worker's engine pauses between two steps,
-keeping every request in flight and its caches (``Sleep(level=0)``), then on this host
-its processes stop (``WorkerHandle.freeze``): a parked worker holds memory and no core,
+A park is ``ready → parking → parked``: the worker's engine, if it has requests in
+flight, pauses between two steps, keeping them and its caches (``Sleep(level=0)``; an
+idle engine is between steps already), then on this host its processes stop
+(``WorkerHandle.freeze``): a parked worker holds memory and no core,
 and costs no CPU. A wake is ``parked → waking → ready``: the wake waits in the line for
 room as a load does (and may park the model running now), continues the processes and
 resumes the engine. One wake task per model, which every request for it shares; a
@@ -79,18 +80,24 @@ class Parker:
         began = time.monotonic()
         entry.state = "parking"  # no new lease from here (``acquire_now`` wants ready)
         self._publish_state(entry, reason or None)
-        try:
-            await link.sleep(0)
-        except APIError as err:
-            log.warning("model %s: park failed (%s); stopping instead", entry.id, err.message)
-            await asyncio.shield(self._stopping(entry))
-            return
-        if entry.state != "parking" or self.worker_of(entry) is not worker:
-            # It died, or a stop began meanwhile (whose drain needs the engine running).
-            with contextlib.suppress(APIError):
-                await link.wake()
-            return
-        worker.parked = True  # from here a stop resumes it first (``thaw``)
+        # An engine with nothing in flight is between steps already: its processes stop
+        # as they are (a pause costs ~50 ms of vLLM's). A request that got its lease
+        # before the park and sends later waits, queued, for the wake.
+        paused = link.busy
+        if paused:
+            try:
+                await link.sleep(0)
+            except APIError as err:
+                log.warning("model %s: park failed (%s); stopping instead", entry.id,
+                            err.message)
+                await asyncio.shield(self._stopping(entry))
+                return
+            if entry.state != "parking" or self.worker_of(entry) is not worker:
+                # It died, or a stop began meanwhile (whose drain needs it running).
+                with contextlib.suppress(APIError):
+                    await link.wake()
+                return
+        worker.parked, worker.paused = True, paused  # a stop resumes it first (``thaw``)
         worker.handle.freeze(True)
         seconds = time.monotonic() - began
         entry.state, entry.parked_at = "parked", time.monotonic()
@@ -103,7 +110,10 @@ class Parker:
                  f" ({entry.leases} request(s) paused)" if entry.leases else "")
         self._spawn(self._measure(entry, worker))
         if entry.leases:
-            self.wake(entry)  # its paused requests wait in the line for the next turn
+            # Its paused requests wait in the line for the next turn; batch lines alone
+            # take only a turn no person uses (``policy.room.for_batch_alone``).
+            entry.batch_load = entry.leases == entry.batch_leases
+            self.wake(entry)
 
     async def _measure(self, entry: ModelEntry, worker: WorkerRecord) -> None:
         """What ``entry``'s parked worker holds (``policy.park.may_park`` reads it)."""
@@ -161,13 +171,15 @@ class Parker:
         self._publish_state(entry, None)
         began = time.monotonic()
         worker.handle.freeze(False)
-        try:
-            await link.wake()
-        except APIError as err:
-            log.warning("model %s: wake failed (%s); stopping instead", entry.id, err.message)
-            await asyncio.shield(self._stopping(entry))
-            return
-        worker.parked = False
+        if worker.paused:
+            try:
+                await link.wake()
+            except APIError as err:
+                log.warning("model %s: wake failed (%s); stopping instead", entry.id,
+                            err.message)
+                await asyncio.shield(self._stopping(entry))
+                return
+        worker.parked = worker.paused = False
         if entry.state != "waking" or self.worker_of(entry) is not worker:
             return
         now = time.monotonic()
@@ -184,10 +196,13 @@ class Parker:
         if not worker.parked:
             return
         worker.handle.freeze(False)
+        worker.parked = False
+        if not worker.paused:
+            return
         try:
             async with asyncio.timeout(THAW_TIMEOUT):
                 await worker.link.wake()
-            worker.parked = False
+            worker.paused = False
         except (APIError, TimeoutError) as err:
             log.warning("model %s: its parked engine did not resume before its stop (%s)",
                         entry.id, err)
