@@ -110,6 +110,10 @@ def test_a_model_that_makes_room_parks_and_wakes_without_a_load(tmp_path: Path) 
             await use(sup, "a")
         assert (a.loads, b.loads, a.evictions, b.evictions) == (1, 1, 0, 0)
         assert a.resident_bytes > 0  # measured as it parked: what may_park counts
+        kinds = [(e["type"], e["model"], e.get("state")) for e in sup.events.recent]
+        assert ("eviction", "a", None) in kinds and ("park", "a", None) in kinds
+        assert kinds.index(("state", "a", "parking")) < kinds.index(("state", "a", "parked"))
+        assert ("wake", "a", None) in kinds and ("state", "a", "waking") in kinds
         text = generate_latest(metrics.registry).decode()
         assert 'modelyard_model_switch_seconds_count{kind="wake",model="a"} 4.0' in text
         assert 'modelyard_model_state{model="b",state="parked"} 1.0' in text
