@@ -549,6 +549,7 @@ class SimWorker:
                         raise AdapterRefused(f"model '{self.model}' serves no adapters")
                     await self.pool.ensure(gen.lora)
                 except AdapterRefused as err:
+                    self.ended[gen.id] = "error"
                     self._send(Error(id=gen.id, message=str(err), status=400,
                                      code="adapter_invalid"))
                     return

@@ -34,6 +34,15 @@ Workers fail as the seed says (``fakes.draw_plan``): spawn errors, hung or crash
 boots, engines that refuse to start, shutdowns ignored, failing sleeps, engine errors,
 adapters that fail to load or kill the engine as they load.
 
+Models park (``router.lifecycle.parking``) within each world's limits (``world.add_parking``):
+a fake worker's engine pauses at ``Sleep(level=0)`` with its requests and its process
+freezes (``fakes``); the host's memory is the simulated one (``host_memory``). Some
+operations wait for a model to enter ``parking``, ``parked`` or ``waking`` (``on_state``,
+``turns`` after, within ``within`` s): a crash (kill -9 of a frozen worker too), an
+unload, a reload, a load; ``reload`` ``change=park`` lowers parking's limits in place.
+Parking's invariants (``invariants``, (a)-(e)) are checked at each state change, eviction,
+operation, engine step and thaw, and at quiescence, which waits for wakes too.
+
 After the schedule nothing more is issued; every client must answer within a bounded
 (virtual) time, the supervisor must settle, and then ``invariants`` checks: no lease or
 ``max_concurrent`` slot held, no GPU start lock held, no model left
