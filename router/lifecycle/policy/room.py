@@ -186,11 +186,17 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
     chosen = victim(entry, loaded, now, wall)
     if (parking and chosen is not None
             and park.may_park(chosen, entry, [*loaded, *parked], server, memory)):
-        if is_idle(chosen) or (batch_only(chosen) and wanted_in_person(entry)):
+        if is_idle(chosen):
             return RoomDecision("park", chosen, why(chosen, now))
-        if park.turn_over(chosen, now, server) and chosen.spec.priority <= entry.spec.priority:
-            return RoomDecision("park", chosen, "its turn is over; " + why(chosen, now))
-        return WAIT
+        # Work in flight parks only for a model that gives the cores back in turn: a
+        # pinned one never does, and the paused requests would wait for ever (it yields).
+        if not entry.spec.pinned:
+            if batch_only(chosen) and wanted_in_person(entry):
+                return RoomDecision("park", chosen, why(chosen, now))
+            if (park.turn_over(chosen, now, server)
+                    and chosen.spec.priority <= entry.spec.priority):
+                return RoomDecision("park", chosen, "its turn is over; " + why(chosen, now))
+            return WAIT
     return _stop_for(entry, chosen, server, now, waited)
 
 
