@@ -102,6 +102,11 @@ FOUND_ON_BFD959F = {
     # in policy (work in flight parks only for a model that takes turns; a pinned one
     # makes it yield, as before parking); since paused-requests-stranded's fix alone also
     # answers these (with a 503), they pass with either fix
+    "wake-for-a-stopped-model": [594],
+    # a stop (a reload's restart) of a model whose park was under way while a load waited
+    # for its wake: stopping() cancelled that wake but, with a load in flight, did not mark
+    # the model stopping; the park, done, began a new wake, which nothing cancelled: it
+    # waited for room for the stopped model and made another model yield, then stop
 }
 FOUND = {f"{commit}-{name}-{seed}": seed
          for commit, found in (("651c79a", FOUND_ON_651C79A), ("8b375b6", FOUND_ON_8B375B6),
