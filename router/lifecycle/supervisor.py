@@ -577,9 +577,16 @@ class Supervisor:
         ``force``), then ``Shutdown`` (the worker kills its own process group at once),
         and after ``grace`` seconds the group is killed from here."""
         began = time.monotonic()
+        deadline = began + self.server.drain_timeout
+        while (worker.parked and worker.link.busy and not force
+               and worker.handle.returncode is None and time.monotonic() < deadline
+               and not runs_beside(entry.spec, [e.spec for e in self.rooms.loaded(entry)],
+                                   self.server)):
+            # Its paused requests drain only where one more model may run (it holds its
+            # place: ``stopping`` counts as running); none by the deadline: they end.
+            await asyncio.sleep(POLL)
         await self.parker.thaw(entry, worker)  # a parked one resumes to drain and exit
         if not force:
-            deadline = time.monotonic() + self.server.drain_timeout
             while (worker.link.busy and worker.handle.returncode is None
                    and time.monotonic() < deadline):
                 await asyncio.sleep(POLL)

@@ -107,6 +107,11 @@ FOUND_ON_BFD959F = {
     # for its wake: stopping() cancelled that wake but, with a load in flight, did not mark
     # the model stopping; the park, done, began a new wake, which nothing cancelled: it
     # waited for room for the stopped model and made another model yield, then stop
+    "parked-drain-beside-the-running": [78, 89, 176, 196, 236],
+    # a stop (an unload, a reload) of a parked model with requests paused resumed its
+    # engine at once to drain them beside the models that hold the room: one engine more
+    # than max_loaded_models for up to drain_timeout. Its drain now waits (within
+    # drain_timeout) until one more model may run; what is left then ends
 }
 FOUND = {f"{commit}-{name}-{seed}": seed
          for commit, found in (("651c79a", FOUND_ON_651C79A), ("8b375b6", FOUND_ON_8B375B6),
