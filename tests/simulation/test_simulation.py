@@ -102,6 +102,10 @@ FOUND_ON_BFD959F = {
     # in policy (work in flight parks only for a model that takes turns; a pinned one
     # makes it yield, as before parking); since paused-requests-stranded's fix alone also
     # answers these (with a 503), they pass with either fix
+    "paused-requests-stranded": [1241, 1249, 1466, 3714],
+    # the same wait for ever with the park made for a model that is not pinned, whose
+    # room a pinned model then took (or kept): a failed wake with requests paused now
+    # stops the model (its requests drain where room allows, else end)
     "wake-for-a-stopped-model": [594],
     # a stop (a reload's restart) of a model whose park was under way while a load waited
     # for its wake: stopping() cancelled that wake but, with a load in flight, did not mark
