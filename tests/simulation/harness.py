@@ -109,12 +109,13 @@ MODEL_NAME = re.compile(r"\b(?:m|ad)\d\b")
 def host_memory(net: SimNet) -> Iterator[None]:
     """This host's memory, as the room maker reads it (``psutil.virtual_memory``), is the
     simulated host's (``SimNet.host_memory``): a run never reads the real machine's."""
-    saved = room_maker.psutil
-    room_maker.psutil = SimpleNamespace(virtual_memory=net.host_memory)  # type: ignore[assignment]
+    names = vars(room_maker)  # its ``import psutil``, as ``virtual_time`` patches ``time``
+    saved = names["psutil"]
+    names["psutil"] = SimpleNamespace(virtual_memory=net.host_memory)
     try:
         yield
     finally:
-        room_maker.psutil = saved
+        names["psutil"] = saved
 
 
 def install_fakes(sup: Supervisor, net: SimNet) -> None:
