@@ -95,7 +95,7 @@ FOUND_ON_1A1E9EE = {
 FOUND_ON_BFD959F = {
     # Each seed failed on bfd959f (CPU parking; with the simulation that parks) and passes
     # since.
-    "busy-parked-for-a-pinned-model": [216, 220, 744, 967, 1124],
+    "busy-parked-for-a-pinned-model": [216, 311, 744, 1543],
     # room.decide parked a model with requests in flight for a pinned one (its turn was
     # over): a pinned model never gives the cores back, and the parked model's wake found
     # no room within load_timeout, again and again; its clients never got an answer. Fixed

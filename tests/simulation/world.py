@@ -80,7 +80,7 @@ MOMENT_WORLDS = 0.5
 SLICE_WORLDS = 0.3
 """The share of worlds where two CPU models share ``max_loaded_models: 1`` and many
 requests, long streams among them, alternate between them (time slicing)."""
-STATE_OP_WORLDS = 0.5
+STATE_OP_WORLDS = 0.7
 """The share of worlds with operations that happen as a model enters a parking state."""
 PARK_STATES = ("parking", "parked", "waking")
 """The states a ``on_state`` operation waits for."""
@@ -229,18 +229,19 @@ def add_parking(rng: random.Random, server: dict[str, Any], models: dict[str, di
             if rng.random() < 0.1:
                 args.update(leave=quantum(rng, 60), turns=rng.randint(0, 4))
             ops.append(Op(at, "request", pair[i % 2], args))
+    cpu = [n for n in bases if models[n].get("device") != "cuda"] or bases  # these park
     if rng.random() < STATE_OP_WORLDS:
-        for _ in range(rng.randint(1, 3)):
+        for _ in range(rng.randint(1, 4)):
             kind = rng.choice(["crash", "crash", "unload", "reload", "load"])
             args = {"on_state": rng.choice(PARK_STATES), "turns": rng.randint(0, 4),
-                    "within": quantum(rng, 80, 20)}
+                    "within": quantum(rng, 160, 40)}
             if kind == "unload":
                 args["force"] = rng.random() < 0.3
             elif kind == "reload":
                 args["change"] = rng.choice(["restart", "remove", "router_only"])
             elif kind == "load":
                 args["wait"] = rng.random() < 0.5
-            ops.append(Op(round(rng.uniform(0, last) / Q) * Q, kind, rng.choice(bases), args))
+            ops.append(Op(round(rng.uniform(0, last) / Q) * Q, kind, rng.choice(cpu), args))
     for _ in range(rng.choice([0, 0, 1, 2])):  # memory pressure: parking's limits lowered
         change: dict[str, Any] = (
             {"max_parked_models": rng.choice([0, 1])} if rng.random() < 0.5
