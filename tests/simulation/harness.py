@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import copy
 import hashlib
 import logging
@@ -360,7 +361,9 @@ class Simulation:
             return  # the schedule's answers are being counted
         self.net.note(f"as {op.model} became {state}: {op.kind} {op.model} "
                       f"({op.args['turns']} turn(s) later)")
-        self.issue(op, now=True)
+        # In a context of its own: the state change may be published from a batch line's
+        # task, whose context would make what it starts a batch line's (``BATCH_LINE``).
+        contextvars.Context().run(self.issue, op, True)
 
     # operations
     def issue(self, op: Op, now: bool = False) -> None:
