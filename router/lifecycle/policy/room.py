@@ -13,7 +13,8 @@ for ``BATCH_QUIET`` s.
 Where the victim may park instead (``policy.park.may_park``: memory allows), stopping's
 caution has no reason left: an idle victim, or one serving batch lines alone for a
 person, parks at once, and a busy one once it has run ``park_quantum`` since its turn
-began (then the two take turns). A parked model waking up waits in the same line, needs
+began (then the two take turns); for a pinned model, which never gives the cores back,
+a busy one yields instead (its requests finish, then it stops), as before parking. A parked model waking up waits in the same line, needs
 no memory, and is the same kind of waiter as a load. Parked models hold memory but run
 nothing: they count against memory budgets, not ``max_loaded_models``; when memory is
 what is short, a parked one with nothing in flight stops first.
