@@ -152,10 +152,12 @@ class Parker:
             return
         if task.exception() is not None:
             log.warning("model %s: wake failed: %s", entry.id, task.exception())
-            if entry.state == "parked" and entry.leases:
-                # its paused requests must not wait for ever: try again (after the
-                # room maker's own timeout, this is rare)
-                self.wake(entry)
+            if entry.state == "parked" and entry.link is not None and entry.link.busy:
+                # Its paused requests must not wait for ever, and room may never come (a
+                # pinned model holds it): it stops, draining them where room allows.
+                self._stopping(entry)
+            elif entry.state == "parked" and entry.leases:
+                self.wake(entry)  # requests wait for it: try again
 
     async def _wake(self, entry: ModelEntry) -> None:
         while entry.state == "parking":

@@ -49,7 +49,7 @@ from router.workers.backends import Backend, SpawnError
 from router.workers.backends.local import LocalBackend, LocalHandle
 from router.workers.backends.ray_cluster import RayBackend
 from router.workers.link import WorkerLink
-from router.workers.placement import Placer
+from router.workers.placement import Placer, runs_beside
 from router.workers.processes import engine_phases, log_tail
 from router.workers.spares import SparePool
 from router.workers.worker_start import base_env, model_env, worker_boot, worker_command
@@ -531,9 +531,12 @@ class Supervisor:
         if task is None or task.done():
             self.parker.cancel(entry)  # a wake under way parks no one for it any more
             load = self._loads.get(entry.id)  # one begun later waits for this stop
-            if load is None and self.worker_of(entry) is not None:
+            if ((load is None or entry.state in ("parking", "parked", "waking"))
+                    and self.worker_of(entry) is not None):
                 # Now, not in the task's first turn: a request that comes meanwhile (after
-                # a reload's answer, say) must not lease the worker that is to stop.
+                # a reload's answer, say) must not lease the worker that is to stop. A load
+                # of a parked model only waits for its wake, cancelled above: marked now,
+                # a park under way wakes no one (it would wait for room for a stopped one).
                 self._mark_stopping(entry)
             task = asyncio.create_task(self._stop(entry, load, force, grace),
                                        name=f"stop-{entry.id}")
@@ -574,9 +577,16 @@ class Supervisor:
         ``force``), then ``Shutdown`` (the worker kills its own process group at once),
         and after ``grace`` seconds the group is killed from here."""
         began = time.monotonic()
+        deadline = began + self.server.drain_timeout
+        while (worker.parked and worker.link.busy and not force
+               and worker.handle.returncode is None and time.monotonic() < deadline
+               and not runs_beside(entry.spec, [e.spec for e in self.rooms.loaded(entry)],
+                                   self.server)):
+            # Its paused requests drain only where one more model may run (it holds its
+            # place: ``stopping`` counts as running); none by the deadline: they end.
+            await asyncio.sleep(POLL)
         await self.parker.thaw(entry, worker)  # a parked one resumes to drain and exit
         if not force:
-            deadline = time.monotonic() + self.server.drain_timeout
             while (worker.link.busy and worker.handle.returncode is None
                    and time.monotonic() < deadline):
                 await asyncio.sleep(POLL)

@@ -13,7 +13,8 @@ for ``BATCH_QUIET`` s.
 Where the victim may park instead (``policy.park.may_park``: memory allows), stopping's
 caution has no reason left: an idle victim, or one serving batch lines alone for a
 person, parks at once, and a busy one once it has run ``park_quantum`` since its turn
-began (then the two take turns). A parked model waking up waits in the same line, needs
+began (then the two take turns); for a pinned model, which never gives the cores back,
+a busy one yields instead (its requests finish, then it stops), as before parking. A parked model waking up waits in the same line, needs
 no memory, and is the same kind of waiter as a load. Parked models hold memory but run
 nothing: they count against memory budgets, not ``max_loaded_models``; when memory is
 what is short, a parked one with nothing in flight stops first.
@@ -186,11 +187,17 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
     chosen = victim(entry, loaded, now, wall)
     if (parking and chosen is not None
             and park.may_park(chosen, entry, [*loaded, *parked], server, memory)):
-        if is_idle(chosen) or (batch_only(chosen) and wanted_in_person(entry)):
+        if is_idle(chosen):
             return RoomDecision("park", chosen, why(chosen, now))
-        if park.turn_over(chosen, now, server) and chosen.spec.priority <= entry.spec.priority:
-            return RoomDecision("park", chosen, "its turn is over; " + why(chosen, now))
-        return WAIT
+        # Work in flight parks only for a model that gives the cores back in turn: a
+        # pinned one never does, and the paused requests would wait for ever (it yields).
+        if not entry.spec.pinned:
+            if batch_only(chosen) and wanted_in_person(entry):
+                return RoomDecision("park", chosen, why(chosen, now))
+            if (park.turn_over(chosen, now, server)
+                    and chosen.spec.priority <= entry.spec.priority):
+                return RoomDecision("park", chosen, "its turn is over; " + why(chosen, now))
+            return WAIT
     return _stop_for(entry, chosen, server, now, waited)
 
 
