@@ -52,12 +52,16 @@ class LocalHandle(WorkerHandle):
         return True
 
     def resident_bytes(self) -> int:
+        # Proportional set sizes: the engine's processes are forked from the worker and
+        # share its pages (torch, vLLM), which resident set sizes count once per process
+        # (4 GiB summed for SmolLM2's worker where it holds ~1.5 GiB).
         total = 0
         for pid in self.pids():
             try:
-                total += psutil.Process(pid).memory_info().rss
+                info = psutil.Process(pid).memory_full_info()
             except psutil.Error:
-                pass  # gone meanwhile: it holds nothing
+                continue  # gone meanwhile: it holds nothing
+            total += int(getattr(info, "pss", info.rss))  # PSS is Linux's
         return total
 
     async def kill(self) -> None:
