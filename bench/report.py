@@ -173,6 +173,11 @@ def faults(r: Result) -> str:
     return "\n\n".join([provenance("faults", r), table(["fault", "outcome"], rows)])
 
 
+def per_model(run: Result) -> str:
+    """A closed-loop run's requests by model: ``swap-a 86, swap-b 94``."""
+    return ", ".join(f"{m} {shown(n)}" for m, n in run["per_model"].items())
+
+
 def swap(r: Result) -> str:
     phases = ["spare", "imports", "model_files", "engine", "weights", "kv_cache_and_warmup"]
     alone, two = r["one_client_alone_60s"], r["two_clients_two_models_150s"]
@@ -191,15 +196,22 @@ def swap(r: Result) -> str:
         "clients (16-token completions) and single requests:"),
         table(["", "value", "target"], [
             ("one client alone, 60 s: requests/s", alone["requests_per_s"], ""),
+            ("… requests, longest wait s, median s",
+             (f"{alone['requests']} ({per_model(alone)}), {alone['longest_wait_s']}, "
+             f"{alone['median_s']}"), ""),
             ("two clients, one per model, 150 s: requests/s", two["requests_per_s"], ""),
+            ("… requests, median s", f"{two['requests']}, {two['median_s']}", ""),
             ("… ratio to one client alone", two["ratio_vs_alone"], ">= 0.8"),
             ("… loads after the first two (whole run)", r["loads_after_the_first_two"], "0"),
             ("… longest wait, s", two["longest_wait_s"], "<= 5"),
-            ("… per model", ", ".join(f"{m} {shown(n)}" for m, n in two["per_model"].items()),
-             ""),
+            ("… per model", per_model(two), ""),
             ("single requests on one model: median s", r["singles_one_model_median_s"], ""),
-            ("single requests alternating between the two: median s",
-             r["singles_alternating_median_s"], "<= one model's + 0.1"),
+            ("single requests alternating between the two: median s (difference)",
+             f"{r['singles_alternating_median_s']} ({r['alternating_minus_one_model_s']:+})",
+             "<= one model's + 0.1"),
+            ("parks / wakes by model",
+             ", ".join(f"{m} {o['parks']} / {o['wakes']}" for m, o in r["parks_wakes"].items()),
+             ""),
             (f"wake of a parked model ({r['wakes']} wakes): p50 / p99 / max s",
              f"{r['wake_p50_s']} / {r['wake_p99_s']} / {r['wake_max_s']}", "p99 <= 0.1")]),
         (f"Three models in a memory ceiling that holds two (`park_memory_gib` "
