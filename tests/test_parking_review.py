@@ -1,0 +1,135 @@
+"""Review of the CPU park (issue 37): defects found by reading the park branch, each as a
+test that fails on it (synthetic workers, as ``tests/test_parking.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+
+from router.errors import ModelUnavailable
+from router.workers.processes import kill_tree
+from tests.test_parking import run, supervisor, until, use
+
+
+def test_a_lower_priority_paused_stream_is_not_starved_by_a_busy_higher_one(
+        tmp_path: Path) -> None:
+    """``lo``'s stream is parked mid-answer when ``hi`` (priority 1) wants the cores and
+    ``lo``'s quantum is over. Its paused stream asks for the next turn at once, but
+    ``room.decide`` parks a busy model whose turn is over only for a model of at least its
+    priority: ``hi`` never yields to ``lo`` while ``hi`` has work, so ``lo``'s stream
+    (already half answered) waits as long as ``hi`` is busy: for ever under steady
+    traffic. Before parking ``lo``'s stream always finished (a busy model yields: it keeps
+    serving what it has). A quantum must bound the longest any request waits."""
+    sup = supervisor(tmp_path, {"park_quantum": 0.3},
+                     lo={"engine_args": {"tokens_per_second": 20}},
+                     hi={"priority": 1, "engine_args": {"tokens_per_second": 20}})
+
+    async def scenario() -> None:
+        lo = sup.registry.entries["lo"]
+        await use(sup, "hi")  # loaded once: the switches below are parks and wakes
+        long = asyncio.create_task(use(sup, "lo", tokens=40))  # 2 s of tokens alone
+        await until(lambda: lo.state == "ready" and lo.leases == 1, 30, "lo serves")
+        await asyncio.sleep(0.4)  # past lo's quantum
+        busy = asyncio.create_task(use(sup, "hi", tokens=300))  # 15 s: hi stays busy
+        try:
+            await until(lambda: lo.parks >= 1, 10, "lo is parked for hi")
+            # Many quanta of 0.3 s: lo's paused stream must have had a turn by now.
+            await until(lambda: lo.wakes >= 1 or long.done(), 6,
+                        "lo's paused stream gets a turn while hi stays busy")
+        finally:
+            busy.cancel()
+            long.cancel()
+            await asyncio.gather(busy, long, return_exceptions=True)
+
+    run(sup, scenario)
+
+
+def test_a_request_waiting_for_a_parked_model_that_crashes_loads_it_again(
+        tmp_path: Path) -> None:
+    """A request waits for ``a``'s wake (``b`` holds the cores, within its quantum); ``a``'s
+    parked worker is killed. ``_watch`` cancels the wake (``Parker.cancel``), and
+    ``_load`` awaits it shielded, so the load task itself ends cancelled and
+    ``ensure_ready`` answers 503 "was unloaded while it was loading". A crash of a model
+    not parked, or of one loading, restarts it for its waiting requests; so must this
+    (the issue: a parked model's requests are answered or queued, never lost)."""
+    sup = supervisor(tmp_path, {"park_quantum": 60},
+                     a={}, b={"engine_args": {"tokens_per_second": 20}})
+
+    async def scenario() -> None:
+        a, b = sup.registry.entries["a"], sup.registry.entries["b"]
+        await use(sup, "a")
+        await use(sup, "b")
+        assert a.state == "parked"
+        stream = asyncio.create_task(use(sup, "b", tokens=40))  # 2 s; b's turn is 60 s
+        await until(lambda: b.leases == 1, 10, "b serves")
+        waiting = asyncio.create_task(use(sup, "a"))
+        await until(lambda: a.queued == 1, 10, "a request waits for a's wake")
+        assert a.pid is not None
+        os.kill(a.pid, signal.SIGKILL)
+        try:
+            assert await waiting == "tok tok "  # once b's stream is done: a loads again
+        except ModelUnavailable as err:
+            raise AssertionError(f"the waiting request was lost: {err.message}") from None
+        await stream
+        assert a.loads == 2
+
+    run(sup, scenario)
+
+
+GROUP = textwrap.dedent("""
+    import os, sys, time
+    from shared.lifeline import guard_group
+    guard = guard_group()  # as worker/__main__ does for a vLLM engine
+    engine = os.fork()  # EngineCore: in the worker's group, watching no parent
+    if engine == 0:
+        while True:
+            time.sleep(1)
+    print(guard, engine, flush=True)
+    while True:
+        time.sleep(1)
+""")
+
+
+def test_a_parked_group_ends_when_its_worker_dies_with_the_router(tmp_path: Path) -> None:
+    """``LocalHandle.freeze`` SIGSTOPs the worker's whole process group, and with it the
+    group's guard (``shared.lifeline.guard_group``), the one process that kills
+    EngineCore once the worker has exited. A router killed (SIGKILL, the OOM killer that
+    parking's held memory makes likelier) while a model is parked: its worker dies of its
+    parent-death signal (SIGKILL ends a stopped process), but the guard, stopped, never
+    wakes to kill the group, and EngineCore stays stopped for ever, holding the model's
+    memory. Without parking the guard kills it within milliseconds."""
+    leader = subprocess.Popen([sys.executable, "-c", GROUP], cwd=os.getcwd(),
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert leader.stdout is not None
+        guard, engine = (int(p) for p in leader.stdout.readline().split())
+        kill_tree(leader.pid, signal.SIGSTOP)  # what ``LocalHandle.freeze(True)`` does
+        time.sleep(0.2)
+        assert psutil.Process(engine).status() == psutil.STATUS_STOPPED
+        os.kill(leader.pid, signal.SIGKILL)  # the router died: PR_SET_PDEATHSIG
+        leader.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                if psutil.Process(engine).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"EngineCore (pid {engine}) outlived its parked worker: "
+                                 f"{psutil.Process(engine).status()}; guard {guard}: "
+                                 f"{psutil.Process(guard).status()}")
+    finally:
+        try:
+            os.killpg(leader.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
