@@ -133,3 +133,40 @@ def test_a_parked_group_ends_when_its_worker_dies_with_the_router(tmp_path: Path
             os.killpg(leader.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_host_memory_pressure_stops_a_stale_parked_model_before_the_running_one() -> None:
+    """Default preset (no ``memory_budget_gib``, no ``park_memory_gib``): memory is short
+    on this host, so the running model ``a`` may not park for ``new``. ``stale``, parked
+    and unused for an hour, is what ``docs/lifecycle.md`` says stops first ("when memory
+    is what is short, a parked model with nothing in flight stops first"; the issue:
+    "under pressure it stops parked workers by its existing cost rules ... recency"). But
+    ``room.decide`` looks for idle parked models only where a memory *budget* is what
+    refuses (``within_budgets``); host memory never is, so ``a``, used a minute ago, is
+    stopped (a whole load to get back) and ``stale`` keeps its memory for ever (ttl 0):
+    with ``max_parked_models`` 4, four stale parks make every later switch a full swap."""
+    from types import SimpleNamespace
+
+    from router.lifecycle.policy import park, room
+    from router.registry import ModelEntry
+    from shared.config import build_preset
+
+    preset = build_preset({"server": {"max_loaded_models": 1},
+                           "models": {k: {"model": f"/{k}"} for k in ("new", "a", "stale")}})
+    m = {k: ModelEntry(spec=spec) for k, spec in preset.models.items()}
+    now, wall, gib = 10_000.0, 2e9, 1024 ** 3
+    new, a, stale = m["new"], m["a"], m["stale"]
+    new.room_since = now - 1
+    for entry, state, idle_for in ((a, "ready", 60.0), (stale, "parked", 3600.0)):
+        entry.state, entry.leases = state, 0
+        entry.link = SimpleNamespace(busy=False)  # type: ignore[assignment]
+        entry.loaded_at, entry.last_used, entry.load_seconds = wall - 7200, now - idle_for, 5.0
+        entry.resident_bytes = 10 * gib
+    # 64 GiB, 12 GiB available: parking ``a`` for ``new`` (never measured: 1 GiB of KV
+    # cache + ``UNKNOWN_NEED_GIB`` expected) would leave 9 GiB, under the 20 % margin
+    # (12.8 GiB); stopping ``stale`` gives back 10 GiB.
+    memory = park.HostMemory(total=64 * gib, available=12 * gib)
+    decision = room.decide(new, [new], [a], preset.server, {}, {}, now=now, wall=wall,
+                           waited=0.0, parked=[stale], memory=memory, parking=True)
+    chosen = decision.victim.id if decision.victim is not None else None
+    assert chosen == "stale", f"{decision.action} {chosen}: {decision.why}"
