@@ -25,9 +25,12 @@ def test_a_lower_priority_paused_stream_is_not_starved_by_a_busy_higher_one(
     ``lo``'s quantum is over. Its paused stream asks for the next turn at once, but
     ``room.decide`` parks a busy model whose turn is over only for a model of at least its
     priority: ``hi`` never yields to ``lo`` while ``hi`` has work, so ``lo``'s stream
-    (already half answered) waits as long as ``hi`` is busy: for ever under steady
-    traffic. Before parking ``lo``'s stream always finished (a busy model yields: it keeps
-    serving what it has). A quantum must bound the longest any request waits."""
+    (already half answered) waits as long as ``hi`` is busy; under steady traffic until
+    the wake's ``load_timeout`` (900 s), then ``_wake_done`` stops ``lo`` and, ``hi``
+    still holding the room, the stream ends mid-answer with a 503 after ``drain_timeout``.
+    Before parking ``lo``'s stream always finished (a busy model yields: it keeps serving
+    what it has). The issue: a quantum bounds the longest any request waits, and paused
+    streams never error. One key that may use ``hi`` can do this to everyone on ``lo``."""
     sup = supervisor(tmp_path, {"park_quantum": 0.3},
                      lo={"engine_args": {"tokens_per_second": 20}},
                      hi={"priority": 1, "engine_args": {"tokens_per_second": 20}})
