@@ -173,3 +173,30 @@ def test_host_memory_pressure_stops_a_stale_parked_model_before_the_running_one(
                            waited=0.0, parked=[stale], memory=memory, parking=True)
     chosen = decision.victim.id if decision.victim is not None else None
     assert chosen == "stale", f"{decision.action} {chosen}: {decision.why}"
+
+
+def test_a_reload_that_changes_a_parked_models_spec_does_not_take_the_cores_from_one_in_use(
+        tmp_path: Path) -> None:
+    """``Supervisor.refresh`` counts a parked model as ``serving``, so a reload that
+    changes its spec loads it again at once, nobody having asked for it: the load needs
+    room, and the model people use (``b``) is parked or stopped for it. Before parking
+    the model that made room was ``unloaded``, and a reload left it so. A preset edit
+    touching the specs of the (up to ``max_parked_models``) parked models thus costs that
+    many loads on the cores of the model in use."""
+    import msgspec
+
+    sup = supervisor(tmp_path, a={"engine_args": {"tokens_per_second": 0}}, b={})
+
+    async def scenario() -> None:
+        a, b = sup.registry.entries["a"], sup.registry.entries["b"]
+        await use(sup, "a")
+        await use(sup, "b")
+        assert a.state == "parked" and b.state == "ready"
+        a.spec = msgspec.structs.replace(a.spec, engine_args={"tokens_per_second": 1000})
+        sup.refresh(a, load=False)
+        await until(lambda: a.state in ("unloaded", "loading", "ready"), 10, "a stops")
+        await asyncio.sleep(1.0)  # a restart, if any, has begun
+        assert a.state == "unloaded" and a.loads == 1, (a.state, a.loads)
+        assert b.state == "ready" and b.parks == 0, (b.state, b.parks)
+
+    run(sup, scenario)
