@@ -200,3 +200,35 @@ def test_a_reload_that_changes_a_parked_models_spec_does_not_take_the_cores_from
         assert b.state == "ready" and b.parks == 0, (b.state, b.parks)
 
     run(sup, scenario)
+
+
+def test_a_request_waiting_for_a_parked_models_wake_survives_a_reload_of_its_spec(
+        tmp_path: Path) -> None:
+    """As the crash above, through a reload: ``refresh`` of a model whose load is under
+    way waits for it when ``loading`` ("its waiters get the worker they waited for"), but
+    a parked model's load is its wake, the stop cancels it, and the request waiting for
+    it gets 503 "was unloaded while it was loading"; it should wait for the new spec's
+    worker, as a request that came a moment later does."""
+    import msgspec
+
+    sup = supervisor(tmp_path, {"park_quantum": 60},
+                     a={}, b={"engine_args": {"tokens_per_second": 20}})
+
+    async def scenario() -> None:
+        a, b = sup.registry.entries["a"], sup.registry.entries["b"]
+        await use(sup, "a")
+        await use(sup, "b")
+        assert a.state == "parked"
+        stream = asyncio.create_task(use(sup, "b", tokens=40))  # 2 s; b's turn is 60 s
+        await until(lambda: b.leases == 1, 10, "b serves")
+        waiting = asyncio.create_task(use(sup, "a"))
+        await until(lambda: a.queued == 1, 10, "a request waits for a's wake")
+        a.spec = msgspec.structs.replace(a.spec, engine_args={"tokens_per_second": 1000})
+        sup.refresh(a, load=False)
+        try:
+            assert await waiting == "tok tok "
+        except ModelUnavailable as err:
+            raise AssertionError(f"the waiting request was lost: {err.message}") from None
+        await stream
+
+    run(sup, scenario)
