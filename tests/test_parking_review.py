@@ -232,3 +232,31 @@ def test_a_request_waiting_for_a_parked_models_wake_survives_a_reload_of_its_spe
         await stream
 
     run(sup, scenario)
+
+
+def test_a_model_never_measured_is_not_expected_to_take_only_2_gib(tmp_path: Path) -> None:
+    """Default preset (``park_memory_gib`` unset): ``may_park`` lets ``a`` park for ``b``
+    while this host's available memory less what ``b`` is expected to take stays above 20 %.
+    ``b`` never ran, so ``expected_bytes`` takes its KV cache and ``UNKNOWN_NEED_GIB`` (2
+    GiB) whatever its weights: a 7B model in bf16 (15 GiB of safetensors) on a 32 GiB
+    host with 14 GiB available is expected to take 3 GiB, ``a`` (16 GiB) parks, and ``b``
+    loads 16 GiB into 14: swap or the OOM killer (which may pick the router: see the
+    stopped-group test above). Before parking ``a`` stopped and ``b`` fitted. The weights'
+    size on disk is known before the load and is the floor of what a worker holds."""
+    from router.lifecycle.policy import park
+    from router.registry import ModelEntry
+    from shared.config import build_preset
+
+    weights = tmp_path / "b"
+    weights.mkdir()
+    with open(weights / "model.safetensors", "wb") as f:
+        f.truncate(15 * 1024 ** 3)  # sparse: nothing written
+    (weights / "config.json").write_text("{}")
+    preset = build_preset({"server": {"max_loaded_models": 1},
+                           "models": {"a": {"model": "/a"}, "b": {"model": str(weights)}}})
+    a, b = (ModelEntry(spec=preset.models[k]) for k in ("a", "b"))
+    gib = 1024 ** 3
+    a.state, a.resident_bytes = "ready", 16 * gib
+    memory = park.HostMemory(total=32 * gib, available=14 * gib)
+    assert not park.may_park(a, b, [a], preset.server, memory), (
+        f"b expected to take {park.expected_bytes(b) / gib:g} GiB")
