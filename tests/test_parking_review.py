@@ -240,8 +240,8 @@ def test_a_model_never_measured_is_not_expected_to_take_only_2_gib(tmp_path: Pat
     ``b`` never ran, so ``expected_bytes`` takes its KV cache and ``UNKNOWN_NEED_GIB`` (2
     GiB) whatever its weights: a 7B model in bf16 (15 GiB of safetensors) on a 32 GiB
     host with 14 GiB available is expected to take 3 GiB, ``a`` (16 GiB) parks, and ``b``
-    loads 16 GiB into 14: swap or the OOM killer (which may pick the router: see the
-    stopped-group test above). Before parking ``a`` stopped and ``b`` fitted. The weights'
+    loads 16 GiB into 14: swap, or the OOM killer ends a worker (the largest). Before
+    parking ``a`` stopped and ``b`` fitted. The weights'
     size on disk is known before the load and is the floor of what a worker holds."""
     from router.lifecycle.policy import park
     from router.registry import ModelEntry
