@@ -11,11 +11,12 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 
 from router.errors import ModelUnavailable
-from router.workers.processes import kill_tree
+from router.workers.backends.local import LocalHandle
 from tests.test_parking import run, supervisor, until, use
 
 
@@ -114,7 +115,10 @@ def test_a_parked_group_ends_when_its_worker_dies_with_the_router(tmp_path: Path
     try:
         assert leader.stdout is not None
         guard, engine = (int(p) for p in leader.stdout.readline().split())
-        kill_tree(leader.pid, signal.SIGSTOP)  # what ``LocalHandle.freeze(True)`` does
+        handle = LocalHandle(SimpleNamespace(pid=leader.pid, returncode=None),  # type: ignore[arg-type]
+                             tmp_path / "w.log")
+        handle.note_children()  # as the supervisor does once the worker is ready
+        assert handle.freeze(True)  # (on 055fae1: ``kill_tree`` of the whole group)
         time.sleep(0.2)
         assert psutil.Process(engine).status() == psutil.STATUS_STOPPED
         os.kill(leader.pid, signal.SIGKILL)  # the router died: PR_SET_PDEATHSIG
@@ -244,6 +248,7 @@ def test_a_model_never_measured_is_not_expected_to_take_only_2_gib(tmp_path: Pat
     parking ``a`` stopped and ``b`` fitted. The weights'
     size on disk is known before the load and is the floor of what a worker holds."""
     from router.lifecycle.policy import park
+    from router.lifecycle.room_maker import weights_on_disk
     from router.registry import ModelEntry
     from shared.config import build_preset
 
@@ -255,6 +260,7 @@ def test_a_model_never_measured_is_not_expected_to_take_only_2_gib(tmp_path: Pat
     preset = build_preset({"server": {"max_loaded_models": 1},
                            "models": {"a": {"model": "/a"}, "b": {"model": str(weights)}}})
     a, b = (ModelEntry(spec=preset.models[k]) for k in ("a", "b"))
+    b.weights_bytes = weights_on_disk(str(weights))  # as the room maker reads it, once
     gib = 1024 ** 3
     a.state, a.resident_bytes = "ready", 16 * gib
     memory = park.HostMemory(total=32 * gib, available=14 * gib)

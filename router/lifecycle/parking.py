@@ -31,6 +31,9 @@ from router.registry import ModelEntry
 log = logging.getLogger("modelyard.router")
 POLL = 0.01
 """Seconds between looks at a park still under way, for a wake that must follow it."""
+PARK_TIMEOUT = 10.0
+"""Seconds an engine may take to pause (its step in flight ends first): the line for room
+waits for the park, so one that hangs stops instead."""
 THAW_TIMEOUT = 10.0
 """Seconds a parked worker that is to stop may take to resume its engine first."""
 
@@ -86,10 +89,11 @@ class Parker:
         paused = link.busy
         if paused:
             try:
-                await link.sleep(0)
-            except APIError as err:
+                async with asyncio.timeout(PARK_TIMEOUT):
+                    await link.sleep(0)
+            except (APIError, TimeoutError) as err:
                 log.warning("model %s: park failed (%s); stopping instead", entry.id,
-                            err.message)
+                            getattr(err, "message", "no answer"))
                 await asyncio.shield(self._stopping(entry))
                 return
             if entry.state != "parking" or self.worker_of(entry) is not worker:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -28,6 +29,22 @@ from router.workers.placement import Placer
 from shared.config import ServerConfig
 
 log = logging.getLogger("modelyard.router")
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weights_on_disk(model: str) -> int:
+    """The size of the weight files in ``model``'s folder (0: not a folder here, e.g. a
+    hub id or ``builtin:``). Blocking: call it in a thread."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return 0
+    total = 0
+    for path in folder.rglob("*"):
+        if path.suffix in WEIGHT_SUFFIXES and path.is_file():
+            total += path.stat().st_size
+    return total
 
 
 class RoomMaker:
@@ -99,6 +116,9 @@ class RoomMaker:
                 held = await self._held_asleep(self.loaded(entry)) if first else {}
                 memory = None
                 if first and self._memory_needed():
+                    if not entry.weights_bytes and park.expected_bytes(entry):
+                        entry.weights_bytes = await asyncio.to_thread(weights_on_disk,
+                                                                      entry.spec.model)
                     vm = await asyncio.to_thread(psutil.virtual_memory)
                     memory = park.HostMemory(vm.total, vm.available)
                 # Read after those awaits (threads): a load that claimed room meanwhile
@@ -117,6 +137,7 @@ class RoomMaker:
                              decision.why)
                     self.events.publish("eviction", victim.id, action="park",
                                         reason=decision.why, **{"for": entry.id})
+                    victim.parked_for = entry.id
                     if not await self.park_victim(victim, f"for {entry.id}"):
                         victim.evictions += 1  # nothing there to park: it stops
                         await self.stop(victim)

@@ -307,7 +307,15 @@ class Supervisor:
     # -- starting ----------------------------------------------------------------------
     async def _load(self, entry: ModelEntry) -> WorkerLink:
         if entry.state in ("parking", "parked", "waking"):  # resident: its wake is enough
-            await asyncio.shield(self.parker.wake(entry))
+            wake = self.parker.wake(entry)
+            try:
+                await asyncio.shield(wake)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not wake.cancelled() or (current is not None and current.cancelling()):
+                    raise
+                # The wake was ended (a crash, a stop, a reload's restart), not this load:
+                # its waiters wait for that to finish, then start the model again.
             if entry.state == "ready" and entry.link is not None:
                 return entry.link
         # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
@@ -531,12 +539,15 @@ class Supervisor:
         if task is None or task.done():
             self.parker.cancel(entry)  # a wake under way parks no one for it any more
             load = self._loads.get(entry.id)  # one begun later waits for this stop
-            if ((load is None or entry.state in ("parking", "parked", "waking"))
-                    and self.worker_of(entry) is not None):
+            if entry.state in ("parking", "parked", "waking"):
+                # A load of a resident model only waits for its wake, ended above: it is
+                # not cancelled, and its waiters start the model again after this stop
+                # (``_load``), as for a ready model's; marked now, a park under way wakes
+                # no one (it would wait for room for a stopped one).
+                load = None
+            if load is None and self.worker_of(entry) is not None:
                 # Now, not in the task's first turn: a request that comes meanwhile (after
-                # a reload's answer, say) must not lease the worker that is to stop. A load
-                # of a parked model only waits for its wake, cancelled above: marked now,
-                # a park under way wakes no one (it would wait for room for a stopped one).
+                # a reload's answer, say) must not lease the worker that is to stop.
                 self._mark_stopping(entry)
             task = asyncio.create_task(self._stop(entry, load, force, grace),
                                        name=f"stop-{entry.id}")
@@ -630,8 +641,9 @@ class Supervisor:
         cannot be served by stops once its requests in flight are done (new requests wait
         meanwhile, then load the new spec); with ``load``, or if it was serving, the
         model loads again at once."""
-        serving = entry.state in ("loading", "ready", "sleeping", "parking", "parked",
-                                  "waking")
+        # A parked model serves no one now: it loads again when asked for, not at once
+        # (which would take the cores from the model in use).
+        serving = entry.state in ("loading", "ready", "sleeping", "waking")
 
         def outdated() -> bool:
             worker = self.worker_of(entry)

@@ -48,12 +48,13 @@ def parked(models: Iterable[ModelEntry]) -> list[ModelEntry]:
 
 def expected_bytes(entry: ModelEntry) -> int:
     """What ``entry``'s worker is expected to hold once it runs: as measured last time,
-    else its KV cache and ``UNKNOWN_NEED_GIB``. Nothing for a model already resident."""
+    else its weights on disk (``weights_bytes``), its KV cache and ``UNKNOWN_NEED_GIB``;
+    never less than its weights. Nothing for a model already resident."""
     if entry.state in (*PARKED_STATES, "waking", "ready"):
         return 0
     if entry.resident_bytes:
-        return entry.resident_bytes
-    return int((entry.spec.kv_cache_gib + UNKNOWN_NEED_GIB) * GIB)
+        return max(entry.resident_bytes, entry.weights_bytes)
+    return entry.weights_bytes + int((entry.spec.kv_cache_gib + UNKNOWN_NEED_GIB) * GIB)
 
 
 def may_park(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry],

@@ -116,9 +116,19 @@ def first_in_line(entry: ModelEntry, models: Iterable[ModelEntry]) -> bool:
     # In ``models``' order (a dict, not a set): a tie goes to the first, whatever the
     # entries' addresses; a set made the line, and a seed's simulation, depend on memory.
     waiting = [e for e in dict.fromkeys((*models, entry)) if e.room_since is not None]
+    by_id = {e.id: e for e in waiting}
     return bool(waiting) and max(
-        waiting, key=lambda e: (not for_batch_alone(e), e.spec.priority,
-                                -(e.room_since or 0))) is entry
+        waiting, key=lambda e: (not for_batch_alone(e), not defers(e, by_id),
+                                e.spec.priority, -(e.room_since or 0))) is entry
+
+
+def defers(entry: ModelEntry, waiting: dict[str, ModelEntry]) -> bool:
+    """``entry`` was parked for a model (``parked_for``) that still waits and has not
+    begun its turn since: it goes behind it in the line whatever the priorities, or the
+    room its park made would go straight back to it (a turn taken, never given)."""
+    other = waiting.get(entry.parked_for or "")
+    return (other is not None and entry.state == "parked"
+            and other.turn_at < entry.parked_at)
 
 
 def victim(entry: ModelEntry, loaded: Iterable[ModelEntry], now: float,
@@ -175,18 +185,28 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
     parked = [e for e in parked or () if e is not entry]
     if fits(entry.spec, [e.spec for e in loaded], server, gpus, held, [e.spec for e in parked]):
         return RoomDecision("fits")
+    idle_parked = [e for e in parked if park.stoppable(e) and not e.spec.pinned]
+    stale = min(idle_parked, default=None,
+                key=lambda e: (e.spec.priority, expected_cost(e, now), e.last_used))
     if runs_beside(entry.spec, [e.spec for e in loaded], server):
         # Memory is what is short: a parked model with nothing in flight goes first
         # (parking a running one would free none).
-        idle_parked = [e for e in parked if park.stoppable(e) and not e.spec.pinned]
-        if idle_parked:
-            gone = min(idle_parked, key=lambda e: (e.spec.priority, expected_cost(e, now),
-                                                   e.last_used))
-            return RoomDecision("evict", gone, "parked; " + why(gone, now))
+        if stale is not None:
+            return RoomDecision("evict", stale, "parked; " + why(stale, now))
         return _stop_for(entry, victim(entry, loaded, now, wall), server, now, waited)
     chosen = victim(entry, loaded, now, wall)
-    if (parking and chosen is not None
-            and park.may_park(chosen, entry, [*loaded, *parked], server, memory)):
+    if parking and chosen is not None:
+        if not park.may_park(chosen, entry, [*loaded, *parked], server, memory):
+            # Memory (or ``max_parked_models``) holds no more parked models: the parked
+            # one least worth keeping stops first, by the same cost rules, so that the
+            # running one, which people use now, parks instead of stopping.
+            if stale is not None and (stale.spec.priority, expected_cost(stale, now),
+                                      stale.last_used) <= (chosen.spec.priority,
+                                                           expected_cost(chosen, now),
+                                                           chosen.last_used):
+                return RoomDecision("evict", stale, "parked, to park another; "
+                                    + why(stale, now))
+            return _stop_for(entry, chosen, server, now, waited)
         if is_idle(chosen):
             return RoomDecision("park", chosen, why(chosen, now))
         # Work in flight parks only for a model that gives the cores back in turn: a
@@ -194,11 +214,19 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
         if not entry.spec.pinned:
             if batch_only(chosen) and wanted_in_person(entry):
                 return RoomDecision("park", chosen, why(chosen, now))
-            if (park.turn_over(chosen, now, server)
-                    and chosen.spec.priority <= entry.spec.priority):
+            # Paused requests of its own take their turn whatever the priorities: a
+            # quantum bounds how long a stream, once begun, is held (a higher priority
+            # says who goes first, not who may starve a half-written answer).
+            if park.turn_over(chosen, now, server) and (
+                    chosen.spec.priority <= entry.spec.priority or paused_work(entry)):
                 return RoomDecision("park", chosen, "its turn is over; " + why(chosen, now))
             return WAIT
     return _stop_for(entry, chosen, server, now, waited)
+
+
+def paused_work(entry: ModelEntry) -> bool:
+    """``entry`` is parked with requests in flight (paused mid-answer)."""
+    return entry.state == "parked" and entry.link is not None and entry.link.busy
 
 
 def _stop_for(entry: ModelEntry, chosen: ModelEntry | None, server: ServerConfig,
