@@ -145,9 +145,10 @@ def ceiling(resident_mib: float) -> dict[str, Any]:
         spare_ready(yard)
         request_seconds(yard, "mem-b")  # a parks
         spare_ready(yard)
-        ready_spare = request_seconds(yard, "mem-c")  # b cannot park (a fills it): stops
+        ready_spare = request_seconds(yard, "mem-c")  # one parked model stops: no room
         states = {m: model(yard, m)["state"] for m in ("mem-a", "mem-b", "mem-c")}
-        right_after = request_seconds(yard, "mem-b")  # its spare is not ready yet
+        stopped = next(m for m, state in states.items() if state == "unloaded")
+        right_after = request_seconds(yard, stopped)  # its spare is not ready yet
         return {"park_memory_gib": gib, "states_after_third": states,
                 "start_with_ready_spare_s": round(ready_spare, 2),
                 "start_right_after_a_load_s": round(right_after, 2),

@@ -283,15 +283,19 @@ def thaw_violations(sup: Supervisor, entries: Iterable[ModelEntry], worker: SimW
 
 
 def park_state_violations(sup: Supervisor, entries: Iterable[ModelEntry]) -> list[str]:
-    """(c): a parked model's worker is paused and frozen; a ready one's neither."""
+    """(c): a parked model's worker is frozen, and paused exactly when the supervisor
+    paused its engine (it had requests in flight: an idle engine is only frozen); a
+    ready one's neither."""
     out = []
     for entry in entries:
         worker = sim_worker(sup, entry)
-        if worker is None or worker.returncode is not None:
+        kept = sup.worker_of(entry)
+        if worker is None or worker.returncode is not None or kept is None:
             continue
-        if entry.state == "parked" and not (worker.paused and worker.frozen):
+        if entry.state == "parked" and not (worker.frozen and worker.paused == kept.paused):
             out.append(f"{entry.id}: parked, but its worker {worker.pid} is "
-                       f"{'not paused' if not worker.paused else 'not frozen'}")
+                       f"{'not frozen' if not worker.frozen else 'paused: ' + str(worker.paused)}"
+                       f" (the supervisor paused it: {kept.paused})")
         if entry.state == "ready" and (worker.paused or worker.frozen):
             out.append(f"{entry.id}: ready, but its worker {worker.pid} is "
                        f"{'frozen' if worker.frozen else 'paused'}")
