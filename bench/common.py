@@ -67,8 +67,9 @@ def report(name: str, result: dict[str, Any], rows: Sequence[tuple[Any, ...]]) -
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
+    for r in cells:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
     sys.stdout.flush()
 

@@ -173,28 +173,58 @@ def faults(r: Result) -> str:
     return "\n\n".join([provenance("faults", r), table(["fault", "outcome"], rows)])
 
 
+def per_model(run: Result) -> str:
+    """A closed-loop run's requests by model: ``swap-a 86, swap-b 94``."""
+    return ", ".join(f"{m} {shown(n)}" for m, n in run["per_model"].items())
+
+
 def swap(r: Result) -> str:
     phases = ["spare", "imports", "model_files", "engine", "weights", "kv_cache_and_warmup"]
-    loads = [("cold start", r["cold_load_phases_s"])]
-    loads += [(f"swap {i + 1}", p) for i, p in enumerate(r["swap_load_phases_s"])]
-    two = r["two_clients_one_slot_150s"]
+    alone, two = r["one_client_alone_60s"], r["two_clients_two_models_150s"]
+    mem = r["memory_ceiling"]
     return "\n\n".join([
         provenance("swap", r),
         table(["", "seconds"], [
             ("`vllm serve` start → first token", r["vllm_start_to_first_token_s"]),
             ("modelyard, never-loaded model → first token (a spare ready)",
              r["modelyard_cold_first_token_s"]),
-            ("ratio", r["ratio_cold_vs_vllm"]),
-            ("swaps (`POST /v1/models/load` of the other model)", r["swap_s"])]),
-        ("The load phases of each start (`load_phases`, seconds; weights and KV cache + "
+            ("ratio", r["ratio_cold_vs_vllm"])]),
+        ("The cold start's load phases (`load_phases`, seconds; weights and KV cache + "
         "warm-up are inside engine):"),
-        table(["load", *phases, "whole swap, s"],
-              [(name, *(p[k] for k in phases), r["swap_s"][i - 1] if i else "")
-               for i, (name, p) in enumerate(loads)]),
-        "Two closed-loop clients, one per model, sharing one slot for 150 s:",
-        table(["requests", "per model", "loads", "longest wait s", "median s", "errors"],
-              [(two["requests"], ", ".join(f"{m} {shown(n)}" for m, n in two["per_model"].items()),
-                two["loads"], two["longest_wait_s"], two["median_s"], two["errors"])])])
+        table(phases, [tuple(r["cold_load_phases_s"].get(k, "") for k in phases)]),
+        ("Two models on the same two cores, `max_loaded_models: 1`, parking on: closed-loop "
+        "clients (16-token completions) and single requests:"),
+        table(["", "value", "target"], [
+            ("one client alone, 60 s: requests/s", alone["requests_per_s"], ""),
+            ("… requests, longest wait s, median s",
+             (f"{alone['requests']} ({per_model(alone)}), {alone['longest_wait_s']}, "
+             f"{alone['median_s']}"), ""),
+            ("two clients, one per model, 150 s: requests/s", two["requests_per_s"], ""),
+            ("… requests, median s", f"{two['requests']}, {two['median_s']}", ""),
+            ("… ratio to one client alone", two["ratio_vs_alone"], ">= 0.8"),
+            ("… loads after the first two (whole run)", r["loads_after_the_first_two"], "0"),
+            ("… longest wait, s", two["longest_wait_s"], "<= 5"),
+            ("… per model", per_model(two), ""),
+            ("single requests on one model: median s", r["singles_one_model_median_s"], ""),
+            ("single requests alternating between the two: median s (difference)",
+             f"{r['singles_alternating_median_s']} ({r['alternating_minus_one_model_s']:+})",
+             "<= one model's + 0.1"),
+            ("parks / wakes by model",
+             ", ".join(f"{m} {o['parks']} / {o['wakes']}" for m, o in r["parks_wakes"].items()),
+             ""),
+            (f"wake of a parked model ({r['wakes']} wakes): p50 / p99 / max s",
+             f"{r['wake_p50_s']} / {r['wake_p99_s']} / {r['wake_max_s']}", "p99 <= 0.1")]),
+        (f"Three models in a memory ceiling that holds two (`park_memory_gib` "
+        f"{mem['park_memory_gib']}: 1.5x one worker's {shown(r['resident_mib_per_worker'])} "
+        "MiB):"),
+        table(["", "value", "target"], [
+            ("states after the third model's first request",
+             ", ".join(f"{m} {s}" for m, s in mem["states_after_third"].items()),
+             "one stopped"),
+            ("a start with a spare ready, s", mem["start_with_ready_spare_s"], ""),
+            ("the stopped one's start right after that load, s",
+             mem["start_right_after_a_load_s"], ""),
+            ("… ratio", mem["ratio_right_after_vs_ready_spare"], "<= 1.5")])])
 
 
 def ledger(r: Result) -> str:

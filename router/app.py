@@ -123,6 +123,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
     database = Database(server.database_url or default_url(server.cache_dir),
                         KEY_TABLES + LEDGER_TABLES + BATCH_TABLES)
     ledger = Ledger(database)
+    supervisor.parker.observe = metrics.metrics.switch
     relay = Relay(supervisor, metrics.metrics, ledger)
     relay.follow_keys(keys)  # a revoked key's generations end at once
     openai = OpenAIAPI(relay, server.max_body_bytes)

@@ -175,6 +175,25 @@ class ModelEntry:
     """An adapter's LoRA rank (its ``adapter_config.json``; None: unreadable)."""
     adapters_loaded: list[AdapterState] = field(default_factory=list)
     """A base's adapters loaded in its engine, as its worker last said."""
+    parked_for: str | None = None
+    """The model this one was last parked to make room for: it waits behind that model
+    in the line for room until that one's turn has begun (``policy.room.defers``)."""
+    parked_at: float = 0.0
+    """When (``time.monotonic``) it was last parked (``state`` ``parked``: its worker keeps
+    its memory and gives up its cores; ``router.lifecycle.parking``)."""
+    turn_at: float = 0.0
+    """When (``time.monotonic``) it last began to run: loaded or woken. A model another
+    waits for keeps the cores at least ``park_quantum`` from here."""
+    parks: int = 0
+    """Times it was parked (each frees its cores for another model)."""
+    wakes: int = 0
+    """Times it was woken from ``parked``."""
+    weights_bytes: int = 0
+    """Its weights' size on disk (read once, when a park first needs to know what its
+    load will take): the floor of what its worker holds."""
+    resident_bytes: int = 0
+    """What its worker's processes held (resident sets) when last measured: as it
+    parked, or as it became ready."""
 
     @property
     def names(self) -> list[str]:

@@ -157,13 +157,16 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``GET``; the oldest go first. 0: none are kept."""
     responses_store_mib: Annotated[float, msgspec.Meta(ge=0)] = 64.0
     """The stored responses' JSON, at most; the oldest go first."""
-    loading_progress: Literal["off", "comments"] = "off"
+    loading_progress: Literal["off", "comments", "reasoning"] = "off"
     """``comments``: a streamed generation request that waits for its model to load gets
     SSE comment lines about every second (``: modelyard loading smollm2 phase=engine
-    62%``), which SDKs ignore; its response (status 200) then begins with the first of
-    them, so a failure to load arrives as the protocol's error event. A model's own
-    ``loading_progress`` wins, and a request's ``X-Modelyard-Loading-Progress: comments``
-    or ``off`` header over both (``router.api.progress``)."""
+    62%``), which SDKs ignore; ``reasoning``: the same news as the protocol's reasoning
+    (chat's ``delta.reasoning_content``, an Anthropic ``thinking`` block, a Responses
+    ``reasoning`` item; legacy completions, which have none, get the comments), which chat
+    UIs show. Either way its response (status 200) then begins with the first of them, so
+    a failure to load arrives as the protocol's error event. A model's own
+    ``loading_progress`` wins, and a request's ``X-Modelyard-Loading-Progress: comments``,
+    ``reasoning`` or ``off`` header over both (``router.api.progress``)."""
     responses_store_ttl: Annotated[float, msgspec.Meta(gt=0)] = 3600.0
     """Seconds a stored response is kept after its last write."""
     swap_wait: Annotated[float, msgspec.Meta(ge=0)] = 40.0
@@ -171,6 +174,20 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     serving its clients; then the busy one takes no new requests, finishes the ones it
     has and stops. Until then requests for each model are served together, not one swap
     per request. A model idle for 2 s is evicted at once."""
+    max_parked_models: Annotated[int, msgspec.Meta(ge=0)] = 4
+    """Models whose workers may be parked at once: a model that makes room for another
+    (``max_loaded_models``, a memory budget) keeps its memory and gives up its cores
+    instead of stopping, and wakes in milliseconds (``router.lifecycle.parking``). 0:
+    never park (a model that makes room stops). Models on a GPU are not parked yet."""
+    park_memory_gib: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    """What parked workers may hold in all (their resident sets as measured when they
+    parked). Unset: a model parks while this host's available memory, less what the
+    model making room is expected to take, stays above ``PARK_MARGIN`` of its total."""
+    park_quantum: Annotated[float, msgspec.Meta(gt=0)] = 1.0
+    """Seconds a model keeps the cores, once it runs, while another waits for them; then
+    it is parked between two engine steps (its streams pause, and go on at its next
+    turn) and the other runs: two models with work take turns of this length, and no
+    request waits much longer than one turn."""
     preload: list[str] = []
     """Models (ids or aliases) to load at start-up, as ``load_on_startup`` does."""
     spare_workers: Annotated[int, msgspec.Meta(ge=0, le=8)] = 1
@@ -321,9 +338,9 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     sampling_defaults: SamplingDefaults = msgspec.field(default_factory=SamplingDefaults)
     """Sampling parameters for what a request leaves out (``SamplingDefaults``), on every
     protocol; INI: ``sampling_defaults.temperature = 0.2``."""
-    loading_progress: Literal["off", "comments"] | None = None
-    """Comment lines to a stream that waits for this model's load (the server's
-    ``loading_progress``); default: the server's."""
+    loading_progress: Literal["off", "comments", "reasoning"] | None = None
+    """Progress (comment lines, or reasoning) to a stream that waits for this model's
+    load (the server's ``loading_progress``); default: the server's."""
     owned_by: str = "modelyard"
     base: str | None = None
     """An adapter model: the id of the model whose engine serves it, with the LoRA
@@ -591,7 +608,8 @@ def _off_word(body: Any, where: str) -> Any:
     if not isinstance(body, dict) or not isinstance(body.get("loading_progress"), bool):
         return body
     if body["loading_progress"]:
-        raise ConfigError(f"{where}: key 'loading_progress': expected off or comments")
+        raise ConfigError(f"{where}: key 'loading_progress': expected off, comments or "
+                          "reasoning")
     return {**body, "loading_progress": "off"}
 
 

@@ -216,14 +216,19 @@ class Shutdown(msgspec.Struct, tag="shutdown", **_MSG):
 
 
 class Sleep(msgspec.Struct, tag="sleep", **_MSG):
-    """Put the engine in vLLM sleep mode (GPU only); answered with ``Pong``."""
+    """Take the engine off its device; answered with ``Pong``. ``level`` 0 parks it on
+    any device: its scheduler pauses between two steps and keeps every request in
+    flight, its KV and prefix cache (vLLM's ``pause_generation(mode="keep",
+    clear_cache=False)``); 1 and 2 are vLLM's sleep mode (GPU only): weights offloaded
+    to host memory (1) or dropped (2), the KV cache freed."""
 
     id: str
     level: int = 1
 
 
 class Wake(msgspec.Struct, tag="wake", **_MSG):
-    """Leave sleep mode; answered with ``Pong`` once the engine serves again."""
+    """Leave a ``Sleep`` of any level; answered with ``Pong`` once the engine serves
+    again (a parked one goes on with the requests it kept)."""
 
     id: str
 

@@ -384,6 +384,18 @@ def loads(r: RouterProcess, model: str) -> int:
     return int(r.client.get(f"{r.url}/v1/models/{model}").json().get("loads") or 0)
 
 
+def starts(r: RouterProcess, model: str) -> int:
+    """Times ``model`` began to run: loads and wakes from parked."""
+    m = r.client.get(f"{r.url}/v1/models/{model}").json()
+    return int(m.get("loads") or 0) + int(m.get("wakes") or 0)
+
+
+def made_room(r: RouterProcess, model: str) -> int:
+    """Times ``model`` gave up its room: stopped (evicted) or parked."""
+    m = r.client.get(f"{r.url}/v1/models/{model}").json()
+    return int(m.get("evictions") or 0) + int(m.get("parks") or 0)
+
+
 def test_a_batch_over_two_models_in_one_room_loads_each_once(one_room: RouterProcess) -> None:
     c = client(one_room, "-")
     items = [line(f"ab-{i}", model="ab"[i % 2]) for i in range(20)]
@@ -408,18 +420,20 @@ def test_a_batch_never_evicts_the_model_a_person_uses(one_room: RouterProcess) -
     batch = c.batches.create(input_file_id=upload(c, [line(f"b-{i}", model="b")
                                                       for i in range(4)]),
                              endpoint="/v1/chat/completions", completion_window="24h")
-    b_loads = loads(one_room, "b")
+    b_starts, a_made_room = starts(one_room, "b"), made_room(one_room, "a")
     until = time.monotonic() + BATCH_QUIET * 0.8
     while time.monotonic() < until:  # the person goes on using ``a``
         assert one_room.client.post(f"{one_room.url}/v1/chat/completions", timeout=60, json={
             "model": "a", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 2}).status_code == 200
         assert c.batches.retrieve(batch.id).request_counts.completed == 0
-        assert loads(one_room, "b") == b_loads
+        # neither stopped nor parked for the batch: b neither loads nor wakes
+        assert starts(one_room, "b") == b_starts
+        assert made_room(one_room, "a") == a_made_room
         time.sleep(1.0)
     done = finished(c, batch.id, timeout=BATCH_QUIET * 3)
     assert done.status == "completed" and done.request_counts.completed == 4, done
-    assert loads(one_room, "b") == b_loads + 1
+    assert starts(one_room, "b") == b_starts + 1  # loaded, or woken from parked
 
 
 def test_an_upload_past_files_max_mib_is_refused(router: RouterProcess) -> None:

@@ -219,6 +219,7 @@ server:
   port: {port}
   runtime_dir: {runtime}
   max_loaded_models: 1
+  max_parked_models: 0  # an eviction that stops (a park's events: tests/test_parking.py)
   load_timeout: 600
 models:
   ev-a: {model: "builtin:smollm2", max_model_len: 512}

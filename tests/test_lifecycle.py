@@ -34,6 +34,7 @@ server:
   send_timeout: 2
   send_buffer_bytes: 65536
   spare_workers: 2   # 20 loads in a row use them up faster than one is replaced
+  max_parked_models: 0  # this module's swaps are stops (parking: tests/test_parking*.py)
 models:
   blinky: {model: "builtin:smollm2", ttl: 1, max_model_len: 512}
   swap-a: {model: "builtin:smollm2", max_model_len: 512}

@@ -1,8 +1,12 @@
-"""Loading progress (issue 27): SSE comment lines to a stream that waits for its model.
+"""Loading progress (issues 27, 37): SSE comment lines, or the protocol's reasoning, to a
+stream that waits for its model.
 
 Synthetic workers whose engine takes ``start_seconds`` to start stand in for a model
 that loads slowly; each test unloads its model first, so its request finds it cold.
-The official SDKs must parse such a stream as if the comments were not there.
+The official SDKs must parse such a stream as if the comments were not there; with
+``reasoning`` they must find the progress in the reasoning (chat's
+``delta.reasoning_content``, an Anthropic ``thinking`` block, a Responses ``reasoning``
+item) and the answer's text exactly as the model wrote it.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 
 from router.api import progress
 from router.registry import ModelEntry
 from shared.config import ConfigError, build_preset, parse_ini, parse_yaml
+from tests.conformance import validate, validate_responses
 from tests.conftest import RouterProcess, running_router
 
 HEADER = {"X-Modelyard-Loading-Progress": "comments"}
@@ -47,7 +53,7 @@ def test_loading_progress_in_yaml_and_ini() -> None:
     ("models: {m: {model: /x, loading_progress: percent}}\n",
      "model 'm': key 'loading_progress'"),
     ("defaults: {loading_progress: on}\nmodels: {m: {model: /x}}\n",
-     "model 'm': key 'loading_progress': expected off or comments"),
+     "model 'm': key 'loading_progress': expected off, comments or reasoning"),
 ])
 def test_a_bad_loading_progress_names_its_key(text: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(fragment)):
@@ -112,6 +118,59 @@ def test_the_lines_are_sse_comments() -> None:
     assert line() == b": modelyard waiting m 0s\n\n"
 
 
+@pytest.mark.parametrize(("server", "model", "header", "mode"), [
+    ("off", None, b"reasoning", "reasoning"),
+    ("reasoning", None, b"off", "off"),
+    ("reasoning", None, None, "reasoning"),
+    ("off", "reasoning", None, "reasoning"),
+    ("reasoning", "comments", None, "comments"),
+    ("comments", None, b" Reasoning", "reasoning"),
+    ("reasoning", None, b"comments", "comments"),
+    ("reasoning", None, b"thoughts", "reasoning"),  # unknown: the preset decides
+])
+def test_reasoning_is_a_mode_as_comments_are(
+        server: str, model: str | None, header: bytes | None, mode: str) -> None:
+    e, config = entry({"loading_progress": server}, **(
+        {"loading_progress": model} if model else {}))
+    headers = [] if header is None else [(b"x-modelyard-loading-progress", header)]
+    assert progress.mode({"headers": headers}, e, config) == mode
+    assert progress.wanted({"headers": headers}, e, config) is (mode != "off")
+
+
+def test_reasoning_in_yaml_and_ini() -> None:
+    yaml = build_preset(parse_yaml("server: {loading_progress: reasoning}\nmodels:\n"
+                                   "  m: {model: /x, loading_progress: reasoning}\n",
+                                   "t.yaml"), "t.yaml")
+    ini = build_preset(parse_ini("[server]\nloading_progress = reasoning\n[m]\nmodel = /x\n"
+                                 "loading_progress = reasoning\n", "t.ini"), "t.ini")
+    for preset in (yaml, ini):
+        assert preset.server.loading_progress == "reasoning"
+        assert preset.models["m"].loading_progress == "reasoning"
+
+
+def test_the_reasoning_lines_say_which_model_what_how_far_how_long() -> None:
+    e, _ = entry()
+    e.load_seconds, e.load_phases = 4.0, {"spawn": 1.0, "engine": 3.0}
+    line = progress.LoadProgress(e)
+    assert line.text() == "Loading m (0 s)"  # no load running yet
+    e.state = "loading"  # waiting for a start lock: no clock of its own yet
+    assert line.text() == "Loading m: waiting for its turn to start (0 s)"
+    e.load_started = line.since
+    assert line.text() == "Loading m: spawn 0% (0 s)"
+    e.load_started = line.since - 2.5
+    assert line.text() == "Loading m: engine 62% (0 s)"
+    e.state = "sleeping"
+    assert line.text() == "Waking m (0 s)"
+    e.state = "ready"
+    assert line.text() == "Waiting for m: every slot is busy (0 s)"
+    line.since -= 12
+    assert line.text() == "Waiting for m: every slot is busy (12 s)"
+    delta = line.delta()  # reasoning only, of the first choice, and no tokens
+    assert delta.reasoning == line.text() + "\n"
+    assert (delta.index, delta.text, delta.tokens, delta.prompt_tokens) == (0, "", 0, 0)
+    assert delta.finish_reason is None and not delta.tool_calls
+
+
 # -- against a router ---------------------------------------------------------------------
 PRESET = """
 server:
@@ -127,6 +186,15 @@ models:
   opted: {loading_progress: comments}
   broken: {engine_args: {start_seconds: never}}
   queued: {engine_args: {start_seconds: 600}}
+  fails: {engine_args: {start_seconds: never}}  # its own restart backoff, not broken's
+  scripted: {engine_args: {start_seconds: 2, script: [{text: "Hello from the model."}]}}
+  thinker:
+    engine_args:
+      start_seconds: 2
+      script: [{reasoning: "Two and two make four.", text: "It is four."}]
+  reasoned:
+    loading_progress: reasoning
+    engine_args: {start_seconds: 2, script: [{text: "Hello from the model."}]}
 """
 
 
@@ -305,3 +373,249 @@ def test_a_full_queue_is_refused_with_its_status_before_any_comment(
                                                "stream": True, "messages": CHAT["messages"]})
         assert anthropic_style.status_code == 529, anthropic_style.text
         assert anthropic_style.json()["error"]["type"] == "overloaded_error"
+
+
+# -- reasoning ----------------------------------------------------------------------------
+REASONING = {"X-Modelyard-Loading-Progress": "reasoning"}
+SAID = "Hello from the model."
+"""What ``scripted`` (and ``reasoned``) answer: 4 tokens, one per word."""
+LINE = re.compile(r"^Loading (\S+)(?:: (?:(\w+) (\d+)%|waiting for its turn to start))? "
+                  r"\(\d+ s\)$")
+
+
+def progress_lines(reasoning: str, model: str) -> list[str]:
+    """The lines of ``reasoning`` that a wait for ``model``'s load wrote (each checked),
+    and nothing else: the reasoning is progress only, line by line."""
+    assert reasoning.endswith("\n"), reasoning
+    lines = reasoning[:-1].split("\n")
+    found = [LINE.match(line) for line in lines]
+    assert all(found), lines
+    assert {m.group(1) for m in found if m} == {model}
+    return lines
+
+
+def sse_events(lines: list[bytes]) -> list[tuple[str, dict[str, Any]]]:
+    """The ``(event, data)`` pairs of a raw stream (``event`` empty where none was named;
+    ``[DONE]`` left out)."""
+    out, name = [], ""
+    for line in lines:
+        if line.startswith(b"event: "):
+            name = line[7:].decode()
+        elif line.startswith(b"data: {"):
+            out.append((name, msgspec.json.decode(line[6:])))
+            name = ""
+    return out
+
+
+@pytest.mark.integration
+def test_openai_sdk_reads_the_wait_as_reasoning_content(router: RouterProcess) -> None:
+    """Chat: the progress lines are ``delta.reasoning_content`` chunks, before the answer,
+    each chunk valid as OpenAI's; the answer is the model's own words and the usage
+    counts only its tokens."""
+    cold(router, "scripted")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    chunks = list(client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "hi"}], stream=True,
+        stream_options={"include_usage": True}, extra_headers=REASONING))
+    for chunk in chunks:
+        validate("CreateChatCompletionStreamResponse", chunk.model_dump(exclude_unset=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = [(d.model_extra or {}).get("reasoning_content") or "" for d in deltas]
+    said = [d.content or "" for d in deltas]
+    assert "".join(said) == SAID
+    first_word = next(i for i, text in enumerate(said) if text)
+    assert not any(thought[first_word:])  # all of it before the answer
+    assert progress_lines("".join(thought), "scripted")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    warm = client.chat.completions.create(
+        model="scripted", messages=[{"role": "user", "content": "hi"}])
+    assert warm.choices[0].message.content == SAID
+    assert warm.usage is not None and warm.usage.completion_tokens == 4
+    assert not (warm.choices[0].message.model_extra or {}).get("reasoning_content")
+
+
+@pytest.mark.integration
+def test_anthropic_sdk_reads_the_wait_as_a_thinking_block(router: RouterProcess) -> None:
+    """Messages: a ``thinking`` block (signed) holds the progress, then the ``text``
+    block the model's words, with contiguous indexes; ``output_tokens`` counts the
+    model's tokens only."""
+    from anthropic import Anthropic
+
+    cold(router, "scripted")
+    with Anthropic(base_url=router.url, api_key="unused", max_retries=0,
+                   timeout=120) as client, client.messages.stream(
+            model="scripted", max_tokens=50, messages=[{"role": "user", "content": "hi"}],
+            extra_headers=REASONING) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == SAID
+    assert [block.type for block in final.content] == ["thinking", "text"]
+    thinking, answer = final.content
+    assert thinking.type == "thinking" and answer.type == "text"
+    assert progress_lines(thinking.thinking, "scripted") and thinking.signature
+    assert answer.text == SAID and final.stop_reason == "end_turn"
+    assert final.usage.output_tokens == 4 and final.usage.input_tokens > 0
+    cold(router, "scripted")
+    status, lines = raw_stream(router, "/v1/messages", {
+        "model": "scripted", "max_tokens": 50, "messages": CHAT["messages"]}, REASONING)
+    assert status == 200 and not comments(lines)
+    events = sse_events(lines)
+    assert events[0][0] == "message_start"
+    opened = [(d["index"], d["content_block"]["type"]) for e, d in events
+              if e == "content_block_start"]
+    assert opened == [(0, "thinking"), (1, "text")]
+    kinds = [(e, d.get("index"), d.get("delta", {}).get("type")) for e, d in events]
+    assert kinds.index(("content_block_delta", 0, "signature_delta")) \
+        < kinds.index(("content_block_stop", 0, None)) \
+        < kinds.index(("content_block_start", 1, None))
+
+
+@pytest.mark.integration
+def test_responses_sdk_reads_the_wait_as_a_reasoning_item(router: RouterProcess) -> None:
+    """Responses: a ``reasoning`` item holds the progress, then the ``message`` item the
+    model's words; every event valid as OpenAI's; no reasoning token counted."""
+    cold(router, "scripted")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    with client.responses.stream(model="scripted", input="hi",
+                                 extra_headers=REASONING) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output_text == SAID
+    reasoning = final.output[0]
+    assert reasoning.type == "reasoning" and reasoning.content is not None
+    progress_lines("".join(part.text for part in reasoning.content), "scripted")
+    assert final.usage is not None and final.usage.output_tokens == 4
+    assert final.usage.output_tokens_details.reasoning_tokens == 0
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert said == SAID
+    cold(router, "scripted")
+    status, lines = raw_stream(router, "/v1/responses", {"model": "scripted", "input": "hi"},
+                               REASONING)
+    raw = sse_events(lines)
+    assert status == 200 and not comments(lines)
+    for name, event in raw:
+        assert event["type"] == name
+        validate_responses("ResponseStreamEvent", event)
+    assert [e["sequence_number"] for _, e in raw] == list(range(len(raw)))
+    validate_responses("Response", raw[-1][1]["response"])
+
+
+@pytest.mark.integration
+def test_the_model_reasoning_follows_the_progress(router: RouterProcess) -> None:
+    """A model that reasons: its reasoning comes after the progress in the same
+    channel, the answer after both, and every shape stays valid."""
+    from anthropic import Anthropic
+
+    thought, said = "Two and two make four. ", "It is four."
+    cold(router, "thinker")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    chunks = list(client.chat.completions.create(
+        model="thinker", messages=[{"role": "user", "content": "hi"}], stream=True,
+        extra_headers=REASONING))
+    for chunk in chunks:
+        validate("CreateChatCompletionStreamResponse", chunk.model_dump(exclude_unset=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert reasoning.endswith("\n" + thought)
+    progress_lines(reasoning[:-len(thought)], "thinker")
+    assert "".join(d.content or "" for d in deltas) == said
+    cold(router, "thinker")
+    with Anthropic(base_url=router.url, api_key="unused", max_retries=0,
+                   timeout=120) as anthropic, anthropic.messages.stream(
+            model="thinker", max_tokens=50, messages=[{"role": "user", "content": "hi"}],
+            extra_headers=REASONING) as stream:
+        final = stream.get_final_message()
+    assert [block.type for block in final.content] == ["thinking", "text"]
+    thinking, answer = final.content
+    assert thinking.type == "thinking" and answer.type == "text"
+    assert thinking.thinking.endswith("\n" + thought) and answer.text == said
+    progress_lines(thinking.thinking[:-len(thought)], "thinker")
+    cold(router, "thinker")
+    with client.responses.stream(model="thinker", input="hi",
+                                 extra_headers=REASONING) as responses:
+        final_response = responses.get_final_response()
+    assert [item.type for item in final_response.output] == ["reasoning", "message"]
+    assert final_response.output_text == said
+    item = final_response.output[0]
+    assert item.type == "reasoning" and item.content is not None
+    text = "".join(part.text for part in item.content)
+    assert text.endswith("\n" + thought)
+    progress_lines(text[:-len(thought)], "thinker")
+    assert final_response.usage is not None
+    assert final_response.usage.output_tokens_details.reasoning_tokens == 5  # the model's
+
+
+@pytest.mark.integration
+def test_the_preset_says_reasoning_and_the_header_says_off(router: RouterProcess) -> None:
+    cold(router, "reasoned")
+    _, lines = raw_stream(router, "/v1/chat/completions", {"model": "reasoned", **CHAT})
+    thought = "".join(d["choices"][0]["delta"].get("reasoning_content", "")
+                      for _, d in sse_events(lines) if d.get("choices"))
+    assert progress_lines(thought, "reasoned") and not comments(lines)
+    cold(router, "reasoned")
+    _, lines = raw_stream(router, "/v1/chat/completions", {"model": "reasoned", **CHAT},
+                          {"X-Modelyard-Loading-Progress": "off"})
+    events = sse_events(lines)
+    assert not comments(lines) and b"data: [DONE]" in lines
+    assert not any(d["choices"][0]["delta"].get("reasoning_content")
+                   for _, d in events if d.get("choices"))
+    assert "".join(d["choices"][0]["delta"].get("content") or ""
+                   for _, d in events if d.get("choices")) == SAID
+
+
+@pytest.mark.integration
+def test_legacy_completions_get_comments_for_reasoning(router: RouterProcess) -> None:
+    """``/v1/completions`` has no reasoning field: the progress is comment lines there."""
+    cold(router, "scripted")
+    status, lines = raw_stream(router, "/v1/completions",
+                               {"model": "scripted", "prompt": "hi", "max_tokens": 5},
+                               REASONING)
+    assert status == 200 and comments(lines)
+    assert comments(lines) == comments(before_first_data(lines))
+    assert all(COMMENT.match(line) for line in comments(lines))
+    for _, chunk in sse_events(lines):
+        validate("CompletionStreamChunk", chunk)
+    assert "".join(d["choices"][0]["text"] for _, d in sse_events(lines)) == SAID
+
+
+@pytest.mark.integration
+def test_a_load_that_fails_after_reasoning_is_an_error_event(
+        router: RouterProcess) -> None:
+    """The progress went out as reasoning; the failed load ends each protocol's stream
+    with its in-band error, which its SDK raises."""
+    from anthropic import Anthropic, APIStatusError
+
+    status, lines = raw_stream(router, "/v1/chat/completions", {"model": "fails", **CHAT},
+                               REASONING)
+    events = sse_events(lines)
+    assert status == 200 and not comments(lines)
+    assert events[-1][1]["error"]["message"] and "failed to start" in events[-1][1][
+        "error"]["message"]
+    before = [d["choices"][0]["delta"] for _, d in events[:-1]]
+    assert any(delta.get("reasoning_content") for delta in before)  # the progress
+    assert not any(delta.get("content") for delta in before)  # and no answer
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+    with pytest.raises(openai.APIError, match="fails"):
+        list(client.chat.completions.create(
+            model="fails", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+            stream=True, extra_headers=REASONING))
+    with Anthropic(base_url=router.url, api_key="unused", max_retries=0,
+                   timeout=120) as anthropic, pytest.raises(APIStatusError, match="fails"), \
+            anthropic.messages.stream(
+                model="fails", max_tokens=5, messages=[{"role": "user", "content": "hi"}],
+                extra_headers=REASONING) as stream:
+        list(stream)
+    _, lines = raw_stream(router, "/v1/responses", {"model": "fails", "input": "hi"},
+                          REASONING)
+    events = sse_events(lines)
+    for _, event in events:
+        validate_responses("ResponseStreamEvent", event)
+    assert events[-1][0] == "response.failed"
+    failed = events[-1][1]["response"]
+    assert "fails" in failed["error"]["message"]
+    assert [item["type"] for item in failed["output"]] == ["reasoning"]

@@ -31,6 +31,7 @@ server:
   host: 127.0.0.1
   port: {port}
   max_loaded_models: 1
+  max_parked_models: 0  # the base stops for ``other``: its restarts are tested here
   load_timeout: 600
   spare_workers: 0
 models:

@@ -233,7 +233,7 @@ def test_metrics_need_a_key_when_keys_are_configured(monkeypatch: pytest.MonkeyP
 
 
 def test_evictions_count_models_stopped_for_room(tmp_path: Path) -> None:
-    preset = build_preset({"server": {"max_loaded_models": 1},
+    preset = build_preset({"server": {"max_loaded_models": 1, "max_parked_models": 0},
                            "models": {"old": {"model": "/o"}, "new": {"model": "/n"}}})
     sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path, Placer(cores={0}, gpus={}))
     old, new = sup.registry.entries["old"], sup.registry.entries["new"]

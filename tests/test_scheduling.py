@@ -36,7 +36,7 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
     """A supervisor whose loads never start a process (ready after 10 ms) and whose stops
     take ``stop_seconds`` (a drain, a worker's exit); the returned list records the loads
     in order."""
-    server = {"max_loaded_models": 1, "spare_workers": 0, **server}
+    server = {"max_loaded_models": 1, "spare_workers": 0, "max_parked_models": 0, **server}
     preset = build_preset({"server": server,
                            "models": {k: {"model": f"/{k}", **v} for k, v in models.items()}})
     sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path,

@@ -142,6 +142,8 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         self._llm = llm
+        self._asleep: int | None = None
+        """The level of the last ``sleep`` not yet woken from (0: parked)."""
         self._spec = spec
         self._delta_kind = RequestOutputKind.DELTA
         self.task = spec.task
@@ -685,9 +687,21 @@ class VllmEngine:
         return int(self._llm.get_num_unfinished_requests())
 
     async def sleep(self, level: int) -> None:
-        await self._llm.sleep(level=level)
+        """Level 0 parks (``shared.protocol.Sleep``): the scheduler pauses between steps,
+        requests in flight and the caches are kept. 1 and 2: vLLM's sleep mode."""
+        if level == 0:
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+        else:
+            await self._llm.sleep(level=level)
+        self._asleep = level
 
     async def wake(self) -> None:
+        level, self._asleep = self._asleep, None
+        if level is None:
+            return  # awake already (a second wake: a stop's after a wake's)
+        if level == 0:
+            await self._llm.resume_generation()
+            return
         await self._llm.wake_up()
         if self.adapters is not None:
             await self.adapters.reload_all()

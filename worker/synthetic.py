@@ -16,9 +16,10 @@ by the words they share; with an adapter, its name is one more word of each text
 and of each query scored, so an adapter's answer differs from its base's, the same every
 time.
 With ``engine_args.script`` (a list of turns) it answers the i-th request with the i-th
-turn, round and round: ``{"text": "..."}``, or ``{"tool_call": {"name": ...,
-"arguments": {...}}}`` (finishing ``tool_calls``), so that a client's tool round trip can
-be scripted (protocol tests with real agent CLIs; the real model runs the rest).
+turn, round and round: ``{"text": "..."}`` (with ``"reasoning": "..."``, reasoning
+before it, as a reasoning parser's), or ``{"tool_call": {"name": ..., "arguments":
+{...}}}`` (finishing ``tool_calls``), so that a client's tool round trip can be scripted
+(protocol tests with real agent CLIs; the real model runs the rest).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class SyntheticEngine:
         self._script: list[dict[str, Any]] = list(spec.engine_args.get("script", []))
         self._turns = 0
         self._running = 0
+        self._awake = asyncio.Event()
+        self._awake.set()
         # Fault injection: a start that takes this long (blocking, as loading weights is).
         time.sleep(float(spec.engine_args.get("start_seconds", 0)))
         if spec.cpu_cores:
@@ -210,6 +213,10 @@ class SyntheticEngine:
                              index=0, id=f"call_{self._turns}", name=call["name"],
                              arguments=json.dumps(call.get("arguments", {})))])]
             return
+        thought = str(turn.get("reasoning", "")).split(" ") if turn.get("reasoning") else []
+        for i, word in enumerate(thought):
+            yield [Delta(id=gen.id, reasoning=word + " ", tokens=1,
+                         prompt_tokens=prompt_len if i == 0 else 0)]
         words = str(turn.get("text", "")).split(" ")
         for i, word in enumerate(words):
             last = i == len(words) - 1
@@ -273,6 +280,7 @@ class SyntheticEngine:
         self._running += 1
         try:
             while sent < total:
+                await self._awake.wait()
                 if sent:
                     self._step(gen.lora)
                 step = min(self._per_step, total - sent)
@@ -295,10 +303,12 @@ class SyntheticEngine:
         return self._running
 
     async def sleep(self, level: int) -> None:
-        return None
+        """Parked or asleep at any level: no step runs until ``wake`` (as vLLM's paused
+        scheduler keeps its requests)."""
+        self._awake.clear()
 
     async def wake(self) -> None:
-        return None
+        self._awake.set()
 
     def shutdown(self) -> None:
         return None

@@ -68,6 +68,10 @@ class AdminAPI:
             "in_flight": entry.leases, "queued": entry.queued,
             "ttl": idle.ttl(entry, self.supervisor.server), "failures": entry.failures,
             "loads": entry.loads, "evictions": entry.evictions,
+            "parks": entry.parks or None, "wakes": entry.wakes or None,
+            "parked_seconds": round(now - entry.parked_at, 3)
+            if entry.state == "parked" else None,
+            "resident_mib": entry.resident_bytes // 2 ** 20 or None,
             "keep_alive": entry.keep_alive, "pinned": entry.spec.pinned or None,
             "priority": entry.spec.priority or None,
             "max_model_len": entry.max_model_len, "load_seconds": entry.load_seconds,
@@ -263,7 +267,7 @@ class AdminAPI:
 
 def _started(entry: ModelEntry) -> bool:
     """A start-up model that has loaded (one stopped on purpose since counts)."""
-    return entry.state in ("ready", "sleeping") or (
+    return entry.state in ("ready", "sleeping", "parking", "parked", "waking") or (
         entry.state in ("unloaded", "stopping") and entry.loads > 0)
 
 

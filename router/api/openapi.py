@@ -144,7 +144,8 @@ RESPONSES: dict[str, Schema] = {
     "DetokenizeResult": _obj({"model": _STR, "prompt": _STR}),
     "Model": _obj({"id": _STR, "object": _const("model"), "created": _INT, "owned_by": _STR},
                   {"state": {"type": "string", "enum": [
-                      "unloaded", "loading", "ready", "sleeping", "stopping", "failed"]},
+                      "unloaded", "loading", "ready", "sleeping", "parking", "parked",
+                      "waking", "stopping", "failed"]},
                    "aliases": _array(_STR), "engine": _STR, "task": _STR, "device": _STR,
                    "pid": _INT, "in_flight": _INT, "queued": _INT, "ttl": _NUM,
                    "failures": _INT, "max_model_len": _INT, "load_seconds": _NUM,

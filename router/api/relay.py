@@ -52,6 +52,10 @@ class Shaper(Protocol):
     def error_event(self, err: APIError) -> bytes:
         """Stream: the in-band event for a failure after the stream began."""
 
+    has_reasoning: bool
+    """Stream: whether ``chunks`` writes a delta's ``reasoning`` (where loading progress
+    may go: ``router.api.progress``)."""
+
     def add(self, batch: list[Delta]) -> None:
         """Aggregate: keep a batch for the body."""
 
@@ -140,8 +144,9 @@ class Relay:
         protocol gives a ``keepalive`` event (Anthropic's ``ping``): the client sees it
         every few seconds while the model loads. A stream whose model must load (or wake)
         and that asked for loading progress (``router.api.progress``: the preset, or the
-        request's header) begins at once too, with an SSE comment line that says how far
-        the load is, and another every second. Once such a stream has begun, a failure
+        request's header) begins at once too, with a line that says how far the load is,
+        and another every second: an SSE comment, or (``reasoning``) the protocol's own
+        reasoning, written by its shaper before the answer. Once such a stream has begun, a failure
         to start (the load failed or timed out, the model was unloaded meanwhile) can no
         longer be an HTTP status: it arrives as the protocol's in-band error event
         (``Shaper.error_event``, as a worker lost mid-stream does), and the stream ends.
@@ -173,11 +178,12 @@ class Relay:
             if isinstance(now, tuple):
                 lease, link = now
             else:  # not ready, or no free slot: only here are the preset and header read
-                beat = self._beat(request, now, keepalive)
+                name = self._model_id(model)  # an adapter's, where ``now`` is its base
+                cold = shaper_for(name)
+                beat = self._beat(request, now, keepalive, cold)
                 if beat is not None:
-                    name = self._model_id(model)  # an adapter's, where ``now`` is its base
-                    body = self._cold_stream(name, model, gens, shaper_for(name), *beat,
-                                             usage, endpoint, keep_alive, principal)
+                    body = self._cold_stream(name, model, gens, cold, *beat, usage, endpoint,
+                                             keep_alive, principal)
                     return EventStream(body, self.supervisor.server.send_timeout)
                 lease, link = await self._wait(request, endpoint, model, "generate", True,
                                                usage)
@@ -277,16 +283,23 @@ class Relay:
                 self._log(endpoint, lease.name, streaming, err.status, usage)
             raise
 
-    def _beat(self, request: Request, entry: ModelEntry, keepalive: bytes
+    def _beat(self, request: Request, entry: ModelEntry, keepalive: bytes, shaper: Shaper
               ) -> tuple[Callable[[], bytes], float] | None:
         """What a stream for ``entry``'s model, which is not ready or has no free slot,
-        writes while it waits, and how often: loading progress comments if it asked for
-        them and the model must load or wake, else the protocol's ``keepalive``; ``None``:
-        the request waits before its response begins (its queue is full, say: a 429)."""
+        writes while it waits, and how often: loading progress if it asked for it and the
+        model must load or wake (comments, or lines of reasoning that ``shaper`` writes as
+        its protocol's, where it has reasoning), else the protocol's ``keepalive``;
+        ``None``: the request waits before its response begins (its queue is full, say: a
+        429)."""
         server = self.supervisor.server
         if entry.queued >= server.max_queue_depth:
             return None  # refused by ``acquire`` at once: with its status, not in-band
-        if entry.state != "ready" and progress.wanted(request.scope, entry, server):
+        chosen = progress.mode(request.scope, entry, server) if entry.state != "ready" \
+            else "off"
+        if chosen == "reasoning" and shaper.has_reasoning:
+            lines = progress.LoadProgress(entry)
+            return (lambda: shaper.chunks([lines.delta()])), progress.EVERY
+        if chosen != "off":  # comments; reasoning where the protocol has none
             return progress.LoadProgress(entry), progress.EVERY
         if keepalive:
             return (lambda: keepalive), self.keepalive_every

@@ -55,6 +55,7 @@ log = logging.getLogger("modelyard.router")
 RUNTIME_KEYS = frozenset({"ttl", "default_model", "max_loaded_models", "memory_budget_gib",
                           "max_queue_depth", "drain_timeout", "load_timeout", "send_timeout",
                           "swap_wait", "preload", "keep_alive_max",
+                          "max_parked_models", "park_memory_gib", "park_quantum",
                           "loading_progress", "adapter_roots"})
 """Server keys a reload applies: everything that reads them reads the live value."""
 KEY_KEYS = frozenset({"api_keys", "admin_api_keys", "api_key_file"})

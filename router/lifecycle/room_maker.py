@@ -1,10 +1,12 @@
 """``RoomMaker``: carries out the room policy (``router.lifecycle.policy.room``) for a load.
 
-A load that needs room waits in one line with the others; while it is first, it reads
-what sleeping models still hold on their GPUs (a thread), asks ``room.decide`` and acts:
-stops an idle victim (the supervisor's ``stop``, awaited), or makes a busy one yield
-(``yield_to``: it takes no new requests and stops once its own are done). The
-``Supervisor`` owns one and hands it the few of its own operations it needs.
+A load (or a parked model's wake) that needs room waits in one line with the others;
+while it is first, it reads what sleeping models still hold on their GPUs and this
+host's memory (a thread), asks ``room.decide`` and acts: parks a victim (the
+``Parker``'s ``park``, awaited), stops an idle one (the supervisor's ``stop``, awaited),
+or makes a busy one yield (``yield_to``: it takes no new requests and stops once its own
+are done). The ``Supervisor`` owns one and hands it the few of its own operations it
+needs.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
+import psutil
+
 from router.errors import ModelUnavailable
-from router.lifecycle.policy import room
+from router.lifecycle.policy import park, room
 from router.lifecycle.worker_record import WorkerRecord
 from router.observe.events import EventBus
 from router.registry import ModelEntry, ModelRegistry
@@ -24,6 +29,22 @@ from router.workers.placement import Placer
 from shared.config import ServerConfig
 
 log = logging.getLogger("modelyard.router")
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weights_on_disk(model: str) -> int:
+    """The size of the weight files in ``model``'s folder (0: not a folder here, e.g. a
+    hub id or ``builtin:``). Blocking: call it in a thread."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return 0
+    total = 0
+    for path in folder.rglob("*"):
+        if path.suffix in WEIGHT_SUFFIXES and path.is_file():
+            total += path.stat().st_size
+    return total
 
 
 class RoomMaker:
@@ -36,7 +57,9 @@ class RoomMaker:
     def __init__(self, registry: ModelRegistry, removed: set[ModelEntry], server: ServerConfig,
                  placer: Placer, events: EventBus,
                  worker_of: Callable[[ModelEntry], WorkerRecord | None],
-                 stop: Callable[[ModelEntry], Coroutine[Any, Any, None]], poll: float) -> None:
+                 stop: Callable[[ModelEntry], Coroutine[Any, Any, None]], poll: float,
+                 park_victim: Callable[[ModelEntry, str], Coroutine[Any, Any, bool]]
+                 | None = None) -> None:
         self.registry = registry
         self.removed = removed
         self.server = server
@@ -45,16 +68,30 @@ class RoomMaker:
         self.worker_of = worker_of
         self.stop = stop
         self.poll = poll
+        self.park_victim = park_victim
+        """How a victim parks (the ``Parker``'s ``park``); ``None``: nothing parks."""
 
     def loaded(self, entry: ModelEntry) -> list[ModelEntry]:
-        """The models other than ``entry`` that hold room (or will soon)."""
+        """The models other than ``entry`` that run (or will soon): parked ones hold
+        memory but no room to run (``parked``)."""
         return [e for e in (*self.registry, *self.removed) if e is not entry
-                and e.state in ("loading", "ready", "sleeping", "stopping")]
+                and e.state in ("loading", "ready", "sleeping", "stopping", "parking",
+                                "waking")]
+
+    def parked(self, entry: ModelEntry) -> list[ModelEntry]:
+        """The models other than ``entry`` that are parked: their memory is held."""
+        return [e for e in (*self.registry, *self.removed) if e is not entry
+                and e.state == "parked"]
 
     def batch_may_run(self, entry: ModelEntry) -> bool:
         """``room.batch_may_run`` for ``entry`` as things stand."""
         return room.batch_may_run(entry, self.loaded(entry), self.server, self.placer.gpus,
-                                  time.monotonic())
+                                  time.monotonic(), self.parked(entry))
+
+    def _memory_needed(self) -> bool:
+        """Whether a decision may read this host's memory (parking without a ceiling)."""
+        return (self.park_victim is not None and self.server.max_parked_models > 0
+                and self.server.park_memory_gib is None)
 
     async def _held_asleep(self, loaded: list[ModelEntry]) -> dict[str, dict[str, float]]:
         """What each sleeping model still holds on its GPUs (it counts against the budget
@@ -75,17 +112,36 @@ class RoomMaker:
         began = entry.room_since = time.monotonic()
         try:
             while True:
-                held = (await self._held_asleep(self.loaded(entry))
-                        if room.first_in_line(entry, self.registry) else {})
-                # Read after that await (a thread): a load that claimed room meanwhile
+                first = room.first_in_line(entry, self.registry)
+                held = await self._held_asleep(self.loaded(entry)) if first else {}
+                memory = None
+                if first and self._memory_needed():
+                    if not entry.weights_bytes and park.expected_bytes(entry):
+                        entry.weights_bytes = await asyncio.to_thread(weights_on_disk,
+                                                                      entry.spec.model)
+                    vm = await asyncio.to_thread(psutil.virtual_memory)
+                    memory = park.HostMemory(vm.total, vm.available)
+                # Read after those awaits (threads): a load that claimed room meanwhile
                 # counts, and nothing awaits from here until room is claimed.
                 now = time.monotonic()
                 decision = room.decide(entry, self.registry, self.loaded(entry), self.server,
                                        self.placer.gpus, held, now=now, wall=time.time(),
-                                       waited=now - began)
+                                       waited=now - began, parked=self.parked(entry),
+                                       memory=memory, parking=self.park_victim is not None)
                 victim = decision.victim
                 if decision.action == "fits":
                     return
+                if decision.action == "park" and victim is not None:
+                    assert self.park_victim is not None  # ``memory`` None: ``may_park`` no
+                    log.info("model %s: parking %s to run (%s)", entry.id, victim.id,
+                             decision.why)
+                    self.events.publish("eviction", victim.id, action="park",
+                                        reason=decision.why, **{"for": entry.id})
+                    victim.parked_for = entry.id
+                    if not await self.park_victim(victim, f"for {entry.id}"):
+                        victim.evictions += 1  # nothing there to park: it stops
+                        await self.stop(victim)
+                    continue
                 if decision.action == "evict" and victim is not None:
                     log.info("model %s: evicting %s to make room (%s)", entry.id, victim.id,
                              decision.why)

@@ -6,13 +6,15 @@ between a request's resolution and its last byte. If the model is not running, o
 task per model starts it and every waiting request shares it; a waiter that times out
 does not cancel a load others still wait for.
 
-Lifecycle: ``unloaded → loading → ready ⇄ sleeping → stopping → unloaded``, and
-``failed`` (exit code and log tail kept) after a crash or a failed start. A request to a
+Lifecycle: ``unloaded → loading → ready ⇄ sleeping → stopping → unloaded``, ``ready →
+parking → parked → waking → ready`` (``router.lifecycle.parking``), and ``failed`` (exit
+code and log tail kept) after a crash or a failed start. A request to a
 ``failed`` model starts it again, after an exponential backoff while failures repeat.
 
 Who gets room and who idles is policy (``router.lifecycle.policy``: plain functions, no awaits);
-the supervisor owns the executors that act on it, ``RoomMaker`` (evict, yield) and
-``IdleReaper`` (stop, sleep, wake), and its own worker records (``worker_of``).
+the supervisor owns the executors that act on it, ``RoomMaker`` (park, evict, yield),
+``Parker`` (park, wake) and ``IdleReaper`` (stop, sleep, wake), and its own worker
+records (``worker_of``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from router.errors import (
     WorkerLost,
 )
 from router.lifecycle.idle_reaper import IdleReaper
+from router.lifecycle.parking import Parker
 from router.lifecycle.room_maker import RoomMaker
 from router.lifecycle.worker_record import WorkerRecord
 from router.observe.events import EventBus
@@ -46,7 +49,7 @@ from router.workers.backends import Backend, SpawnError
 from router.workers.backends.local import LocalBackend, LocalHandle
 from router.workers.backends.ray_cluster import RayBackend
 from router.workers.link import WorkerLink
-from router.workers.placement import Placer
+from router.workers.placement import Placer, runs_beside
 from router.workers.processes import engine_phases, log_tail
 from router.workers.spares import SparePool
 from router.workers.worker_start import base_env, model_env, worker_boot, worker_command
@@ -88,7 +91,10 @@ class Supervisor:
         """Models a reload removed whose workers still drain."""
         self._closing = False
         self.rooms = RoomMaker(registry, self._removed, server, self.placer, self.events,
-                               self.worker_of, self.stop, POLL)
+                               self.worker_of, self.stop, POLL,
+                               lambda victim, why: self.parker.park(victim, why))
+        self.parker = Parker(self.events, self.worker_of, self._publish_state, self.stopping,
+                             self.rooms.make, self._spawn_task)
         self.idler = IdleReaper(registry, server, POLL, self._publish_state, self.stopping,
                                 self._spawn_task)
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
@@ -300,6 +306,18 @@ class Supervisor:
 
     # -- starting ----------------------------------------------------------------------
     async def _load(self, entry: ModelEntry) -> WorkerLink:
+        if entry.state in ("parking", "parked", "waking"):  # resident: its wake is enough
+            wake = self.parker.wake(entry)
+            try:
+                await asyncio.shield(wake)
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if not wake.cancelled() or (current is not None and current.cancelling()):
+                    raise
+                # The wake was ended (a crash, a stop, a reload's restart), not this load:
+                # its waiters wait for that to finish, then start the model again.
+            if entry.state == "ready" and entry.link is not None:
+                return entry.link
         # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
         while entry.state == "stopping" or (entry.state != "ready"
                                             and self.worker_of(entry) is not None):
@@ -395,7 +413,7 @@ class Supervisor:
                 served.max_model_len = info.max_model_len
                 served.max_prompt_chars = info.max_prompt_chars
             entry.loaded_at = time.time()
-            entry.last_used = time.monotonic()
+            entry.last_used = entry.turn_at = time.monotonic()
             entry.load_seconds = round(entry.last_used - started, 3)
             entry.loads += 1
             phases = {("spare" if spare else "spawn"):
@@ -404,6 +422,7 @@ class Supervisor:
             self._publish_state(entry)
             handle.note_children()
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
+            self.parker.measure(entry)  # what a park of it would hold
             self._log_ready(entry, worker)
             if isinstance(handle, LocalHandle):
                 self.spares.worker_ready()  # this host can start workers (again)
@@ -477,6 +496,7 @@ class Supervisor:
                   else "worker exited unexpectedly: its link to the router dropped (no "
                        "heartbeat; its node may be gone)")
         worker.link.fail(WorkerLost(f"model '{entry.id}': {reason}"))  # streams end now
+        self.parker.cancel(entry)  # a wake under way parks no one for it any more
         if entry.state == "stopping":
             return  # stop() owns the rest; with its streams ended, its drain ends at once
         log.error("model %s: %s", entry.id, reason)
@@ -517,7 +537,14 @@ class Supervisor:
         """The model's one stop task, begun now if none runs."""
         task = self._stops.get(entry.id)
         if task is None or task.done():
+            self.parker.cancel(entry)  # a wake under way parks no one for it any more
             load = self._loads.get(entry.id)  # one begun later waits for this stop
+            if entry.state in ("parking", "parked", "waking"):
+                # A load of a resident model only waits for its wake, ended above: it is
+                # not cancelled, and its waiters start the model again after this stop
+                # (``_load``), as for a ready model's; marked now, a park under way wakes
+                # no one (it would wait for room for a stopped one).
+                load = None
             if load is None and self.worker_of(entry) is not None:
                 # Now, not in the task's first turn: a request that comes meanwhile (after
                 # a reload's answer, say) must not lease the worker that is to stop.
@@ -561,8 +588,16 @@ class Supervisor:
         ``force``), then ``Shutdown`` (the worker kills its own process group at once),
         and after ``grace`` seconds the group is killed from here."""
         began = time.monotonic()
+        deadline = began + self.server.drain_timeout
+        while (worker.parked and worker.link.busy and not force
+               and worker.handle.returncode is None and time.monotonic() < deadline
+               and not runs_beside(entry.spec, [e.spec for e in self.rooms.loaded(entry)],
+                                   self.server)):
+            # Its paused requests drain only where one more model may run (it holds its
+            # place: ``stopping`` counts as running); none by the deadline: they end.
+            await asyncio.sleep(POLL)
+        await self.parker.thaw(entry, worker)  # a parked one resumes to drain and exit
         if not force:
-            deadline = time.monotonic() + self.server.drain_timeout
             while (worker.link.busy and worker.handle.returncode is None
                    and time.monotonic() < deadline):
                 await asyncio.sleep(POLL)
@@ -606,7 +641,9 @@ class Supervisor:
         cannot be served by stops once its requests in flight are done (new requests wait
         meanwhile, then load the new spec); with ``load``, or if it was serving, the
         model loads again at once."""
-        serving = entry.state in ("loading", "ready", "sleeping")
+        # A parked model serves no one now: it loads again when asked for, not at once
+        # (which would take the cores from the model in use).
+        serving = entry.state in ("loading", "ready", "sleeping", "waking")
 
         def outdated() -> bool:
             worker = self.worker_of(entry)

@@ -35,6 +35,12 @@ class WorkerRecord:
         self.link = link
         self.log_path = handle.log_path
         self.watcher: asyncio.Task[None] | None = None
+        self.parked = False
+        """Parked and not yet woken: on this host its processes are stopped
+        (``router.lifecycle.parking``)."""
+        self.paused = False
+        """Its engine was paused for the park (``Sleep(level=0)`` answered): it had
+        requests in flight, which a ``Wake`` resumes."""
 
     async def gone(self) -> int | None:
         """Until the worker is gone: its exit code, or ``None``. A remote worker whose link

@@ -39,7 +39,10 @@ from router.errors import APIError
 from router.registry import ModelRegistry
 from router.workers.link import Usage
 
-STATES = ("unloaded", "loading", "ready", "sleeping", "stopping", "failed")
+STATES = ("unloaded", "loading", "ready", "sleeping", "parking", "parked", "waking",
+          "stopping", "failed")
+SWITCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Seconds of a park (engine paused, processes stopped) or a wake (to serving again)."""
 UNKNOWN_MODEL = "-"
 # Seconds; CPU workers answer in seconds to minutes, GPU workers in milliseconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
@@ -78,8 +81,24 @@ class _ModelCollector:
 
     def __init__(self, models: ModelRegistry) -> None:
         self.models = models
+        self.switches: dict[tuple[str, str], _Histogram] = {}
+        """Per model and kind (``park``, ``wake``): how long each took."""
 
     def collect(self) -> Iterator[Metric]:
+        switches = HistogramMetricFamily(
+            "modelyard_model_switch_seconds", "How long a park (its engine paused between "
+            "steps, its processes stopped) or a wake (to serving again) of the model took",
+            labels=["model", "kind"])
+        for (model, kind), histogram in self.switches.items():
+            switches.add_metric([model, kind], histogram.cumulative(), histogram.sum)
+        parked = GaugeMetricFamily("modelyard_model_parked_seconds", "How long the model "
+                                   "has been parked (holding memory and no core)",
+                                   labels=["model"])
+        now = time.monotonic()
+        for entry in self.models:
+            if entry.state == "parked":
+                parked.add_metric([entry.id], round(now - entry.parked_at, 3))
+        yield from (switches, parked)
         state = GaugeMetricFamily("modelyard_model_state",
                                   "1 for the state the model is in, 0 for the others",
                                   labels=["model", "state"])
@@ -250,7 +269,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self._counts = _RequestCollector()
         self.registry.register(self._counts)
-        self.registry.register(_ModelCollector(models))
+        self._models = _ModelCollector(models)
+        self.registry.register(self._models)
         self._batches = _BatchCollector()
         self.registry.register(self._batches)
 
@@ -260,6 +280,13 @@ class Metrics:
         batches.lines[state] = batches.lines.get(state, 0) + count
         if owner:  # no keys: one user, no per-key series (as requests)
             batches.key_lines[owner, state] = batches.key_lines.get((owner, state), 0) + count
+
+    def switch(self, model: str, kind: str, seconds: float) -> None:
+        """Count a ``park`` or ``wake`` of ``model`` that took ``seconds``."""
+        histogram = self._models.switches.get((model, kind))
+        if histogram is None:
+            histogram = self._models.switches[model, kind] = _Histogram(SWITCH_BUCKETS)
+        histogram.observe(seconds)
 
     def watch_batches(self, view: Callable[[], Iterable[ActiveBatch]]) -> None:
         """Read the batches a runner holds from ``view`` at each scrape."""

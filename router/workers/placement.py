@@ -68,20 +68,35 @@ def footprint(spec: ModelSpec, gpus: dict[int, GpuMemory]) -> dict[str, float]:
 
 
 def fits(spec: ModelSpec, loaded: Iterable[ModelSpec], server: ServerConfig,
-         gpus: dict[int, GpuMemory], held: dict[str, dict[str, float]] | None = None) -> bool:
+         gpus: dict[int, GpuMemory], held: dict[str, dict[str, float]] | None = None,
+         parked: Iterable[ModelSpec] = ()) -> bool:
     """May ``spec`` start while ``loaded`` run? (``max_loaded_models`` and budgets.)
     ``held`` replaces the footprint of some of them (sleeping models: what they still
-    hold)."""
-    loaded = [m for m in loaded if m.id != spec.id]
-    if server.max_loaded_models and len(loaded) >= server.max_loaded_models:
-        return False
+    hold). ``parked`` models hold their memory but run nothing: they count against the
+    budgets, not ``max_loaded_models``."""
+    return runs_beside(spec, loaded, server) and within_budgets(
+        spec, [*loaded, *parked], server, gpus, held)
+
+
+def runs_beside(spec: ModelSpec, loaded: Iterable[ModelSpec], server: ServerConfig) -> bool:
+    """``max_loaded_models`` lets ``spec`` run beside ``loaded``."""
+    others = [m for m in loaded if m.id != spec.id]
+    return not server.max_loaded_models or len(others) < server.max_loaded_models
+
+
+def within_budgets(spec: ModelSpec, resident: Iterable[ModelSpec], server: ServerConfig,
+                   gpus: dict[int, GpuMemory],
+                   held: dict[str, dict[str, float]] | None = None) -> bool:
+    """``spec``'s footprint fits ``memory_budget_gib`` beside the ``resident`` models'
+    (``held``: what some of them still hold instead)."""
+    resident = [m for m in resident if m.id != spec.id]
     need = footprint(spec, gpus)
     held = held or {}
     for key, gib in need.items():
         budget = server.memory_budget_gib.get(key)
         if budget is None:
             continue
-        used = sum(held.get(m.id, footprint(m, gpus)).get(key, 0.0) for m in loaded)
+        used = sum(held.get(m.id, footprint(m, gpus)).get(key, 0.0) for m in resident)
         if used + gib > budget + 1e-9:
             return False
     return True

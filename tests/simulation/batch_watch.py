@@ -15,7 +15,8 @@ batches, each eviction event) and at quiescence:
 - (d) batch lines never keep a person's load waiting for room: a model serving them
   alone, once policy names it the victim (``room.victim``) of the load first in line
   that a person waits for, yields within ``YIELD_WITHIN`` virtual seconds (then stops
-  when its lines end); and a load only batch lines asked for is never first in line for
+  when its lines end), unless that room maker awaits a stop or a park it began (a park
+  overtaken by a stop ends once the victim's engine answers); and a load only batch lines asked for is never first in line for
   longer while a person's load waits behind it;
 - (e) a load only batch lines asked for (each ``start_loading`` of it from a batch line's
   task) never evicts, or makes yield, a model a person had a lease on within
@@ -104,7 +105,8 @@ class BatchWatch:
         """(waiting load, batch-only victim): since when (d)'s state has held."""
         self._miscounted: set[str] = set()
         self._stopping_for: dict[str, ModelEntry] = {}
-        """A load's last victim stopped for it: its room maker awaits that stop."""
+        """A load's (or wake's) last victim stopped or parked for it: its room maker
+        awaits that stop or park."""
         self._watch_loads()
 
     def _watch_loads(self) -> None:
@@ -181,8 +183,8 @@ class BatchWatch:
                                "only batch lines asked for, before")
                 continue
             stopping = self._stopping_for.get(entry.id)
-            if stopping is not None and stopping.state == "stopping":
-                continue  # its room maker awaits that stop, as it should
+            if stopping is not None and stopping.state in ("stopping", "parking"):
+                continue  # its room maker awaits that stop (or park), as it should
             chosen = room.victim(entry, sup.rooms.loaded(entry), now, EPOCH + now)
             if chosen is not None and chosen.yield_to is None and room.batch_only(chosen):
                 self._held(held, entry, chosen, now, "served batch lines alone and did not "
@@ -218,7 +220,7 @@ class BatchWatch:
         victim = loaded.get(event["model"])
         if victim is None:
             return
-        if event["action"] == "stop":
+        if event["action"] in ("stop", "park"):
             self._stopping_for[for_id] = victim
         if "batch lines only" in event.get("reason", ""):
             self.counts["yields of batch-only models"] += 1

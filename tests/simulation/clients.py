@@ -30,6 +30,8 @@ class SimRequest:
 
 
 class SimShaper:
+    has_reasoning = False  # loading progress, if asked for, as comments
+
     def __init__(self) -> None:
         self.deltas = 0
 

@@ -9,6 +9,13 @@ the backend that starts them. All of it lives on the one (virtual-time) event lo
   for ``Generate``, stops on ``Cancel``, answers ``Ping``/``Sleep``/``Wake`` and exits on
   ``Shutdown`` (or ignores it, to be killed). Its faults come from a ``FaultPlan`` drawn
   from the seed's random stream when it is spawned.
+  A park is as on a real host: ``Sleep(level=0)`` pauses its engine between two steps
+  (``paused``: as vLLM's ``pause_generation(mode="keep")``, every request is kept and
+  none gets a delta until ``Wake``), then ``SimHandle.freeze`` stops the "process"
+  (``frozen``: as ``SIGSTOP``, it handles no message, runs no timer and sends nothing
+  until thawed; what came meanwhile waits, in order). A kill still ends a frozen one.
+  Each ``Generate`` a park paused is kept (``paused_gens``) with how it ended
+  (``ended``), for the invariants.
   A worker of a base that serves adapters keeps an ``EnginePool`` of them, as
   ``worker.adapters.AdapterPool`` and vLLM do: it answers ``Adapters`` with
   ``AdapterStates`` and loads a ``Generate``'s ``lora`` before it generates; each
@@ -85,6 +92,9 @@ class FaultPlan:
     adapter: str = "ok"
     """``ok``, ``refuse`` (every adapter load fails with a 400, as a bad folder does) or
     ``crash`` (the engine dies in its first adapter load)."""
+    resident_gib: float = 1.0
+    """What its processes hold (``SimHandle.resident_bytes``); drawn from a stream of its
+    own (``SimNet.memory_rng``): the plans of older seeds stay as they were."""
 
     def brief(self) -> str:
         parts = [f"spawn+{self.spawn_delay:g}"]
@@ -137,7 +147,8 @@ def draw_adapter_faults(rng: random.Random, chaos: float, plan: FaultPlan) -> No
 class SimNet:
     """One seed's world: the loop, the bound sockets, every worker ever spawned."""
 
-    def __init__(self, loop: VirtualTimeLoop, rng: random.Random, chaos: float) -> None:
+    def __init__(self, loop: VirtualTimeLoop, rng: random.Random, chaos: float,
+                 memory_seed: int = 0) -> None:
         self.loop = loop
         self.rng = rng
         self.chaos = chaos
@@ -145,6 +156,14 @@ class SimNet:
         self.sockets: list[SimSocket] = []
         self.workers: list[SimWorker] = []
         self.log: list[str] = []
+        self.memory_rng = random.Random(memory_seed)
+        """The workers' resident sizes (a stream apart from the faults' draws)."""
+        self.host_gib = 64.0
+        """This host's memory (``host_memory``), as the world sets it."""
+        self.on_step: Any = lambda worker: None
+        """Told of each generation step a worker runs (the harness checks it)."""
+        self.on_thaw: Any = lambda worker: None
+        """Told of each worker thawed (``SimHandle.freeze(False)``)."""
         self._fds = FAKE_FD_BASE
         self._pids = 40000
 
@@ -166,6 +185,22 @@ class SimNet:
 
     def alive(self) -> list[SimWorker]:
         return [w for w in self.workers if w.returncode is None]
+
+    def host_memory(self) -> Any:
+        """What ``psutil.virtual_memory`` would say: ``host_gib`` less what the live
+        workers hold."""
+        total = int(self.host_gib * GIB)
+        held = sum(int(w.plan.resident_gib * GIB) for w in self.alive())
+        return _VirtualMemory(total, max(0, total - held))
+
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class _VirtualMemory:
+    total: int
+    available: int
 
 
 class _Frame:
@@ -294,6 +329,7 @@ class EnginePool:
     async def _load(self, ref: LoraRef) -> None:
         plan = self.worker.plan
         await asyncio.sleep(plan.adapter_load)
+        await self.worker._awake()
         if plan.adapter == "crash":  # its waiters are the worker's tasks: cancelled
             self.worker.exit(1, f"engine died loading adapter {ref.name}")
             return
@@ -332,6 +368,22 @@ class SimWorker:
         self.codec = worker_codec()
         self.generated = 0
         self.asleep = False
+        self.paused = False
+        """Its engine is parked (``Sleep(level=0)`` answered, no ``Wake`` since): no step."""
+        self.frozen = False
+        """Its processes are stopped (``SimHandle.freeze``): it does nothing at all."""
+        self._go = asyncio.Event()
+        """Set while it is neither ``paused`` nor ``frozen``: its steps may run."""
+        self._go.set()
+        self._thawed = asyncio.Event()
+        self._thawed.set()
+        self._held: list[tuple[Any, tuple[Any, ...]]] = []
+        """What came while it was frozen (messages, its own timers), to run once thawed."""
+        self.paused_gens: set[str] = set()
+        """The ``Generate`` ids in flight when a park paused its engine."""
+        self.ended: dict[str, str] = {}
+        """How each ``Generate`` ended here: ``done``, ``error``, ``cancel``, ``exit``."""
+        self.shutdown_seen = False
         self.pool = (EnginePool(self, spec.max_cpu_loras or 1)
                      if serves_adapters(spec) else None)
         self.received: dict[str, Generate] = {}
@@ -339,7 +391,8 @@ class SimWorker:
         self.calls: dict[asyncio.Task[None], None] = {}
         """Its adapter calls and loads in flight, in the order they began (a dict: a set's
         order is the tasks' addresses, and a seed's run would depend on memory)."""
-        self._boot: asyncio.TimerHandle | None = net.later(plan.boot_delay, self._booted)
+        self._boot: asyncio.TimerHandle | None = net.later(plan.boot_delay, self._run,
+                                                           self._booted)
         net.workers.append(self)
         net.note(f"{model}: worker {self.pid} spawned ({plan.brief()})")
 
@@ -364,12 +417,62 @@ class SimWorker:
         self._send(Ready(model=self.model, max_model_len=4096, pid=self.pid))
 
     def _send(self, message: msgspec.Struct) -> None:
+        if self.frozen:  # what it was doing as it stopped ends once it continues
+            self._held.append((self._send, (message,)))
+            return
         if self.returncode is None and self.sock is not None and self.sock.peer is self:
             self.sock.push(self.codec.encode(message))
 
-    def deliver(self, frames: list[bytes]) -> None:
-        """A message (one router turn's frames) arrives."""
+    def _run(self, callback: Any, *args: Any) -> None:
+        """Run one of its own timers' callbacks, or, while it is frozen, once thawed."""
         if self.returncode is not None:
+            return
+        if self.frozen:
+            self._held.append((callback, args))
+            return
+        callback(*args)
+
+    def _later(self, delay: float, callback: Any, *args: Any) -> None:
+        self.net.later(delay, self._run, callback, *args)
+
+    def freeze(self, frozen: bool) -> None:
+        """``SIGSTOP`` / ``SIGCONT``: what came meanwhile runs once it continues."""
+        if frozen == self.frozen:
+            return
+        self.frozen = frozen
+        self.net.note(f"{self.model}: worker {self.pid} {'frozen' if frozen else 'thawed'}")
+        self._update()
+        if not frozen:
+            held, self._held = self._held, []
+            for callback, args in held:
+                self.net.loop.call_soon(self._run, callback, *args)
+
+    def _update(self) -> None:
+        if self.paused or self.frozen:
+            self._go.clear()
+        else:
+            self._go.set()
+        if self.frozen:
+            self._thawed.clear()
+        else:
+            self._thawed.set()
+
+    async def _running(self) -> None:
+        """Until its engine may step: not paused, not frozen."""
+        while not self._go.is_set():
+            await self._go.wait()
+
+    async def _awake(self) -> None:
+        """Until its process runs (not frozen; a paused engine still answers)."""
+        while not self._thawed.is_set():
+            await self._thawed.wait()
+
+    def deliver(self, frames: list[bytes]) -> None:
+        """A message (one router turn's frames) arrives; a frozen one reads it later."""
+        if self.returncode is not None:
+            return
+        if self.frozen:
+            self._held.append((self.deliver, (frames,)))
             return
         for frame in frames:
             if frame:
@@ -382,6 +485,8 @@ class SimWorker:
                 self._send(Error(id=message.id, message="duplicate request id", status=400))
                 return
             self.received[message.id] = message
+            if self.paused:
+                self.paused_gens.add(message.id)
             self.tasks[message.id] = loop.create_task(self._generate(message))
         elif isinstance(message, Adapters):
             call = loop.create_task(self._adapters(message))
@@ -390,19 +495,29 @@ class SimWorker:
         elif isinstance(message, Cancel):
             task = self.tasks.pop(message.id, None)
             if task is not None:
+                self.ended.setdefault(message.id, "cancel")
                 task.cancel()
         elif isinstance(message, Ping):
             self._send(Pong(id=message.id, in_flight=len(self.tasks)))
         elif isinstance(message, (Sleep, Wake)):
-            self.net.later(self.plan.boot_delay / 2, self._slept_or_woken, message)
-        elif isinstance(message, Shutdown) and self.plan.shutdown == "exit":
-            self.net.later(self.plan.shutdown_delay, self.exit, 0, "shut down")
+            self._later(self.plan.boot_delay / 2, self._slept_or_woken, message)
+        elif isinstance(message, Shutdown):
+            self.shutdown_seen = True
+            if self.plan.shutdown == "exit":
+                self._later(self.plan.shutdown_delay, self.exit, 0, "shut down")
 
     def _slept_or_woken(self, message: Sleep | Wake) -> None:
         if isinstance(message, Sleep) and self.plan.sleep_fails:
             self._send(Error(id=message.id, message="simulated: sleep mode unavailable"))
             return
         self.asleep = isinstance(message, Sleep)
+        if isinstance(message, Sleep) and message.level == 0:
+            # vLLM's pause: between two steps, every request kept (none gets a delta)
+            self.paused = True
+            self.paused_gens |= set(self.tasks)
+        elif isinstance(message, Wake):
+            self.paused = False
+        self._update()
         self._send(Pong(id=message.id, in_flight=len(self.tasks)))
 
     async def _adapters(self, message: Adapters) -> None:
@@ -434,6 +549,7 @@ class SimWorker:
                         raise AdapterRefused(f"model '{self.model}' serves no adapters")
                     await self.pool.ensure(gen.lora)
                 except AdapterRefused as err:
+                    self.ended[gen.id] = "error"
                     self._send(Error(id=gen.id, message=str(err), status=400,
                                      code="adapter_invalid"))
                     return
@@ -442,14 +558,19 @@ class SimWorker:
             fails = (self.plan.engine_error_every
                      and self.generated % self.plan.engine_error_every == 0)
             for i in range(tokens):
+                await self._running()  # a paused engine takes no step
                 await asyncio.sleep(self.plan.step)
+                await self._awake()  # a step under way when frozen ends once thawed
+                self.net.on_step(self)
                 if fails and i == tokens // 2:
+                    self.ended[gen.id] = "error"
                     self._send(Error(id=gen.id, message="simulated engine error", status=500))
                     return
                 last = i == tokens - 1
                 self._send(Deltas(items=[Delta(
                     id=gen.id, text="x", tokens=1, finish_reason="length" if last else None,
                     prompt_tokens=3 if i == 0 or last else 0)]))
+            self.ended[gen.id] = "done"
         finally:
             if self.tasks.get(gen.id) is asyncio.current_task():
                 del self.tasks[gen.id]
@@ -458,7 +579,11 @@ class SimWorker:
         if self.returncode is not None:
             return
         self.returncode = code
-        self.net.note(f"{self.model}: worker {self.pid} exited {code} ({why})")
+        self.net.note(f"{self.model}: worker {self.pid} exited {code} ({why})"
+                      + (" while frozen" if self.frozen else ""))
+        self._held.clear()
+        for gen_id in self.tasks:
+            self.ended.setdefault(gen_id, "exit")
         if self._boot is not None:
             self._boot.cancel()
         for task in [*self.tasks.values(), *self.calls]:
@@ -492,7 +617,18 @@ class SimHandle(WorkerHandle):
         return await waiter
 
     async def kill(self) -> None:
-        self.worker.exit(-9, "killed")
+        self.worker.exit(-9, "killed")  # SIGKILL ends a stopped process too
+
+    def freeze(self, frozen: bool) -> bool:
+        if self.worker.returncode is not None:
+            return False
+        if not frozen and self.worker.frozen:
+            self.worker.net.on_thaw(self.worker)
+        self.worker.freeze(frozen)
+        return True
+
+    def resident_bytes(self) -> int:
+        return int(self.worker.plan.resident_gib * GIB) if self.worker.returncode is None else 0
 
 
 class SimBackend(Backend):
@@ -509,6 +645,7 @@ class SimBackend(Backend):
     async def spawn(self, entry: ModelEntry, boot_for: BootFor, log_path: Path,
                     env: dict[str, str]) -> WorkerHandle:
         plan = draw_plan(self.net.rng, self.net.chaos)
+        plan.resident_gib = self.net.memory_rng.choice([0.5, 1.0, 1.5, 2.0, 3.0])
         if plan.spawn_delay:
             await asyncio.sleep(plan.spawn_delay)
         if plan.spawn_error:

@@ -34,6 +34,15 @@ Workers fail as the seed says (``fakes.draw_plan``): spawn errors, hung or crash
 boots, engines that refuse to start, shutdowns ignored, failing sleeps, engine errors,
 adapters that fail to load or kill the engine as they load.
 
+Models park (``router.lifecycle.parking``) within each world's limits (``world.add_parking``):
+a fake worker's engine pauses at ``Sleep(level=0)`` with its requests and its process
+freezes (``fakes``); the host's memory is the simulated one (``host_memory``). Some
+operations wait for a model to enter ``parking``, ``parked`` or ``waking`` (``on_state``,
+``turns`` after, within ``within`` s): a crash (kill -9 of a frozen worker too), an
+unload, a reload, a load; ``reload`` ``change=park`` lowers parking's limits in place.
+Parking's invariants (``invariants``, (a)-(e)) are checked at each state change, eviction,
+operation, engine step and thaw, and at quiescence, which waits for wakes too.
+
 After the schedule nothing more is issued; every client must answer within a bounded
 (virtual) time, the supervisor must settle, and then ``invariants`` checks: no lease or
 ``max_concurrent`` slot held, no GPU start lock held, no model left
@@ -55,6 +64,8 @@ Run one seed: ``python -m tests.simulation.harness 1234`` (prints its trace), or
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import copy
 import hashlib
 import logging
@@ -62,15 +73,17 @@ import random
 import re
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from router.access.admission import BATCH_SCOPE_KEY
 from router.api.relay import BATCH_PRIORITY, Relay
 from router.batches.runner import WAIT_FOR_ROOM
 from router.errors import APIError
+from router.lifecycle import room_maker
 from router.lifecycle.supervisor import Supervisor
 from router.registry import Lease, ModelEntry, ModelRegistry
 from router.workers.link import Usage, WorkerLink
@@ -80,7 +93,7 @@ from shared.protocol import Generate, SamplingSpec
 from tests.simulation import invariants
 from tests.simulation.batch_watch import BATCH_LINE, BatchWatch
 from tests.simulation.clients import Client, SimRequest, SimShaper
-from tests.simulation.fakes import Q, SimBackend, SimContext, SimNet
+from tests.simulation.fakes import Q, SimBackend, SimContext, SimNet, SimWorker
 from tests.simulation.invariants import SETTLE_WITHIN
 from tests.simulation.vtime import VirtualClock, VirtualTimeLoop, after_turns, virtual_time
 from tests.simulation.world import ADAPTER_RANKS, Op, World, make_world, shown_body
@@ -93,6 +106,19 @@ MODEL_NAME = re.compile(r"\b(?:m|ad)\d\b")
 
 
 # -- the harness's writes inside the supervisor -------------------------------------
+@contextlib.contextmanager
+def host_memory(net: SimNet) -> Iterator[None]:
+    """This host's memory, as the room maker reads it (``psutil.virtual_memory``), is the
+    simulated host's (``SimNet.host_memory``): a run never reads the real machine's."""
+    names = vars(room_maker)  # its ``import psutil``, as ``virtual_time`` patches ``time``
+    saved = names["psutil"]
+    names["psutil"] = SimpleNamespace(virtual_memory=net.host_memory)
+    try:
+        yield
+    finally:
+        names["psutil"] = saved
+
+
 def install_fakes(sup: Supervisor, net: SimNet) -> None:
     """Put the simulated world under ``sup``: its workers start through ``SimBackend``, and
     its links (real ``WorkerLink``s) get ``SimSocket``s from the ZeroMQ context they are
@@ -148,7 +174,11 @@ class Simulation:
     def __init__(self, world: World, loop: VirtualTimeLoop, runtime_dir: Path) -> None:
         self.world = world
         self.loop = loop
-        self.net = SimNet(loop, random.Random(world.seed * 7919 + 1), world.chaos)
+        self.net = SimNet(loop, random.Random(world.seed * 7919 + 1), world.chaos,
+                          memory_seed=world.seed * 86028121 + 7)
+        self.net.host_gib = world.host_gib
+        self.net.on_step = self._on_step
+        self.net.on_thaw = self._on_thaw
         preset = build_preset(world.raw)
         self.models = dict(preset.models)
         self.raw_models: dict[str, dict[str, Any]] = copy.deepcopy(world.raw["models"])
@@ -180,6 +210,24 @@ class Simulation:
         """Each request's ``Generate`` id: its operation."""
         self.answered: set[str] = set()
         """The ``Generate`` ids whose client got output."""
+        self.outcomes: dict[str, tuple[str, int, str]] = {}
+        """Each ``Generate`` id's end at its client: ``ok``, ``gone`` (it left) or the
+        error, the tokens it got, and its model's state then."""
+        self.states: dict[str, str] = {}
+        """Each model's state as last published."""
+        self._on_state: dict[tuple[str, str], list[Op]] = {}
+        """Operations armed to happen as a model enters a state (``on_state``)."""
+        self._armed_until = 0.0
+        self.stopping_since: dict[str, float] = {}
+        """When each model last began to stop."""
+        self.forced: set[str] = set()
+        """Models an unload with ``force`` stops (not yet down)."""
+        self.parked_for: dict[str, tuple[str, invariants.ParkLimits]] = {}
+        """Each model's last eviction: the model it was for, parking's limits then."""
+        self._scheduled = False
+        self.limits_lowered = False
+        """A reload lowered parking's limits: models parked before may exceed them."""
+        """Every operation was issued (armed ones too): none issues any more."""
         self._note_adapters()
 
     def _watch_events(self) -> None:
@@ -198,10 +246,31 @@ class Simulation:
             if event["type"] == "state":
                 why = f" ({event['reason']})" if event.get("reason") else ""
                 self.net.note(f"{event['model']}: -> {event['state']}{why}")
+                before = self.states.get(event["model"])
+                if event["state"] in ("unloaded", "failed"):
+                    self.forced.discard(event["model"])
+                if event["state"] == "stopping" and before != "stopping":
+                    self.stopping_since[event["model"]] = self.loop.time()
+                self.states[event["model"]] = event["state"]
+                if before != event["state"]:
+                    for violation in invariants.park_transition_violations(
+                            self.sup, self.entries, event["model"], before, event["state"],
+                            self.parked_for.get(event["model"])):
+                        self._saw(violation)
+                    for op in self._on_state.pop((event["model"], event["state"]), []):
+                        after_turns(self.loop, op.args["turns"], self._state_op, op,
+                                    event["state"])
                 if event["state"] in ("ready", "failed"):
                     self.moment("load", event["model"])
             elif event["type"] == "eviction":
                 self.net.note(f"{event['model']}: {event['action']} for {event['for']}")
+                self.parked_for[event["model"]] = (event["for"],
+                                                   invariants.park_limits(self.sup))
+                for violation in invariants.eviction_violations(self.sup, self.entries,
+                                                                event):
+                    self._saw(violation)
+            for violation in invariants.park_state_violations(self.sup, self.entries):
+                self._saw(violation)
             self.watch.on_event(event)
 
         sub.offer = offer  # type: ignore[method-assign]
@@ -257,12 +326,56 @@ class Simulation:
 
         self.loop.call_later(op.args["after"], arm)
 
+    def _on_step(self, worker: SimWorker) -> None:
+        """A worker's engine steps: its model must not be parked (its process is paused)."""
+        for entry in self.entries:
+            kept = self.sup.worker_of(entry)
+            if (entry.state == "parked" and kept is not None
+                    and getattr(kept.handle, "worker", None) is worker):
+                self._saw(f"{entry.id}: its worker {worker.pid} runs an engine step while "
+                          "the model is parked")
+
+    def _on_thaw(self, worker: SimWorker) -> None:
+        since = self.stopping_since.get(worker.model, self.loop.time())
+        ending = (worker.model in self.forced
+                  or self.loop.time() >= since + self.sup.server.drain_timeout)
+        for violation in invariants.thaw_violations(self.sup, self.entries, worker, ending):
+            self._saw(violation)
+
+    def _arm(self, op: Op) -> None:
+        """``op`` happens as its model next enters ``on_state``, within ``within`` s."""
+        key = (op.model, op.args["on_state"])
+        self._on_state.setdefault(key, []).append(op)
+        self._armed_until = max(self._armed_until, self.loop.time() + op.args["within"])
+
+        def disarm() -> None:
+            armed = self._on_state.get(key, [])
+            if op in armed:
+                armed.remove(op)
+                self.net.note(f"disarmed (no {op.args['on_state']} of {op.model}): {op}")
+
+        self.loop.call_later(op.args["within"], disarm)
+
+    def _state_op(self, op: Op, state: str) -> None:
+        if self._scheduled:
+            return  # the schedule's answers are being counted
+        self.net.note(f"as {op.model} became {state}: {op.kind} {op.model} "
+                      f"({op.args['turns']} turn(s) later)")
+        # In a context of its own: the state change may be published from a batch line's
+        # task, whose context would make what it starts a batch line's (``BATCH_LINE``).
+        contextvars.Context().run(self.issue, op, True)
+
     # operations
-    def issue(self, op: Op) -> None:
+    def issue(self, op: Op, now: bool = False) -> None:
         self._note_adapters()
         for violation in invariants.adapter_violations(self.sup, self.adapters):
             self._saw(violation)
+        for violation in invariants.park_state_violations(self.sup, self.entries):
+            self._saw(violation)
         self.watch.check()
+        if "on_state" in op.args and not now:
+            self._arm(op)
+            return
         if op.kind == "crash":
             for worker in reversed(self.net.workers):
                 if worker.model == op.model and worker.returncode is None:
@@ -323,9 +436,33 @@ class Simulation:
 
     async def request(self, op: Op, request: SimRequest, batch: str | None = None) -> str:
         """A client's request, or with ``batch`` one line of that batch (as the runner
-        calls the app's handlers: the batch in its scope, answered whole)."""
+        calls the app's handlers: the batch in its scope, answered whole). How it ended
+        is kept (``outcomes``)."""
         gen = self._generate(op)
         self.asked[gen.id] = op
+        got: list[int] = [0]
+        try:
+            answer = await self._request(op, request, gen, got, batch)
+        except asyncio.CancelledError:
+            self.outcomes[gen.id] = ("gone", got[0], "")
+            raise
+        except APIError as err:
+            self.outcomes[gen.id] = ("gone" if err.status == 499 else
+                                     f"{err.status} {type(err).__name__}", got[0],
+                                     self._state_of(op.model))
+            raise
+        self.outcomes[gen.id] = ("ok", got[0], self._state_of(op.model))
+        return answer
+
+    def _state_of(self, name: str) -> str:
+        """The state of the model that serves ``name`` now (``removed``: none does)."""
+        try:
+            return self.sup.registry.serving(self.sup.registry.resolve(name)).state
+        except APIError:
+            return "removed"
+
+    async def _request(self, op: Op, request: SimRequest, gen: Generate, got: list[int],
+                       batch: str | None) -> str:
         if op.args["via"] == "direct":
             lease, link = await (self._batch_lease(op.model) if batch is not None
                                  else self.sup.acquire(op.model, "generate"))
@@ -338,10 +475,10 @@ class Simulation:
             stream = None
             try:
                 stream = link.submit([gen], Usage())
-                got = sum([len(deltas) async for deltas in stream])
-                if got:
+                async for deltas in stream:
+                    got[0] += len(deltas)
                     self.answered.add(gen.id)
-                return f"ok {got}"
+                return f"ok {got[0]}"
             finally:
                 if stream is not None:
                     stream.close()
@@ -366,7 +503,8 @@ class Simulation:
             chunks = [chunk async for chunk in response.body_iterator]
             return f"ok stream of {len(chunks)}"
         finally:
-            if any(shaper.deltas for shaper in shapers):
+            got[0] = sum(shaper.deltas for shaper in shapers)
+            if got[0]:
                 self.answered.add(gen.id)
 
     async def _batch_lease(self, model: str) -> tuple[Lease, WorkerLink]:
@@ -445,6 +583,8 @@ class Simulation:
             if base.state == "ready" and base.link is not None:
                 base.adapters_loaded = await base.link.adapters(unload=[entry.lora.number])
             return f"ok {base.id} {base.state}"
+        if op.args["force"]:
+            self.forced.add(entry.id)
         await self.sup.stop(entry, force=op.args["force"])
         return f"ok {entry.state}"
 
@@ -455,6 +595,13 @@ class Simulation:
         if change == "limit":  # a runtime key: the live server config changes in place
             self.sup.server.max_loaded_models = op.args["max_loaded_models"]
             self.net.note(f"reload: max_loaded_models={op.args['max_loaded_models']}")
+            return
+        if change == "park":  # runtime keys too: parking's limits, lowered (pressure)
+            for key in ("max_parked_models", "park_memory_gib"):
+                if key in op.args:
+                    setattr(self.sup.server, key, op.args[key])
+                    self.limits_lowered = True
+                    self.net.note(f"reload: {key}={op.args[key]}")
             return
         raw = copy.deepcopy(self.raw_models)
         removed = dict(self.removed_raw)
@@ -539,6 +686,9 @@ class Simulation:
                 await asyncio.sleep(delay)
             self.net.note(f"op {op}")
             self.issue(op)
+        if self._armed_until > self.loop.time():  # operations armed on a model's state
+            await asyncio.sleep(self._armed_until - self.loop.time() + Q)
+        self._scheduled = True
         violations: list[str] = []
         tasks = [c.task for c in self.clients]
         if tasks:
@@ -549,14 +699,15 @@ class Simulation:
                 violations.append(f"client never answered ({ANSWER_WITHIN:g} s): {client.op}")
             elif outcome == "cancelled" or outcome.startswith("raised"):
                 violations.append(f"client got {outcome}: {client.op}")
-        # Settled: no model loading, stopping or waiting for room, for two looks in a row
-        # (work that a client left behind, such as a cancelled task's cleanup, may take a
-        # few turns).
+        # Settled: no model loading, stopping, parking, waking or waiting for room, and no
+        # wake under way, for two looks in a row (work that a client left behind, such as
+        # a cancelled task's cleanup, may take a few turns).
         deadline, calm = self.loop.time() + SETTLE_WITHIN, 0
         while calm < 2 and self.loop.time() < deadline:
             await asyncio.sleep(Q)
-            busy = any(e.state in ("loading", "stopping") or e.room_since is not None
-                       for e in self.entries)
+            busy = bool(invariants.wakes_under_way(sup)) or any(
+                e.state in invariants.UNSETTLED or e.room_since is not None
+                for e in self.entries)
             calm = 0 if busy else calm + 1
         if watching is not None:
             watching.cancel()
@@ -566,6 +717,9 @@ class Simulation:
         self.watch.check()
         violations += invariants.quiescent_violations(sup, self.entries, self.slot_pools,
                                                       self.net)
+        violations += invariants.parked_violations(sup, self.entries, self.limits_lowered)
+        violations += invariants.paused_request_violations(self.net, self.asked,
+                                                           self.outcomes)
         violations += self.watch.quiescent_violations(self.entries)
         violations += invariants.adapter_violations(sup, self.adapters)
         violations += invariants.routing_violations(self.net, self.asked, self.answered,
@@ -600,10 +754,12 @@ def run_seed(seed: int) -> Result:
     loop = VirtualTimeLoop(clock)
     router_log = logging.getLogger("modelyard")
     saved = router_log.level, router_log.propagate
-    with tempfile.TemporaryDirectory(prefix="sim") as tmp, virtual_time(clock):
+    with (tempfile.TemporaryDirectory(prefix="sim") as tmp, virtual_time(clock),
+          contextlib.ExitStack() as stack):
         asyncio.set_event_loop(loop)
         try:
             sim = Simulation(world, loop, Path(tmp))
+            stack.enter_context(host_memory(sim.net))
             recorder = _Recorder(sim.net)
             router_log.addHandler(recorder)
             router_log.setLevel(logging.WARNING)

@@ -1,7 +1,26 @@
 """What must hold of a simulated run (``harness`` runs it): at quiescence, during it for
-adapter models, and after ``stop_all``. Each check reads the real ``Supervisor`` and
-returns its findings as lines; the few looks inside that they need are the first
-functions here (adjust those if the router's insides move).
+adapter models and parking, and after ``stop_all``. Each check reads the real
+``Supervisor`` and returns its findings as lines; the few looks inside that they need
+are the first functions here (adjust those if the router's insides move).
+
+Parking's (``router.lifecycle.parking``), as the run goes and at quiescence:
+
+- (a) a parked model's requests are answered or still queued/in flight, never lost:
+  every client ends (the harness's own check), and a request a park paused ends with
+  all its tokens unless its client left, its engine failed it, its worker died, or its
+  model was stopping, failed or gone when it ended (``paused_request_violations``);
+- (b) no model starts to run (``loading``, ``waking``) while ``max_loaded_models``
+  others run (``RUNS``: ``parked`` runs nothing); and a parked model that stops with
+  requests in flight runs them only where one more may run (its drain is an engine
+  running): ``park_transition_violations``, at each state change;
+- (c) a parked model's worker is paused and frozen, a ready one's neither (each state
+  change and operation, ``park_state_violations``), and no parked model's worker runs
+  an engine step (``harness``, at each step);
+- (d) each park keeps within ``max_parked_models`` and ``park_memory_gib`` (what the
+  workers really hold); at quiescence no model is ``parking``/``waking``, no wake runs,
+  and those limits hold unless a reload lowered them (``parked_violations``);
+- (e) a model is parked, stopped or made to yield only for a model in the line for
+  room; for a wake, one still parked whose worker lives (``eviction_violations``).
 
 The checks of batch lines' priority are ``batch_watch.BatchWatch``'s.
 """
@@ -10,14 +29,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Any
 
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry, Slots
 from router.workers.placement import Placer
 from shared.config import ModelSpec
 from shared.protocol import Generate
-from tests.simulation.fakes import SimNet
+from tests.simulation.fakes import GIB, SimNet, SimWorker
 from tests.simulation.world import Op
+
+RUNS = ("loading", "ready", "sleeping", "stopping", "parking", "waking")
+"""States in which a model's engine takes room to run (``RoomMaker.loaded``); ``parked``
+holds memory and no core."""
+UNSETTLED = ("loading", "stopping", "parking", "waking")
+"""States no model may be left in at quiescence."""
 
 SETTLE_WITHIN = 40.0
 """Virtual seconds after every client answered for no model to be ``loading`` or
@@ -46,6 +72,18 @@ def gpu_start_locks(placer: Placer) -> dict[int, asyncio.Lock]:
 def lifecycle_ids(sup: Supervisor) -> set[str]:
     """The models the supervisor keeps a worker, a load or a stop of."""
     return {*sup._workers, *sup._loads, *sup._stops}
+
+
+def wakes_under_way(sup: Supervisor) -> set[str]:
+    """The models with a wake task (``Parker.wake``) not yet done."""
+    return {m for m, task in sup.parker._wakes.items() if not task.done()}
+
+
+def sim_worker(sup: Supervisor, entry: ModelEntry) -> SimWorker | None:
+    """``entry``'s running worker's simulated process, if it has one."""
+    kept = sup.worker_of(entry)
+    worker = getattr(kept.handle, "worker", None) if kept is not None else None
+    return worker if isinstance(worker, SimWorker) else None
 
 
 # -- the checks ----------------------------------------------------------------------------
@@ -83,9 +121,10 @@ def quiescent_violations(sup: Supervisor, entries: Iterable[ModelEntry],
     for entry in entries:
         if entry not in current and entry.id in sup.registry.entries:
             continue  # removed, then added again: its id names the new entry's worker
-        if entry.state in ("ready", "sleeping") and entry.id not in running:
+        if entry.state in ("ready", "sleeping", "parked") and entry.id not in running:
             out.append(f"{entry.id}: '{entry.state}' with no worker")
-        if entry.id in running and entry.state not in ("ready", "sleeping", "stopping"):
+        if entry.id in running and entry.state not in ("ready", "sleeping", "parked",
+                                                        "stopping"):
             out.append(f"{entry.id}: '{entry.state}' but its worker is kept")
     cpu = {m for m, w in running.items() if w.spec is None or w.spec.device == "cpu"}
     held = held_placements(sup.placer)
@@ -170,4 +209,152 @@ def stopped_violations(sup: Supervisor, entries: Iterable[ModelEntry], net: SimN
     if sup._workers:
         out.append(f"the supervisor still keeps workers of {sorted(sup._workers)}")
     out += [f"{e.id}: '{e.state}'" for e in entries if e.state not in ("unloaded", "failed")]
+    return out
+
+
+# -- parking -------------------------------------------------------------------------------
+ParkLimits = tuple[int, float | None]
+"""``max_parked_models`` and ``park_memory_gib``, as they were when a park was decided."""
+
+
+def park_limits(sup: Supervisor) -> ParkLimits:
+    return sup.server.max_parked_models, sup.server.park_memory_gib
+
+
+def _parked_limits(sup: Supervisor, entries: list[ModelEntry], what: str,
+                   limits: ParkLimits, leaving: str | None = None) -> list[str]:
+    """The parked (and parking) models within ``max_parked_models`` and, where set,
+    ``park_memory_gib`` (what their workers hold), as ``limits`` give them. ``leaving``:
+    a parked model whose wake the park made room for, which counts no more (it wakes in
+    a few turns, with no await between: ``policy.park.may_park`` leaves it out too)."""
+    most, memory = limits
+    parked = [e for e in entries if e.state in ("parking", "parked") and e.id != leaving]
+    out = []
+    if len(parked) > most:
+        out.append(f"{what}: {len(parked)} models parked ({sorted(e.id for e in parked)}), "
+                   f"max_parked_models {most}")
+    if memory is not None:
+        held = sum(w.plan.resident_gib for e in parked if (w := sim_worker(sup, e)))
+        if held * GIB > memory * GIB + 1:
+            out.append(f"{what}: parked workers hold {held:g} GiB "
+                       f"({sorted(e.id for e in parked)}), park_memory_gib {memory:g}")
+    return out
+
+
+def park_transition_violations(sup: Supervisor, entries: Iterable[ModelEntry], model: str,
+                               before: str | None, state: str,
+                               parked_for: tuple[str, ParkLimits] | None = None) -> list[str]:
+    """(b) and (d) as ``model`` goes from ``before`` to ``state`` (just published);
+    ``parked_for``: the model its park (if it parks) makes room for, and parking's limits
+    when it was decided (a reload may lower them while it parks)."""
+    entries = list(entries)
+    moved = [e for e in entries if e.id == model and e.state == state]
+    if not moved:
+        return []
+    entry = moved[0]
+    out = []
+    limit = sup.server.max_loaded_models
+    others = sorted(e.id for e in entries if e is not entry and e.state in RUNS)
+    if limit and state in ("loading", "waking") and len(others) >= limit:
+        out.append(f"{model}: began {state} while {others} ran (max_loaded_models {limit})")
+    if state == "parked":
+        waker, limits = parked_for or (None, park_limits(sup))
+        out += _parked_limits(sup, entries, f"{model} parked", limits,
+                              waker if waker in wakes_under_way(sup) else None)
+    return out
+
+
+def thaw_violations(sup: Supervisor, entries: Iterable[ModelEntry], worker: SimWorker,
+                    ending: bool) -> list[str]:
+    """(b) as ``worker`` is thawed: a stopping model's paused requests drain only where
+    one more model may run (``ending``: its stop is forced, or its drain's time is over:
+    its requests end at once, and it resumes only to read ``Shutdown``)."""
+    entries = list(entries)
+    mine = [e for e in entries if sim_worker(sup, e) is worker]
+    kept = sup.worker_of(mine[0]) if mine else None
+    if not mine or kept is None or mine[0].state != "stopping" or ending:
+        return []
+    entry, limit = mine[0], sup.server.max_loaded_models
+    others = sorted(e.id for e in entries if e is not entry and e.state in RUNS)
+    if limit and kept.link.busy and len(others) >= limit:
+        return [(f"{entry.id}: stopping, its parked worker resumed {len(worker.tasks)} "
+                 f"request(s) while {others} ran (max_loaded_models {limit})")]
+    return []
+
+
+def park_state_violations(sup: Supervisor, entries: Iterable[ModelEntry]) -> list[str]:
+    """(c): a parked model's worker is frozen, and paused exactly when the supervisor
+    paused its engine (it had requests in flight: an idle engine is only frozen); a
+    ready one's neither."""
+    out = []
+    for entry in entries:
+        worker = sim_worker(sup, entry)
+        kept = sup.worker_of(entry)
+        if worker is None or worker.returncode is not None or kept is None:
+            continue
+        if entry.state == "parked" and not (worker.frozen and worker.paused == kept.paused):
+            out.append(f"{entry.id}: parked, but its worker {worker.pid} is "
+                       f"{'not frozen' if not worker.frozen else 'paused: ' + str(worker.paused)}"
+                       f" (the supervisor paused it: {kept.paused})")
+        if entry.state == "ready" and (worker.paused or worker.frozen):
+            out.append(f"{entry.id}: ready, but its worker {worker.pid} is "
+                       f"{'frozen' if worker.frozen else 'paused'}")
+    return out
+
+
+def eviction_violations(sup: Supervisor, entries: Iterable[ModelEntry],
+                        event: dict[str, Any]) -> list[str]:
+    """(e): the model an eviction is for waits for room; a wake's is still parked, with
+    a live worker."""
+    name, victim, action = event["for"], event["model"], event["action"]
+    waiting = [e for e in entries if e.id == name and e.room_since is not None]
+    if not waiting:
+        return [f"{victim}: {action} for {name}, which waits for no room"]
+    entry = waiting[0]
+    out = []
+    if entry.state == "stopping":
+        out.append(f"{victim}: {action} for {name}, which is stopping")
+    if name in wakes_under_way(sup):
+        worker = sim_worker(sup, entry)
+        if entry.state != "parked" or worker is None or worker.returncode is not None:
+            out.append(f"{victim}: {action} for {name}'s wake, but {name} is "
+                       f"'{entry.state}'" + (" and its worker exited" if worker is not None
+                                             and worker.returncode is not None else ""))
+    return out
+
+
+def parked_violations(sup: Supervisor, entries: Iterable[ModelEntry],
+                      limits_lowered: bool = False) -> list[str]:
+    """(d) at quiescence (the parked limits only if no reload lowered them since)."""
+    entries = list(entries)
+    out = [f"{e.id}: left '{e.state}' at quiescence" for e in entries
+           if e.state in ("parking", "waking")]
+    out += [f"{m}: a wake still under way at quiescence" for m in sorted(wakes_under_way(sup))]
+    if not limits_lowered:
+        out += _parked_limits(sup, entries, "at quiescence", park_limits(sup))
+    return out
+
+
+def paused_request_violations(net: SimNet, asked: dict[str, Op],
+                              outcomes: dict[str, tuple[str, int, str]]) -> list[str]:
+    """(a): each request a park paused ended with all its tokens, unless its client
+    left, its engine failed it (``error``), its worker died with it (``exit``), or its
+    model was stopping, failed, unloaded or gone as it ended."""
+    out = []
+    for worker in net.workers:
+        for gen_id in sorted(worker.paused_gens):
+            op = asked[gen_id]
+            if gen_id not in outcomes:
+                continue  # its client never ended: the harness says so
+            kind, got, state = outcomes[gen_id]
+            want = max(1, op.args["tokens"])
+            if kind == "gone" or (kind == "ok" and got == want):
+                continue
+            if (worker.ended.get(gen_id) in ("error", "exit")
+                    or state not in ("ready", "parking", "parked", "waking")):
+                continue
+            out.append(f"{gen_id}: a request {worker.model}'s park paused ended {kind} with "
+                       f"{got} of {want} token(s) while {worker.model} was '{state}' "
+                       f"(worker {worker.pid}: {worker.ended.get(gen_id, 'still running')}): "
+                       f"{op}")
     return out

@@ -6,8 +6,12 @@ Some worlds (``ADAPTER_WORLDS``) give one model 1-3 LoRA adapter models (preset 
 whose folders requests name as ``<base>/<folder>``; then some requests, loads, unloads
 and reloads name an adapter. Some (``BATCH_WORLDS``) get batches (``add_batches``).
 Some (``MOMENT_WORLDS``) have clients that leave at a moment of their model rather than
-at a time (``add_moments``). Those draws come from random streams of their own, so a
-world without adapters, batches or such clients is the one its seed always gave.
+at a time (``add_moments``). Every world parks (``add_parking``: its limits, its host's
+memory), and some time-slice two CPU models under ``max_loaded_models: 1``
+(``SLICE_WORLDS``), or crash, unload, reload or load a model as it parks or wakes
+(``STATE_OP_WORLDS``). Those draws come from random streams of their own, so a world
+without adapters, batches, such clients or parking ops has the schedule its seed always
+gave.
 """
 
 from __future__ import annotations
@@ -46,10 +50,13 @@ class World:
     chaos: float
     ops: list[Op]
     gpus: dict[int, GpuMemory]
+    host_gib: float = 64.0
+    """This host's memory (``SimNet.host_memory``: what parking without
+    ``park_memory_gib`` reads)."""
 
     def describe(self) -> str:
         server = {k: v for k, v in self.raw["server"].items() if k != "spare_workers"}
-        lines = [f"server {server} chaos {self.chaos}"]
+        lines = [f"server {server} chaos {self.chaos} host {self.host_gib:g} GiB"]
         for name, body in self.raw["models"].items():
             lines.append(f"  {name}: {shown_body(body)}")
         return "\n".join(lines)
@@ -70,6 +77,13 @@ ADAPTER_RANKS = {"a8": 8, "b8": 8, "c16": 16, "d32": 32}
 ``max_lora_rank``: a restart)."""
 MOMENT_WORLDS = 0.5
 """The share of worlds whose clients may leave at a moment (``add_moments``)."""
+SLICE_WORLDS = 0.3
+"""The share of worlds where two CPU models share ``max_loaded_models: 1`` and many
+requests, long streams among them, alternate between them (time slicing)."""
+STATE_OP_WORLDS = 0.7
+"""The share of worlds with operations that happen as a model enters a parking state."""
+PARK_STATES = ("parking", "parked", "waking")
+"""The states a ``on_state`` operation waits for."""
 MOMENTS = ("slot", "lease", "load")
 """The moments a client may leave at, on its model (an adapter's: its base): a
 ``max_concurrent`` slot given back, a lease granted (``acquire_now``, or ``acquire``
@@ -178,7 +192,64 @@ def make_world(seed: int) -> World:
     mrng = random.Random(seed * 49979687 + 11)
     if mrng.random() < MOMENT_WORLDS:
         add_moments(mrng, ops)
-    return World(seed, {"server": server, "models": models}, chaos, ops, gpus)
+    prng = random.Random(seed * 32452843 + 17)
+    host_gib = add_parking(prng, server, models, ops)
+    return World(seed, {"server": server, "models": models}, chaos, ops, gpus, host_gib)
+
+
+def add_parking(rng: random.Random, server: dict[str, Any], models: dict[str, dict[str, Any]],
+                ops: list[Op]) -> float:
+    """Parking's limits (``max_parked_models`` 0-3 or the default, ``park_memory_gib``
+    unset or small enough to stop some, a short ``park_quantum``), this host's memory
+    (returned), and maybe time slicing (``SLICE_WORLDS``), operations as a model parks
+    or wakes (``STATE_OP_WORLDS``) and reloads that lower parking's limits (memory
+    pressure)."""
+    if rng.random() < 0.85:
+        server["max_parked_models"] = rng.choice([0, 1, 1, 2, 3])
+    server["park_quantum"] = rng.choice([0.2, 0.3, 0.5, 1.0])
+    memory = rng.choice([None, None, 1.0, 2.0, 4.0])
+    if memory is not None:
+        server["park_memory_gib"] = memory
+    host_gib = rng.choice([6.0, 12.0, 64.0])
+    bases = [n for n, body in models.items() if "base" not in body]
+    last = max((op.at for op in ops), default=1.0)
+    if rng.random() < SLICE_WORLDS and len(bases) >= 2:
+        server["max_loaded_models"] = 1
+        pair = rng.sample(bases, 2)
+        for name in pair:  # on this host's cores: they park
+            for key in ("device", "gpus", "tensor_parallel_size", "idle_action", "memory_gib"):
+                models[name].pop(key, None)
+        at = round(rng.uniform(0, last / 2) / Q) * Q
+        for i in range(rng.randint(6, 20)):
+            at += quantum(rng, 8)
+            args: dict[str, Any] = {"via": "relay" if rng.random() < 0.6 else "direct",
+                                    "tokens": rng.choice([rng.randint(5, 20),
+                                                          rng.randint(30, 80)]),
+                                    "stream": rng.random() < 0.7}
+            if rng.random() < 0.1:
+                args.update(leave=quantum(rng, 60), turns=rng.randint(0, 4))
+            ops.append(Op(at, "request", pair[i % 2], args))
+    cpu = [n for n in bases if models[n].get("device") != "cuda"] or bases  # these park
+    if rng.random() < STATE_OP_WORLDS:
+        for _ in range(rng.randint(1, 4)):
+            kind = rng.choice(["crash", "crash", "unload", "reload", "load"])
+            args = {"on_state": rng.choice(PARK_STATES), "turns": rng.randint(0, 4),
+                    "within": quantum(rng, 160, 40)}
+            if kind == "unload":
+                args["force"] = rng.random() < 0.3
+            elif kind == "reload":
+                args["change"] = rng.choice(["restart", "remove", "router_only"])
+            elif kind == "load":
+                args["wait"] = rng.random() < 0.5
+            ops.append(Op(round(rng.uniform(0, last) / Q) * Q, kind, rng.choice(cpu), args))
+    for _ in range(rng.choice([0, 0, 1, 2])):  # memory pressure: parking's limits lowered
+        change: dict[str, Any] = (
+            {"max_parked_models": rng.choice([0, 1])} if rng.random() < 0.5
+            else {"park_memory_gib": rng.choice([0.5, 1.0, 2.0])})
+        ops.append(Op(round(rng.uniform(0, last) / Q) * Q, "reload", rng.choice(bases),
+                      {"change": "park", **change}))
+    ops.sort(key=lambda op: op.at)
+    return host_gib
 
 
 def add_adapters(rng: random.Random, models: dict[str, dict[str, Any]], ops: list[Op]) -> None:

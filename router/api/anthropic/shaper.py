@@ -48,6 +48,8 @@ def _input(arguments: str) -> Any:
 class MessagesShaper:
     """Shapes one Messages response (a single choice)."""
 
+    has_reasoning = True  # a ``thinking`` block
+
     def __init__(self, mid: str, model: str, stop_sequences: list[str]) -> None:
         self.mid = mid
         self.model = model

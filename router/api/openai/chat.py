@@ -35,6 +35,7 @@ class _Call:
 
 class ChatShaper(OpenAIShaper):
     object_chunk = "chat.completion.chunk"
+    has_reasoning = True  # ``delta.reasoning_content``
 
     def __init__(self, rid: str, model: str, n_choices: int, logprobs: bool,
                  include_usage: bool = False, legacy_functions: bool = False) -> None:

@@ -35,6 +35,8 @@ class OpenAIShaper:
     """Chunk framing and stream end for one OpenAI response (subclass: chat, completions)."""
 
     object_chunk = ""
+    has_reasoning = False
+    """Legacy completions have no reasoning field (chat's shaper has, and says so)."""
 
     def __init__(self, rid: str, model: str, include_usage: bool) -> None:
         self.rid = rid

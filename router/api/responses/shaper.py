@@ -91,6 +91,8 @@ class ResponseShaper:
     object. ``echo`` holds the request's settings the object repeats; ``on_done`` gets the
     final object (completed, incomplete or failed), to store it."""
 
+    has_reasoning = True  # a ``reasoning`` item
+
     def __init__(self, rid: str, echo: dict[str, Any], *, streaming: bool,
                  logprobs: bool = False, created_at: int | None = None,
                  on_done: Callable[[dict[str, Any]], None] | None = None) -> None:

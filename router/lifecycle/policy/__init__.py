@@ -1,4 +1,4 @@
-"""Policy: who gets room (``room``) and who idles (``idle``).
+"""Policy: who gets room (``room``), who parks (``park``) and who idles (``idle``).
 
 Plain functions over the model entries, the server config, ``now`` and what the placer
 measured. They never await, never touch a process and import nothing of the supervisor,

@@ -43,10 +43,11 @@ def idle_limit(entry: ModelEntry, server: ServerConfig) -> float | None:
 
 
 def expired(entry: ModelEntry, now: float, server: ServerConfig) -> bool:
-    """``entry`` is ready, idle and has been so past its ``idle_limit`` and past what any
-    request asked to keep it (``kept_until``)."""
+    """``entry`` is ready or parked, idle and has been so past its ``idle_limit`` and past
+    what any request asked to keep it (``kept_until``). A parked model's memory is held
+    by its ttl as a running one's: it stops then (it never sleeps)."""
     limit = idle_limit(entry, server)
-    return (entry.state == "ready" and limit is not None and entry.leases == 0
+    return (entry.state in ("ready", "parked") and limit is not None and entry.leases == 0
             and entry.link is not None and not entry.link.busy
             and now - entry.last_used >= limit and now >= entry.kept_until)
 
@@ -55,5 +56,5 @@ def due(models: Iterable[ModelEntry], now: float, server: ServerConfig) -> list[
     """The models idle past their limit, each with what to do: sleep on a GPU with
     ``idle_action: sleep``, else stop."""
     return [IdleDecision(e, "sleep" if e.spec.idle_action == "sleep" and e.spec.device == "cuda"
-                         else "stop", now - e.last_used)
+                         and e.state == "ready" else "stop", now - e.last_used)
             for e in models if expired(e, now, server)]

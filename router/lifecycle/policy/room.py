@@ -9,6 +9,15 @@ has waited ``swap_wait``, and only to a model of its priority or higher; one tha
 batch lines alone yields at once to a model a person waits for. A load that batch lines
 alone wait for goes after every other load in line, and takes only room no person used
 for ``BATCH_QUIET`` s.
+
+Where the victim may park instead (``policy.park.may_park``: memory allows), stopping's
+caution has no reason left: an idle victim, or one serving batch lines alone for a
+person, parks at once, and a busy one once it has run ``park_quantum`` since its turn
+began (then the two take turns); for a pinned model, which never gives the cores back,
+a busy one yields instead (its requests finish, then it stops), as before parking. A parked model waking up waits in the same line, needs
+no memory, and is the same kind of waiter as a load. Parked models hold memory but run
+nothing: they count against memory budgets, not ``max_loaded_models``; when memory is
+what is short, a parked one with nothing in flight stops first.
 """
 
 from __future__ import annotations
@@ -17,8 +26,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from router.lifecycle.policy import park
 from router.registry import ModelEntry
-from router.workers.placement import GpuMemory, fits
+from router.workers.placement import GpuMemory, fits, runs_beside
 from shared.config import ServerConfig
 
 ACTIVE_GAP = 2.0
@@ -33,11 +43,12 @@ UNKNOWN_LOAD_SECONDS = 30.0
 
 @dataclass(frozen=True, slots=True)
 class RoomDecision:
-    """What a load waiting for room does now: start (``fits``), stop ``victim`` at once
-    (``evict``), make a busy ``victim`` take no new requests and stop when done
+    """What a load (or a wake) waiting for room does now: start (``fits``), stop
+    ``victim`` at once (``evict``), park it (``park``: between two engine steps, its
+    requests kept), make a busy ``victim`` take no new requests and stop when done
     (``yield``), or look again later (``wait``). ``why`` is the victim's reason."""
 
-    action: Literal["fits", "evict", "yield", "wait"]
+    action: Literal["fits", "evict", "park", "yield", "wait"]
     victim: ModelEntry | None = None
     why: str = ""
 
@@ -79,16 +90,19 @@ def for_batch_alone(entry: ModelEntry) -> bool:
 
 
 def batch_may_run(entry: ModelEntry, loaded: list[ModelEntry], server: ServerConfig,
-                  gpus: dict[int, GpuMemory], now: float) -> bool:
+                  gpus: dict[int, GpuMemory], now: float,
+                  parked: Iterable[ModelEntry] = ()) -> bool:
     """Whether a batch may start a line on ``entry`` (``now``: ``time.monotonic()``): it
-    serves or loads already and makes room for no one; or its load fits beside the
-    ``loaded`` models; or none of those has had a person's request for ``BATCH_QUIET``
-    seconds. A batch fills idle room; it never evicts a model people use."""
+    serves or loads already and makes room for no one; or its load (or wake) fits
+    beside the ``loaded`` models (and the ``parked`` ones' memory); or none of those
+    has had a person's request for ``BATCH_QUIET`` seconds. A batch fills idle room; it
+    never evicts, or parks, a model people use."""
     if entry.yield_to is not None:
         return False
-    if entry.state in ("ready", "loading", "sleeping"):
+    if entry.state in ("ready", "loading", "sleeping", "waking"):
         return True
-    if fits(entry.spec, [e.spec for e in loaded], server, gpus, {}):
+    if fits(entry.spec, [e.spec for e in loaded], server, gpus, {},
+            [e.spec for e in parked if e is not entry]):
         return True
     return not any(used_in_person(e, now) for e in loaded)
 
@@ -102,9 +116,19 @@ def first_in_line(entry: ModelEntry, models: Iterable[ModelEntry]) -> bool:
     # In ``models``' order (a dict, not a set): a tie goes to the first, whatever the
     # entries' addresses; a set made the line, and a seed's simulation, depend on memory.
     waiting = [e for e in dict.fromkeys((*models, entry)) if e.room_since is not None]
+    by_id = {e.id: e for e in waiting}
     return bool(waiting) and max(
-        waiting, key=lambda e: (not for_batch_alone(e), e.spec.priority,
-                                -(e.room_since or 0))) is entry
+        waiting, key=lambda e: (not for_batch_alone(e), not defers(e, by_id),
+                                e.spec.priority, -(e.room_since or 0))) is entry
+
+
+def defers(entry: ModelEntry, waiting: dict[str, ModelEntry]) -> bool:
+    """``entry`` was parked for a model (``parked_for``) that still waits and has not
+    begun its turn since: it goes behind it in the line whatever the priorities, or the
+    room its park made would go straight back to it (a turn taken, never given)."""
+    other = waiting.get(entry.parked_for or "")
+    return (other is not None and entry.state == "parked"
+            and other.turn_at < entry.parked_at)
 
 
 def victim(entry: ModelEntry, loaded: Iterable[ModelEntry], now: float,
@@ -144,18 +168,70 @@ def why(victim: ModelEntry, now: float) -> str:
 def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEntry],
            server: ServerConfig, gpus: dict[int, GpuMemory],
            held: dict[str, dict[str, float]], *, now: float, wall: float,
-           waited: float) -> RoomDecision:
-    """What ``entry``'s load, waiting for room for ``waited`` seconds, does now.
+           waited: float, parked: list[ModelEntry] | None = None,
+           memory: park.HostMemory | None = None, parking: bool = False) -> RoomDecision:
+    """What ``entry``'s load (or wake), waiting for room for ``waited`` seconds, does now.
 
     ``models`` are those that may wait for room (the line), ``loaded`` the others that
-    hold room, ``held`` what each sleeping one still holds on its GPUs. Only the first in
-    line acts. An idle victim goes at once; one in use keeps serving until ``entry`` has
-    waited ``swap_wait``, then yields if ``entry``'s priority is at least its own."""
+    run (or will soon), ``parked`` those that hold memory and no core, ``held`` what
+    each sleeping one still holds on its GPUs, ``memory`` this host's (for
+    ``park.may_park``); ``parking``: the executor can park (else victims stop). Only the
+    first in line acts. A victim that may park parks at
+    once when idle and after its ``park_quantum`` when busy; one that must stop goes at
+    once when idle, and when in use keeps serving until ``entry`` has waited
+    ``swap_wait``, then yields if ``entry``'s priority is at least its own."""
     if not first_in_line(entry, models):
         return WAIT
-    if fits(entry.spec, [e.spec for e in loaded], server, gpus, held):
+    parked = [e for e in parked or () if e is not entry]
+    if fits(entry.spec, [e.spec for e in loaded], server, gpus, held, [e.spec for e in parked]):
         return RoomDecision("fits")
+    idle_parked = [e for e in parked if park.stoppable(e) and not e.spec.pinned]
+    stale = min(idle_parked, default=None,
+                key=lambda e: (e.spec.priority, expected_cost(e, now), e.last_used))
+    if runs_beside(entry.spec, [e.spec for e in loaded], server):
+        # Memory is what is short: a parked model with nothing in flight goes first
+        # (parking a running one would free none).
+        if stale is not None:
+            return RoomDecision("evict", stale, "parked; " + why(stale, now))
+        return _stop_for(entry, victim(entry, loaded, now, wall), server, now, waited)
     chosen = victim(entry, loaded, now, wall)
+    if parking and chosen is not None:
+        if not park.may_park(chosen, entry, [*loaded, *parked], server, memory):
+            # Memory (or ``max_parked_models``) holds no more parked models: the parked
+            # one least worth keeping stops first, by the same cost rules, so that the
+            # running one, which people use now, parks instead of stopping.
+            if stale is not None and (stale.spec.priority, expected_cost(stale, now),
+                                      stale.last_used) <= (chosen.spec.priority,
+                                                           expected_cost(chosen, now),
+                                                           chosen.last_used):
+                return RoomDecision("evict", stale, "parked, to park another; "
+                                    + why(stale, now))
+            return _stop_for(entry, chosen, server, now, waited)
+        if is_idle(chosen):
+            return RoomDecision("park", chosen, why(chosen, now))
+        # Work in flight parks only for a model that gives the cores back in turn: a
+        # pinned one never does, and the paused requests would wait for ever (it yields).
+        if not entry.spec.pinned:
+            if batch_only(chosen) and wanted_in_person(entry):
+                return RoomDecision("park", chosen, why(chosen, now))
+            # Paused requests of its own take their turn whatever the priorities: a
+            # quantum bounds how long a stream, once begun, is held (a higher priority
+            # says who goes first, not who may starve a half-written answer).
+            if park.turn_over(chosen, now, server) and (
+                    chosen.spec.priority <= entry.spec.priority or paused_work(entry)):
+                return RoomDecision("park", chosen, "its turn is over; " + why(chosen, now))
+            return WAIT
+    return _stop_for(entry, chosen, server, now, waited)
+
+
+def paused_work(entry: ModelEntry) -> bool:
+    """``entry`` is parked with requests in flight (paused mid-answer)."""
+    return entry.state == "parked" and entry.link is not None and entry.link.busy
+
+
+def _stop_for(entry: ModelEntry, chosen: ModelEntry | None, server: ServerConfig,
+              now: float, waited: float) -> RoomDecision:
+    """Stopping ``chosen`` for ``entry``: at once when idle, as a yield when in use."""
     if chosen is None:
         return WAIT
     if is_idle(chosen) and (chosen.yield_to == entry.id or now - chosen.last_used >= ACTIVE_GAP):

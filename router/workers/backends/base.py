@@ -55,6 +55,18 @@ class WorkerHandle(abc.ABC):
         """Its process and the ones it started, as this host sees them (GPU accounting)."""
         return {self.pid}
 
+    def freeze(self, frozen: bool) -> bool:
+        """Stop (``SIGSTOP``) or continue (``SIGCONT``) it and every process it started,
+        threads and all: a parked worker holds no core. ``False`` where this backend
+        cannot (a worker on another node: its link's heartbeats must go on), and the
+        engine's own pause is all a park does there."""
+        return False
+
+    def resident_bytes(self) -> int:
+        """The memory its processes hold now (resident set sizes, summed; 0 where this
+        host cannot see them). Blocking: call it in a thread."""
+        return 0
+
     @abc.abstractmethod
     async def kill(self) -> None:
         """Make sure it and every process it started are gone, then return."""

@@ -20,6 +20,16 @@ from router.workers.processes import descendants, group_members, kill_tree, sign
 from router.workers.spares import SparePool
 from shared.lifeline import dies_with
 
+GUARD_NAME = "modelyard-guard"
+"""The name ``shared.lifeline.guard_group`` gives the worker's guard process."""
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return str(process.name())
+    except psutil.Error:
+        return ""  # gone: a signal to it is a no-op
+
 
 class LocalHandle(WorkerHandle):
     def __init__(self, proc: asyncio.subprocess.Process, log_path: Path,
@@ -44,6 +54,34 @@ class LocalHandle(WorkerHandle):
 
     def pids(self) -> set[int]:
         return {self.pid, *(p.pid for p in self.descendants)}
+
+    def freeze(self, frozen: bool) -> bool:
+        # The worker and the processes it started (noted as it became ready: no scan of
+        # /proc on the event loop), never its guard (``shared.lifeline.guard_group``): a
+        # stopped guard could not kill the engine's processes once the worker died with
+        # its router, and they would stay stopped, holding the model's memory, for good.
+        if self.proc.returncode is not None:
+            return False  # exited: its pid may name someone else now
+        sig = signal.SIGSTOP if frozen else signal.SIGCONT
+        try:
+            os.kill(self.pid, sig)
+        except ProcessLookupError:
+            return False
+        signal_all([p for p in self.descendants if _name(p) != GUARD_NAME], sig)
+        return True
+
+    def resident_bytes(self) -> int:
+        # Proportional set sizes: the engine's processes are forked from the worker and
+        # share its pages (torch, vLLM), which resident set sizes count once per process
+        # (4 GiB summed for SmolLM2's worker where it holds ~1.5 GiB).
+        total = 0
+        for pid in self.pids():
+            try:
+                info = psutil.Process(pid).memory_full_info()
+            except psutil.Error:
+                continue  # gone meanwhile: it holds nothing
+            total += int(getattr(info, "pss", info.rss))  # PSS is Linux's
+        return total
 
     async def kill(self) -> None:
         if self.proc.returncode is None:

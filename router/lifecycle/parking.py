@@ -1,0 +1,218 @@
+"""``Parker``: parks a model's worker and wakes it (``router.lifecycle.policy.park`` says
+who and when; the ``RoomMaker`` asks for a park when a victim may park).
+
+A park is ``ready → parking → parked``: the worker's engine, if it has requests in
+flight, pauses between two steps, keeping them and its caches (``Sleep(level=0)``; an
+idle engine is between steps already), then on this host its processes stop
+(``WorkerHandle.freeze``): a parked worker holds memory and no core,
+and costs no CPU. A wake is ``parked → waking → ready``: the wake waits in the line for
+room as a load does (and may park the model running now), continues the processes and
+resumes the engine. One wake task per model, which every request for it shares; a
+parked model whose requests are still in flight (paused mid-stream) asks for its next
+turn at once. A worker that dies while parked is noticed by the supervisor's death watch
+as any other (a stopped process still dies); a failed park or wake stops the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from router.errors import APIError
+from router.lifecycle.policy.park import PARKED_STATES
+from router.lifecycle.worker_record import WorkerRecord
+from router.observe.events import EventBus
+from router.registry import ModelEntry
+
+log = logging.getLogger("modelyard.router")
+POLL = 0.01
+"""Seconds between looks at a park still under way, for a wake that must follow it."""
+PARK_TIMEOUT = 10.0
+"""Seconds an engine may take to pause (its step in flight ends first): the line for room
+waits for the park, so one that hangs stops instead."""
+THAW_TIMEOUT = 10.0
+"""Seconds a parked worker that is to stop may take to resume its engine first."""
+
+
+class Parker:
+    """Parks and wakes models' workers (module docstring).
+
+    ``worker_of`` gives a model's running worker; ``publish_state`` tells the event bus
+    of a state change; ``stopping`` is the model's one stop task; ``make_room`` waits in
+    the line for room as a load does (the ``RoomMaker``'s)."""
+
+    def __init__(self, events: EventBus,
+                 worker_of: Callable[[ModelEntry], WorkerRecord | None],
+                 publish_state: Callable[[ModelEntry, str | None], None],
+                 stopping: Callable[[ModelEntry], asyncio.Task[None]],
+                 make_room: Callable[[ModelEntry], Coroutine[Any, Any, None]],
+                 spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+        self.events = events
+        self.worker_of = worker_of
+        self._publish_state = publish_state
+        self._stopping = stopping
+        self._make_room = make_room
+        self._spawn = spawn
+        self._wakes: dict[str, asyncio.Task[None]] = {}
+        self._parks: set[asyncio.Task[None]] = set()
+        self.observe: Callable[[str, str, float], None] = lambda model, kind, seconds: None
+        """Told of each ``park`` and ``wake`` and its seconds (the metrics' histogram)."""
+
+    async def park(self, entry: ModelEntry, reason: str = "") -> bool:
+        """Park ``entry`` now (it is ``ready``; anything else is left as it is). Its
+        requests in flight pause and take its next turn, which it asks for at once. A
+        park, once begun, is never cancelled by whoever waits for it (a load making room
+        that is itself unloaded): it runs as a task of its own, awaited shielded. False:
+        it could not begin (no worker to park), and the caller stops it instead."""
+        if entry.state != "ready" or self.worker_of(entry) is None or entry.link is None:
+            return False
+        task = asyncio.create_task(self._park(entry, reason), name=f"park-{entry.id}")
+        self._parks.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._parks.discard)
+        await asyncio.shield(task)
+        return True
+
+    async def _park(self, entry: ModelEntry, reason: str) -> None:
+        worker, link = self.worker_of(entry), entry.link
+        if entry.state != "ready" or worker is None or link is None:
+            return
+        began = time.monotonic()
+        entry.state = "parking"  # no new lease from here (``acquire_now`` wants ready)
+        self._publish_state(entry, reason or None)
+        # An engine with nothing in flight is between steps already: its processes stop
+        # as they are (a pause costs ~50 ms of vLLM's). A request that got its lease
+        # before the park and sends later waits, queued, for the wake.
+        paused = link.busy
+        if paused:
+            try:
+                async with asyncio.timeout(PARK_TIMEOUT):
+                    await link.sleep(0)
+            except (APIError, TimeoutError) as err:
+                log.warning("model %s: park failed (%s); stopping instead", entry.id,
+                            getattr(err, "message", "no answer"))
+                await asyncio.shield(self._stopping(entry))
+                return
+            if entry.state != "parking" or self.worker_of(entry) is not worker:
+                # It died, or a stop began meanwhile (whose drain needs it running).
+                with contextlib.suppress(APIError):
+                    await link.wake()
+                return
+        worker.parked, worker.paused = True, paused  # a stop resumes it first (``thaw``)
+        worker.handle.freeze(True)
+        seconds = time.monotonic() - began
+        entry.state, entry.parked_at = "parked", time.monotonic()
+        entry.parks += 1
+        self.observe(entry.id, "park", seconds)
+        self._publish_state(entry, reason or None)
+        self.events.publish("park", entry.id, seconds=round(seconds, 4),
+                            in_flight=entry.leases)
+        log.info("model %s: parked in %.3f s%s", entry.id, seconds,
+                 f" ({entry.leases} request(s) paused)" if entry.leases else "")
+        self._spawn(self._measure(entry, worker))
+        if entry.leases:
+            # Its paused requests wait in the line for the next turn; batch lines alone
+            # take only a turn no person uses (``policy.room.for_batch_alone``).
+            entry.batch_load = entry.leases == entry.batch_leases
+            self.wake(entry)
+
+    async def _measure(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+        """What ``entry``'s parked worker holds (``policy.park.may_park`` reads it)."""
+        held = await asyncio.to_thread(worker.handle.resident_bytes)
+        if held and self.worker_of(entry) is worker:
+            entry.resident_bytes = held
+
+    def measure(self, entry: ModelEntry) -> None:
+        """Measure what ``entry``'s worker holds, in the background (as it became ready)."""
+        worker = self.worker_of(entry)
+        if worker is not None:
+            self._spawn(self._measure(entry, worker))
+
+    def wake(self, entry: ModelEntry) -> asyncio.Task[None]:
+        """The model's one wake task, begun now if none runs. It waits for a park under
+        way, then for room, then resumes the worker; it ends with the model ``ready``,
+        or in whatever state a crash or a stop left it (its waiters look again)."""
+        task = self._wakes.get(entry.id)
+        if task is None:
+            task = asyncio.create_task(self._wake(entry), name=f"wake-{entry.id}")
+            self._wakes[entry.id] = task
+            task.add_done_callback(lambda t: self._wake_done(entry, t))
+        return task
+
+    def cancel(self, entry: ModelEntry) -> None:
+        """End ``entry``'s wake under way, if any (a stop or a crash: it must not park
+        another model for one that no longer wakes)."""
+        task = self._wakes.pop(entry.id, None)
+        if task is not None:
+            task.cancel()
+
+    def _wake_done(self, entry: ModelEntry, task: asyncio.Task[None]) -> None:
+        if self._wakes.get(entry.id) is task:
+            del self._wakes[entry.id]
+        if task.cancelled():
+            return
+        if task.exception() is not None:
+            log.warning("model %s: wake failed: %s", entry.id, task.exception())
+            if entry.state == "parked" and entry.link is not None and entry.link.busy:
+                # Its paused requests must not wait for ever, and room may never come (a
+                # pinned model holds it): it stops, draining them where room allows.
+                self._stopping(entry)
+            elif entry.state == "parked" and entry.leases:
+                self.wake(entry)  # requests wait for it: try again
+
+    async def _wake(self, entry: ModelEntry) -> None:
+        while entry.state == "parking":
+            await asyncio.sleep(POLL)
+        if entry.state != "parked":
+            return
+        await self._make_room(entry)
+        worker, link = self.worker_of(entry), entry.link
+        if entry.state != "parked" or worker is None or link is None:
+            return  # it died or stopped while it waited: a request loads it again
+        # No await between finding room and claiming it (``waking`` runs, for room).
+        entry.state = "waking"
+        self._publish_state(entry, None)
+        began = time.monotonic()
+        worker.handle.freeze(False)
+        if worker.paused:
+            try:
+                await link.wake()
+            except APIError as err:
+                log.warning("model %s: wake failed (%s); stopping instead", entry.id,
+                            err.message)
+                await asyncio.shield(self._stopping(entry))
+                return
+        worker.parked = worker.paused = False
+        if entry.state != "waking" or self.worker_of(entry) is not worker:
+            return
+        now = time.monotonic()
+        entry.state, entry.turn_at, entry.last_used = "ready", now, now
+        entry.wakes += 1
+        self.observe(entry.id, "wake", now - began)
+        self._publish_state(entry, "woken")
+        self.events.publish("wake", entry.id, seconds=round(now - began, 4),
+                            parked_seconds=round(began - entry.parked_at, 3))
+
+    async def thaw(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+        """Before a stop: a parked worker's processes continue and its engine resumes, so
+        its requests in flight drain and ``Shutdown`` is read."""
+        if not worker.parked:
+            return
+        worker.handle.freeze(False)
+        worker.parked = False
+        if not worker.paused:
+            return
+        try:
+            async with asyncio.timeout(THAW_TIMEOUT):
+                await worker.link.wake()
+            worker.paused = False
+        except (APIError, TimeoutError) as err:
+            log.warning("model %s: its parked engine did not resume before its stop (%s)",
+                        entry.id, err)
+
+    def is_parked(self, entry: ModelEntry) -> bool:
+        """``entry`` is parked, or parking."""
+        return entry.state in PARKED_STATES
