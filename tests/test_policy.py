@@ -278,3 +278,24 @@ def test_the_policy_imports_nothing_of_the_supervisor() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert "router.lifecycle.supervisor" not in out.stdout and "router.workers.link" not in out.stdout
+
+
+def test_parked_models_past_lowered_limits_stop_least_recently_used_first() -> None:
+    """A reload that lowers ``max_parked_models`` or ``park_memory_gib`` stops the parked
+    models past them, least recently used first, none with work in flight (on 3ebf5bb
+    they stayed parked until their ttl, for ever with none)."""
+    entries, server = models({"max_parked_models": 1}, a={}, b={}, c={}, d={})
+    for name, idle_for in (("a", 30.0), ("b", 20.0), ("c", 10.0)):
+        running(entries[name], state="parked", idle_for=idle_for)
+        entries[name].resident_bytes = 2 * 1024 ** 3
+    running(entries["d"], state="ready", idle_for=1.0)
+    stopped = [d.entry.id for d in idle.due(entries.values(), NOW, server)]
+    assert sorted(stopped) == ["a", "b"]  # c, the most recently used, stays
+    entries["a"].leases = 1  # a request paused in it: it waits for its turn instead
+    assert [d.entry.id for d in idle.due(entries.values(), NOW, server)] == ["b"]
+    entries["a"].leases = 0
+    entries, server = models({"park_memory_gib": 5}, a={}, b={}, c={})
+    for name, idle_for in (("a", 30.0), ("b", 20.0), ("c", 10.0)):
+        running(entries[name], state="parked", idle_for=idle_for)
+        entries[name].resident_bytes = 2 * 1024 ** 3
+    assert [d.entry.id for d in idle.due(entries.values(), NOW, server)] == ["a"]

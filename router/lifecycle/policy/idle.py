@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from router.lifecycle.policy import park
 from router.registry import ModelEntry
 from shared.config import ServerConfig
 
@@ -54,7 +55,23 @@ def expired(entry: ModelEntry, now: float, server: ServerConfig) -> bool:
 
 def due(models: Iterable[ModelEntry], now: float, server: ServerConfig) -> list[IdleDecision]:
     """The models idle past their limit, each with what to do: sleep on a GPU with
-    ``idle_action: sleep``, else stop."""
-    return [IdleDecision(e, "sleep" if e.spec.idle_action == "sleep" and e.spec.device == "cuda"
-                         and e.state == "ready" else "stop", now - e.last_used)
-            for e in models if expired(e, now, server)]
+    ``idle_action: sleep``, else stop; and parked models past the parking limits (a
+    reload lowered ``max_parked_models`` or ``park_memory_gib``): the least recently
+    used stop until the rest fit (only those with nothing in flight)."""
+    models = list(models)
+    out = [IdleDecision(e, "sleep" if e.spec.idle_action == "sleep" and e.spec.device == "cuda"
+                        and e.state == "ready" else "stop", now - e.last_used)
+           for e in models if expired(e, now, server)]
+    going = {d.entry.id for d in out}
+    kept = sorted((e for e in models if e.state == "parked" and e.id not in going),
+                  key=lambda e: e.last_used, reverse=True)  # most recently used first
+    ceiling = (server.park_memory_gib * park.GIB if server.park_memory_gib is not None
+               else None)
+    held = 0
+    for i, e in enumerate(kept):
+        held += e.resident_bytes
+        over = i >= server.max_parked_models or (ceiling is not None and held > ceiling)
+        if over and park.stoppable(e) and not e.spec.pinned:
+            out.append(IdleDecision(e, "stop", now - e.last_used))
+            held -= e.resident_bytes
+    return out
