@@ -40,11 +40,12 @@ def supervisor(tmp_path: Path, server: dict[str, Any] | None = None,
     return Supervisor(ModelRegistry(preset), preset.server, tmp_path, Placer(cores={0}, gpus={}))
 
 
-def run(sup: Supervisor, scenario: Callable[[], Awaitable[None]]) -> None:
+def run(sup: Supervisor, scenario: Callable[[], Awaitable[None]],
+        timeout: float = 60) -> None:
     async def main() -> None:
         sup.start()  # the idle reaper
         try:
-            await asyncio.wait_for(scenario(), 60)
+            await asyncio.wait_for(scenario(), timeout)
         finally:
             await sup.stop_all()
 

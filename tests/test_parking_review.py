@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import psutil
 
 from router.errors import ModelUnavailable
+from router.lifecycle.supervisor import Supervisor
+from router.registry import ModelEntry
 from router.workers.backends.local import LocalHandle
 from tests.test_parking import run, supervisor, until, use
 
@@ -56,6 +58,21 @@ def test_a_lower_priority_paused_stream_is_not_starved_by_a_busy_higher_one(
     run(sup, scenario)
 
 
+async def a_request_waits_for_its_wake(
+        sup: Supervisor) -> tuple[ModelEntry, asyncio.Task[str], asyncio.Task[str]]:
+    """``a`` parked for ``b``, ``b`` streaming within its 60 s turn, and a request for
+    ``a`` waiting for its wake: ``a``, ``b``'s stream and the waiting request."""
+    a, b = sup.registry.entries["a"], sup.registry.entries["b"]
+    await use(sup, "a")
+    await use(sup, "b")
+    assert a.state == "parked"
+    stream = asyncio.create_task(use(sup, "b", tokens=40))  # 2 s; b's turn is 60 s
+    await until(lambda: b.leases == 1, 10, "b serves")
+    waiting = asyncio.create_task(use(sup, "a"))
+    await until(lambda: a.queued == 1, 10, "a request waits for a's wake")
+    return a, stream, waiting
+
+
 def test_a_request_waiting_for_a_parked_model_that_crashes_loads_it_again(
         tmp_path: Path) -> None:
     """A request waits for ``a``'s wake (``b`` holds the cores, within its quantum); ``a``'s
@@ -68,14 +85,7 @@ def test_a_request_waiting_for_a_parked_model_that_crashes_loads_it_again(
                      a={}, b={"engine_args": {"tokens_per_second": 20}})
 
     async def scenario() -> None:
-        a, b = sup.registry.entries["a"], sup.registry.entries["b"]
-        await use(sup, "a")
-        await use(sup, "b")
-        assert a.state == "parked"
-        stream = asyncio.create_task(use(sup, "b", tokens=40))  # 2 s; b's turn is 60 s
-        await until(lambda: b.leases == 1, 10, "b serves")
-        waiting = asyncio.create_task(use(sup, "a"))
-        await until(lambda: a.queued == 1, 10, "a request waits for a's wake")
+        a, stream, waiting = await a_request_waits_for_its_wake(sup)
         assert a.pid is not None
         os.kill(a.pid, signal.SIGKILL)
         try:
@@ -219,14 +229,7 @@ def test_a_request_waiting_for_a_parked_models_wake_survives_a_reload_of_its_spe
                      a={}, b={"engine_args": {"tokens_per_second": 20}})
 
     async def scenario() -> None:
-        a, b = sup.registry.entries["a"], sup.registry.entries["b"]
-        await use(sup, "a")
-        await use(sup, "b")
-        assert a.state == "parked"
-        stream = asyncio.create_task(use(sup, "b", tokens=40))  # 2 s; b's turn is 60 s
-        await until(lambda: b.leases == 1, 10, "b serves")
-        waiting = asyncio.create_task(use(sup, "a"))
-        await until(lambda: a.queued == 1, 10, "a request waits for a's wake")
+        a, stream, waiting = await a_request_waits_for_its_wake(sup)
         a.spec = msgspec.structs.replace(a.spec, engine_args={"tokens_per_second": 1000})
         sup.refresh(a, load=False)
         try:

@@ -18,6 +18,7 @@ from router.registry import ModelEntry, ModelRegistry
 from router.workers.placement import Placer
 from shared.config import build_preset
 from shared.protocol import Generate, SamplingSpec
+from tests.test_parking import run
 
 PAUSES = 3
 PAUSE_SECONDS = 10.0
@@ -88,10 +89,4 @@ def test_a_stream_parked_for_30_s_ends_with_the_tokens_it_gives_alone(tmp_path: 
         assert entry.loads == 1 and entry.parks == PAUSES and entry.wakes == PAUSES
         assert await generate("after") == alone  # the engine serves on as before
 
-    async def main() -> None:
-        try:
-            await scenario()
-        finally:
-            await sup.stop_all()
-
-    asyncio.run(main())
+    run(sup, scenario, timeout=900)

@@ -23,7 +23,6 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from router.errors import APIError
-from router.lifecycle.policy.park import PARKED_STATES
 from router.lifecycle.worker_record import WorkerRecord
 from router.observe.events import EventBus
 from router.registry import ModelEntry
@@ -212,7 +211,3 @@ class Parker:
         except (APIError, TimeoutError) as err:
             log.warning("model %s: its parked engine did not resume before its stop (%s)",
                         entry.id, err)
-
-    def is_parked(self, entry: ModelEntry) -> bool:
-        """``entry`` is parked, or parking."""
-        return entry.state in PARKED_STATES

@@ -41,6 +41,7 @@ from router.errors import (
 )
 from router.lifecycle.idle_reaper import IdleReaper
 from router.lifecycle.parking import Parker
+from router.lifecycle.policy.park import RESIDENT_STATES
 from router.lifecycle.room_maker import RoomMaker
 from router.lifecycle.worker_record import WorkerRecord
 from router.observe.events import EventBus
@@ -306,7 +307,7 @@ class Supervisor:
 
     # -- starting ----------------------------------------------------------------------
     async def _load(self, entry: ModelEntry) -> WorkerLink:
-        if entry.state in ("parking", "parked", "waking"):  # resident: its wake is enough
+        if entry.state in RESIDENT_STATES:  # resident: its wake is enough
             wake = self.parker.wake(entry)
             try:
                 await asyncio.shield(wake)
@@ -539,7 +540,7 @@ class Supervisor:
         if task is None or task.done():
             self.parker.cancel(entry)  # a wake under way parks no one for it any more
             load = self._loads.get(entry.id)  # one begun later waits for this stop
-            if entry.state in ("parking", "parked", "waking"):
+            if entry.state in RESIDENT_STATES:
                 # A load of a resident model only waits for its wake, ended above: it is
                 # not cancelled, and its waiters start the model again after this stop
                 # (``_load``), as for a ready model's; marked now, a park under way wakes

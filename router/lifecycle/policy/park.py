@@ -31,6 +31,9 @@ UNKNOWN_NEED_GIB = 2.0
 """Memory a model never measured is expected to take beyond its KV cache."""
 PARKED_STATES = ("parking", "parked")
 """A model in one of these holds memory and no core (``parking``: its engine is pausing)."""
+RESIDENT_STATES = (*PARKED_STATES, "waking")
+"""A model in one of these keeps its worker without serving: a wake, not a load, brings
+it back (and a stop need not cancel a load to end that wake)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +53,7 @@ def expected_bytes(entry: ModelEntry) -> int:
     """What ``entry``'s worker is expected to hold once it runs: as measured last time,
     else its weights on disk (``weights_bytes``), its KV cache and ``UNKNOWN_NEED_GIB``;
     never less than its weights. Nothing for a model already resident."""
-    if entry.state in (*PARKED_STATES, "waking", "ready"):
+    if entry.state in (*RESIDENT_STATES, "ready"):
         return 0
     if entry.resident_bytes:
         return max(entry.resident_bytes, entry.weights_bytes)
