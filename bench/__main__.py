@@ -10,7 +10,7 @@ import time
 
 from bench import report
 
-ALL = ["overhead", "relay", "coldstart", "scaling", "faults", "swap", "ledger",
+ALL = ["overhead", "vllmclient", "relay", "coldstart", "scaling", "faults", "swap", "ledger",
        "toolcalls", "lora", "batch", "hostile"]
 
 

@@ -118,3 +118,30 @@ def test_chat_tool_calls_and_reasoning_shapes() -> None:
     assert body["choices"][0]["finish_reason"] == "function_call"
     assert body["choices"][0]["message"]["function_call"] == {"name": "get",
                                                              "arguments": '{"a": 1}'}
+
+
+def test_a_step_without_text_is_a_chunk_as_vllm_sends_it() -> None:
+    """A token that is part of a character has no text yet; ``vllm serve`` sends its step
+    as a chunk of empty text, and clients time tokens by chunks: skipped, the next gap
+    read twice as long (vLLM's benchmark client: inter-token p99 1.7x at 1 stream). Not
+    where a tool call's markup may be held back."""
+    steps = [[Delta(id="r", text="caf", tokens=1)], [Delta(id="r", text="", tokens=1)],
+             [Delta(id="r", text="é", tokens=1)],
+             [Delta(id="r", text="", tokens=1, finish_reason="length", prompt_tokens=3)]]
+    out, _ = relay(CompletionShaper("c", "m", 1, logprobs=False, echo=None, n=1),
+                   CompletionShaper("c", "m", 1, logprobs=False, echo=None, n=1), steps)
+    chunks = events(out)
+    for chunk in chunks:
+        validate("CompletionStreamChunk", chunk)
+    assert [c["choices"][0]["text"] for c in chunks] == ["caf", "", "é", ""]
+    out, _ = relay(ChatShaper("c", "m", 1, False), ChatShaper("c", "m", 1, False), steps)
+    chunks = events(out)
+    for chunk in chunks:
+        validate("CreateChatCompletionStreamResponse", chunk)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "caf"}, {"content": ""},
+                      {"content": "é"}, {"content": ""}, {}]
+    out, _ = relay(ChatShaper("c", "m", 1, False, tools=True),
+                   ChatShaper("c", "m", 1, False, tools=True), steps)
+    assert [c["choices"][0]["delta"] for c in events(out)] == [
+        {"role": "assistant", "content": ""}, {"content": "caf"}, {"content": "é"}, {}]

@@ -38,10 +38,12 @@ class ChatShaper(OpenAIShaper):
     has_reasoning = True  # ``delta.reasoning_content``
 
     def __init__(self, rid: str, model: str, n_choices: int, logprobs: bool,
-                 include_usage: bool = False, legacy_functions: bool = False) -> None:
+                 include_usage: bool = False, legacy_functions: bool = False,
+                 tools: bool = False) -> None:
         super().__init__(rid, model, include_usage)
         self.want_logprobs = logprobs
         self.legacy = legacy_functions
+        self.tools = tools
         self.started = [False] * n_choices
         self.texts: list[list[str]] = [[] for _ in range(n_choices)]
         self.reasoning: list[list[str]] = [[] for _ in range(n_choices)]
@@ -87,6 +89,11 @@ class ChatShaper(OpenAIShaper):
             if d.tool_calls:
                 delta.update(self._tool_chunk(d))
             items = logprob_items(d.logprobs) if self.want_logprobs and d.logprobs else None
+            if not delta and d.tokens and not self.tools:
+                # A step whose token has no text yet (part of a character) is a chunk too,
+                # as ``vllm serve`` sends it: clients time tokens by chunks. Not where a
+                # tool call's markup may be what the parser holds back (vLLM skips those).
+                delta["content"] = ""
             if delta or items:
                 choice: dict[str, Any] = {"index": i, "delta": delta, "finish_reason": None}
                 if items:
@@ -154,6 +161,6 @@ async def chat_completions(relay: Relay, request: Request, max_body: int) -> Res
     return await relay.generate(
         request, "chat", req.model, [gen], req.stream,
         lambda model: ChatShaper(rid, model, gen.sampling.n, req.logprobs, include_usage,
-                                 legacy),
+                                 legacy, tools=bool(gen.tools)),
         keep_alive=keep_alive_seconds(req.keep_alive))
 

@@ -68,7 +68,10 @@ class CompletionShaper(OpenAIShaper):
         for d in batch:
             text = self._text(d)
             lp = self._logprobs(d)
-            if text or lp or d.finish_reason is not None:
+            # A step whose token has no text yet (part of a character) is a chunk too,
+            # as ``vllm serve`` sends it: clients time tokens by chunks (vLLM's own
+            # benchmark client: one such step skipped read as a gap twice as long).
+            if text or lp or d.finish_reason is not None or d.tokens:
                 finish = None if d.finish_reason is None else _finish(d.finish_reason)
                 out.append(self.frame([encode_json({
                     "index": d.index, "text": text, "logprobs": lp, "finish_reason": finish})]))
