@@ -86,6 +86,28 @@ def overhead(r: Result) -> str:
         f"{shown(a['spare_still_importing_after'])}).")])
 
 
+def vllmclient(r: Result) -> str:
+    rows, ratios = [], []
+    for streams in (1, 16):
+        point = r[f"streams_{streams}"]
+        for key, server in (("vllm", "vllm serve"), ("modelyard", "modelyard")):
+            s = point[key]
+            rows.append((streams, server, s["output_throughput"], s["median_ttft_ms"],
+                         s["p99_ttft_ms"], s["median_itl_ms"], s["p99_itl_ms"], s["failed"],
+                         ", ".join(f"{run['output_throughput']} / {run['p99_itl_ms']}"
+                                   for run in s["runs"])))
+        ratios.append((streams, point["ratio_output_throughput"], point["ratio_itl_p99"],
+                       ", ".join(shown(x) for x in point["ratio_itl_p99_per_round"])))
+    setup = (f"{r['client']}; random prompts of {r['input_tokens']} tokens, "
+             f"{r['output_tokens']} out, {r['rounds']} rounds")
+    return "\n\n".join([
+        provenance("vllmclient", r, setup),
+        table(["streams", "server", "output tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+               "ITL p50 ms", "ITL p99 ms", "failed", "each run: tokens/s / ITL p99 ms"], rows),
+        table(["streams", "output tokens/s, modelyard ÷ vllm serve",
+               "ITL p99, modelyard ÷ vllm serve", "ITL p99 ratio, each round"], ratios)])
+
+
 def relay(r: Result) -> str:
     rows = []
     for kind, load in (("stream", "streamed chunks/s"), ("requests", "non-streaming requests/s")):
@@ -373,7 +395,7 @@ def flat(name: str, r: Result) -> str:
 
 
 TABLES: dict[str, Callable[[Result], str]] = {
-    "overhead": overhead, "relay": relay, "coldstart": coldstart, "scaling": scaling,
+    "overhead": overhead, "vllmclient": vllmclient, "relay": relay, "coldstart": coldstart, "scaling": scaling,
     "faults": faults, "swap": swap, "ledger": ledger, "toolcalls": toolcalls, "lora": lora,
     "batch": batch}
 
