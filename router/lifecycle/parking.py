@@ -59,7 +59,8 @@ class Parker:
         self._wakes: dict[str, asyncio.Task[None]] = {}
         self._parks: set[asyncio.Task[None]] = set()
         self.observe: Callable[[str, str, float], None] = lambda model, kind, seconds: None
-        """Told of each ``park`` and ``wake`` and its seconds (the metrics' histogram)."""
+        """Told of each ``park`` and ``wake`` and its seconds (the metrics' histogram),
+        and of each wake's ``wake_wait``: from its first waiting request to ready."""
 
     async def park(self, entry: ModelEntry, reason: str = "") -> bool:
         """Park ``entry`` now (it is ``ready``; anything else is left as it is). Its
@@ -116,7 +117,7 @@ class Parker:
             # Its paused requests wait in the line for the next turn; batch lines alone
             # take only a turn no person uses (``policy.room.for_batch_alone``).
             entry.batch_load = entry.leases == entry.batch_leases
-            self.wake(entry)
+            self.wake(entry, since=began)  # they have waited since the park began
 
     async def _measure(self, entry: ModelEntry, worker: WorkerRecord) -> None:
         """What ``entry``'s parked worker holds (``policy.park.may_park`` reads it)."""
@@ -130,15 +131,18 @@ class Parker:
         if worker is not None:
             self._spawn(self._measure(entry, worker))
 
-    def wake(self, entry: ModelEntry) -> asyncio.Task[None]:
+    def wake(self, entry: ModelEntry, since: float | None = None) -> asyncio.Task[None]:
         """The model's one wake task, begun now if none runs. It waits for a park under
         way, then for room, then resumes the worker; it ends with the model ``ready``,
-        or in whatever state a crash or a stop left it (its waiters look again)."""
+        or in whatever state a crash or a stop left it (its waiters look again).
+        ``since``: when its first request began to wait (default now), what its
+        ``waited`` seconds count from."""
         task = self._wakes.get(entry.id)
         if task is None:
-            task = asyncio.create_task(self._wake(entry), name=f"wake-{entry.id}")
+            asked = time.monotonic() if since is None else since
+            task = asyncio.create_task(self._wake(entry, asked), name=f"wake-{entry.id}")
             self._wakes[entry.id] = task
-            task.add_done_callback(lambda t: self._wake_done(entry, t))
+            task.add_done_callback(lambda t: self._wake_done(entry, t, asked))
         return task
 
     def cancel(self, entry: ModelEntry) -> None:
@@ -148,7 +152,7 @@ class Parker:
         if task is not None:
             task.cancel()
 
-    def _wake_done(self, entry: ModelEntry, task: asyncio.Task[None]) -> None:
+    def _wake_done(self, entry: ModelEntry, task: asyncio.Task[None], asked: float) -> None:
         if self._wakes.get(entry.id) is task:
             del self._wakes[entry.id]
         if task.cancelled():
@@ -160,9 +164,9 @@ class Parker:
                 # pinned model holds it): it stops, draining them where room allows.
                 self._stopping(entry)
             elif entry.state == "parked" and entry.leases:
-                self.wake(entry)  # requests wait for it: try again
+                self.wake(entry, since=asked)  # requests wait for it: try again
 
-    async def _wake(self, entry: ModelEntry) -> None:
+    async def _wake(self, entry: ModelEntry, asked: float) -> None:
         while entry.state == "parking":
             await asyncio.sleep(POLL)
         if entry.state != "parked":
@@ -190,9 +194,13 @@ class Parker:
         now = time.monotonic()
         entry.state, entry.turn_at, entry.last_used = "ready", now, now
         entry.wakes += 1
+        # ``wake``: the resume alone (what bench/swap.py holds to 0.1 s); ``wake_wait``:
+        # what its requests saw, the line for room (and a park under way) included.
         self.observe(entry.id, "wake", now - began)
+        self.observe(entry.id, "wake_wait", now - asked)
         self._publish_state(entry, "woken")
         self.events.publish("wake", entry.id, seconds=round(now - began, 4),
+                            waited=round(now - asked, 4),
                             parked_seconds=round(began - entry.parked_at, 3))
 
     async def thaw(self, entry: ModelEntry, worker: WorkerRecord) -> None:
