@@ -45,3 +45,40 @@ def test_a_wake_tells_the_whole_wait_its_requests_saw_beside_the_resume(
         assert round(waits[0], 4) == event["waited"] and round(wakes[0], 4) == event["seconds"]
 
     run(sup, scenario)
+
+
+def test_a_paused_request_cancelled_while_parked_wakes_no_one(tmp_path: Path) -> None:
+    """``a``'s stream is paused mid-answer (parked once its turn is over and ``b`` waits);
+    its client goes while ``a`` is parked. ``Parker._park`` had asked for ``a``'s next
+    turn for that request, and on 0483ec7 the wake went on for no one: once ``b``'s own
+    turn was over, ``b`` (still streaming) was parked and ``a`` woken, idle. A wake its
+    paused requests alone asked for ends, unwoken, once none is left, and ``b`` keeps the
+    cores; a later request wakes ``a`` as ever."""
+    sup = supervisor(tmp_path, {"park_quantum": 1.0},
+                     a={"engine_args": {"tokens_per_second": 20}},
+                     b={"engine_args": {"tokens_per_second": 20}})
+
+    async def scenario() -> None:
+        a, b = sup.registry.entries["a"], sup.registry.entries["b"]
+        await use(sup, "b")  # loaded once: the switches below are parks and wakes
+        paused = asyncio.create_task(use(sup, "a", tokens=60))  # 3 s alone
+        await until(lambda: a.state == "ready" and a.leases == 1, 30, "a serves")
+        await asyncio.sleep(1.1)  # past a's turn
+        busy = asyncio.create_task(use(sup, "b", tokens=200))  # 10 s: b stays busy
+        try:
+            await until(lambda: a.state == "parked" and b.state == "ready", 10,
+                        "a is parked mid-stream for b")
+            assert a.leases == 1 and not paused.done()
+            paused.cancel()  # its client goes
+            await asyncio.gather(paused, return_exceptions=True)
+            assert a.leases == 0
+            wakes, parks = a.wakes, b.parks
+            await asyncio.sleep(3.0)  # three of b's turns: on 0483ec7 a woke after one
+            assert (a.state, a.wakes, b.state, b.parks) == ("parked", wakes, "ready", parks)
+            assert await use(sup, "a") == "tok tok "  # asked for: it wakes (b parks)
+            assert a.wakes == wakes + 1 and a.loads == 1
+        finally:
+            busy.cancel()
+            await asyncio.gather(busy, return_exceptions=True)
+
+    run(sup, scenario)
