@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any, cast
 
+from router.access.admission import OPEN
+from router.api.admin import AdminAPI
 from tests.test_parking import run, supervisor, until, use
 
 
@@ -80,5 +83,27 @@ def test_a_paused_request_cancelled_while_parked_wakes_no_one(tmp_path: Path) ->
         finally:
             busy.cancel()
             await asyncio.gather(busy, return_exceptions=True)
+
+    run(sup, scenario)
+
+
+def test_resident_mib_is_shown_only_while_a_worker_holds_it(tmp_path: Path) -> None:
+    """``resident_mib`` in ``/v1/models`` is what the model's worker holds. On 0483ec7 it
+    stayed after the model stopped (``ModelEntry.resident_bytes`` is kept, rightly, as
+    the next load's expected size), so the listing showed memory nobody held."""
+    sup = supervisor(tmp_path, a={}, b={})
+    api = AdminAPI(sup, 1 << 20, cast(Any, None))
+
+    async def scenario() -> None:
+        a = sup.registry.entries["a"]
+        await use(sup, "a")
+        await until(lambda: a.resident_bytes > 0, 5, "a's memory is measured")
+        assert api.model_object(a, OPEN)["resident_mib"] == a.resident_bytes // 2 ** 20
+        await use(sup, "b")
+        assert a.state == "parked"  # a parked worker holds it still
+        assert api.model_object(a, OPEN)["resident_mib"] == a.resident_bytes // 2 ** 20
+        await sup.stop(a)
+        assert a.state == "unloaded" and a.resident_bytes > 0  # kept for the estimate
+        assert "resident_mib" not in api.model_object(a, OPEN)
 
     run(sup, scenario)
