@@ -10,7 +10,9 @@ from typing import Any, cast
 
 from router.access.admission import OPEN
 from router.api.admin import AdminAPI
+from router.lifecycle.policy import park, room
 from tests.test_parking import run, supervisor, until, use
+from tests.test_policy import NOW, WALL, models, running, waiting
 
 
 def test_a_wake_tells_the_whole_wait_its_requests_saw_beside_the_resume(
@@ -107,3 +109,19 @@ def test_resident_mib_is_shown_only_while_a_worker_holds_it(tmp_path: Path) -> N
         assert "resident_mib" not in api.model_object(a, OPEN)
 
     run(sup, scenario)
+
+
+def test_a_model_on_ray_stops_instead_of_parking() -> None:
+    """A Ray worker's ``freeze`` can do nothing (``RayHandle``: its actor and link must go
+    on) and this host cannot measure it (``resident_bytes`` 0). On 0483ec7 such a model
+    parked all the same: an engine paused alone, still polling on its cores, and counted
+    as holding nothing against ``park_memory_gib``, which it never filled. It stops, as
+    before parking; the same model on this host parks."""
+    for backend, action in (("ray", "evict"), ("local", "park")):
+        m, server = models({"park_memory_gib": 4, "backend": backend}, a={}, b={})
+        a, b = running(m["a"], idle_for=10.0), waiting(m["b"])
+        assert a.spec.backend == backend
+        assert park.may_park(a, b, [a], server, None) == (action == "park")
+        decision = room.decide(b, [a, b], [a], server, {}, {}, now=NOW, wall=WALL,
+                               waited=0.0, parked=[], parking=True)
+        assert (decision.action, decision.victim) == (action, a)
