@@ -125,3 +125,31 @@ def test_a_model_on_ray_stops_instead_of_parking() -> None:
         decision = room.decide(b, [a, b], [a], server, {}, {}, now=NOW, wall=WALL,
                                waited=0.0, parked=[], parking=True)
         assert (decision.action, decision.victim) == (action, a)
+
+
+def test_the_room_a_park_made_for_a_wake_is_its_own() -> None:
+    """Simulation seed 800170 (on 1d77907's world): ``m2``, parked, wakes for a request;
+    ``m1`` is parked for it (``max_parked_models: 1`` allows it only because ``m2``
+    leaves the parked set). In the turns the park takes, a load of higher priority
+    (``m0``) joins the line and, first by priority, takes the room the park freed: two
+    parked past ``max_parked_models`` (past ``park_memory_gib`` likewise), and ``m2``'s
+    requests waited on (to a 503 after ``load_timeout`` there). On 0483ec7 ``m0`` was
+    first; the room a park made during a waiter's wait is that waiter's (``owed``)."""
+    m, server = models({"max_parked_models": 1, "park_memory_gib": 4},
+                       m0={"priority": 5}, m1={}, m2={})
+    m0, m1, m2 = m["m0"], m["m1"], m["m2"]
+    running(m2, state="parked", idle_for=5.0)
+    waiting(m2, NOW - 0.3)  # its wake waits for room
+    running(m1, state="parked", idle_for=0.2)
+    m1.parked_for, m1.parked_at = "m2", NOW - 0.1  # parked for it, during its wait
+    waiting(m0, NOW - 0.2)  # a higher priority joined the line meanwhile
+    line = list(m.values())
+    assert room.first_in_line(m2, line) and not room.first_in_line(m0, line)
+    assert room.decide(m2, line, [], server, {}, {}, now=NOW, wall=WALL, waited=0.3,
+                       parked=[m1, m2], parking=True).action == "fits"
+    assert room.decide(m0, line, [], server, {}, {}, now=NOW, wall=WALL, waited=0.2,
+                       parked=[m1, m2], parking=True) == room.WAIT
+    # A park before this wait (an earlier wait of m2's, given up) makes no claim: the
+    # line goes by priority again.
+    m1.parked_at = NOW - 1.0
+    assert room.first_in_line(m0, line) and not room.first_in_line(m2, line)
