@@ -77,7 +77,7 @@ def may_park(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry],
     read, and nothing parks on its account."""
     if server.max_parked_models <= 0 or victim.spec.device == "cuda" or victim.removed:
         return False
-    if victim.spec.device != "cuda" and not freezes(victim.spec):
+    if not freezes(victim.spec):  # a CPU model (a GPU one's park would be vLLM's sleep)
         return False  # a pause alone holds its cores, and its memory unmeasured
     others = [e for e in parked(models) if e is not victim]
     if len(others) >= server.max_parked_models:
