@@ -11,6 +11,8 @@ from typing import Any, cast
 from router.access.admission import OPEN
 from router.api.admin import AdminAPI
 from router.lifecycle.policy import park, room
+from router.lifecycle.supervisor import Supervisor
+from shared.protocol import Generate, SamplingSpec
 from tests.test_parking import run, supervisor, until, use
 from tests.test_policy import NOW, WALL, models, running, waiting
 
@@ -52,6 +54,22 @@ def test_a_wake_tells_the_whole_wait_its_requests_saw_beside_the_resume(
     run(sup, scenario)
 
 
+async def use_as_the_relay(sup: Supervisor, name: str, tokens: int) -> str:
+    """``use``, its stream closed as the relay closes it when its client goes (its
+    generation cancelled, so nothing is in flight on the link any more)."""
+    lease, link = await sup.acquire(name)
+    stream = link.submit([Generate(id=f"g-{name}-{time.monotonic_ns()}", prompt="hi",
+                                   sampling=SamplingSpec(max_tokens=tokens))])
+    try:
+        text = ""
+        async for deltas in stream:
+            text += "".join(d.text for d in deltas)
+        return text
+    finally:
+        stream.close()
+        lease.release()
+
+
 def test_a_paused_request_cancelled_while_parked_wakes_no_one(tmp_path: Path) -> None:
     """``a``'s stream is paused mid-answer (parked once its turn is over and ``b`` waits);
     its client goes while ``a`` is parked. ``Parker._park`` had asked for ``a``'s next
@@ -66,17 +84,17 @@ def test_a_paused_request_cancelled_while_parked_wakes_no_one(tmp_path: Path) ->
     async def scenario() -> None:
         a, b = sup.registry.entries["a"], sup.registry.entries["b"]
         await use(sup, "b")  # loaded once: the switches below are parks and wakes
-        paused = asyncio.create_task(use(sup, "a", tokens=60))  # 3 s alone
+        paused = asyncio.create_task(use_as_the_relay(sup, "a", 60))  # 3 s alone
         await until(lambda: a.state == "ready" and a.leases == 1, 30, "a serves")
         await asyncio.sleep(1.1)  # past a's turn
-        busy = asyncio.create_task(use(sup, "b", tokens=200))  # 10 s: b stays busy
+        busy = asyncio.create_task(use_as_the_relay(sup, "b", 200))  # 10 s: b stays busy
         try:
             await until(lambda: a.state == "parked" and b.state == "ready", 10,
                         "a is parked mid-stream for b")
             assert a.leases == 1 and not paused.done()
             paused.cancel()  # its client goes
             await asyncio.gather(paused, return_exceptions=True)
-            assert a.leases == 0
+            assert a.leases == 0 and a.link is not None and not a.link.busy
             wakes, parks = a.wakes, b.parks
             await asyncio.sleep(3.0)  # three of b's turns: on 0483ec7 a woke after one
             assert (a.state, a.wakes, b.state, b.parks) == ("parked", wakes, "ready", parks)

@@ -164,10 +164,11 @@ class Parker:
 
     def wanted(self, entry: ModelEntry) -> bool:
         """Someone waits for ``entry``'s wake: a load asked for it, or requests hold the
-        model (paused in flight, or waiting for a slot). A paused request whose client
-        left holds nothing: a wake for it alone would take the running model's turn for
-        no one."""
-        return entry.id in self._asked or entry.leases > 0 or entry.queued > 0
+        model (paused in flight, or waiting for a slot), or a stream of its link is still
+        read. A paused request whose client left holds nothing: a wake for it alone would
+        take the running model's turn for no one."""
+        return (entry.id in self._asked or entry.leases > 0 or entry.queued > 0
+                or (entry.link is not None and entry.link.busy))
 
     def _wake_done(self, entry: ModelEntry, task: asyncio.Task[None], since: float) -> None:
         if self._wakes.get(entry.id) is task:
