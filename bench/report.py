@@ -235,7 +235,11 @@ def swap(r: Result) -> str:
              ", ".join(f"{m} {o['parks']} / {o['wakes']}" for m, o in r["parks_wakes"].items()),
              ""),
             (f"wake of a parked model ({r['wakes']} wakes): p50 / p99 / max s",
-             f"{r['wake_p50_s']} / {r['wake_p99_s']} / {r['wake_max_s']}", "p99 <= 0.1")]),
+             f"{r['wake_p50_s']} / {r['wake_p99_s']} / {r['wake_max_s']}", "p99 <= 0.1"),
+            # a run before the wake events had ``waited`` has no such row
+            *([("… its requests' whole wait, room included: p50 / p99 / max s",
+                f"{r['wake_wait_p50_s']} / {r['wake_wait_p99_s']} / {r['wake_wait_max_s']}",
+                "")] if "wake_wait_p50_s" in r else [])]),
         (f"Three models in a memory ceiling that holds two (`park_memory_gib` "
         f"{mem['park_memory_gib']}: 1.5x one worker's {shown(r['resident_mib_per_worker'])} "
         "MiB):"),

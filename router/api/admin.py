@@ -71,7 +71,11 @@ class AdminAPI:
             "parks": entry.parks or None, "wakes": entry.wakes or None,
             "parked_seconds": round(now - entry.parked_at, 3)
             if entry.state == "parked" else None,
-            "resident_mib": entry.resident_bytes // 2 ** 20 or None,
+            # Only while a worker holds it: the measure outlives the worker (the next
+            # load's expected size, ``policy.park.expected_bytes``), the memory does not.
+            "resident_mib": entry.resident_bytes // 2 ** 20 or None
+            if self.supervisor.worker_of(entry) is not None and entry.state != "loading"
+            else None,
             "keep_alive": entry.keep_alive, "pinned": entry.spec.pinned or None,
             "priority": entry.spec.priority or None,
             "max_model_len": entry.max_model_len, "load_seconds": entry.load_seconds,

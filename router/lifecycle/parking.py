@@ -42,13 +42,15 @@ class Parker:
 
     ``worker_of`` gives a model's running worker; ``publish_state`` tells the event bus
     of a state change; ``stopping`` is the model's one stop task; ``make_room`` waits in
-    the line for room as a load does (the ``RoomMaker``'s)."""
+    the line for room as a load does (the ``RoomMaker``'s), while its second argument
+    says the wake is still wanted."""
 
     def __init__(self, events: EventBus,
                  worker_of: Callable[[ModelEntry], WorkerRecord | None],
                  publish_state: Callable[[ModelEntry, str | None], None],
                  stopping: Callable[[ModelEntry], asyncio.Task[None]],
-                 make_room: Callable[[ModelEntry], Coroutine[Any, Any, None]],
+                 make_room: Callable[[ModelEntry, Callable[[], bool]],
+                                     Coroutine[Any, Any, bool]],
                  spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
         self.events = events
         self.worker_of = worker_of
@@ -57,9 +59,13 @@ class Parker:
         self._make_room = make_room
         self._spawn = spawn
         self._wakes: dict[str, asyncio.Task[None]] = {}
+        self._asked: set[str] = set()
+        """Models whose wake under way a load asked for (a request's, an admin's), not
+        only their own paused requests (``wanted``)."""
         self._parks: set[asyncio.Task[None]] = set()
         self.observe: Callable[[str, str, float], None] = lambda model, kind, seconds: None
-        """Told of each ``park`` and ``wake`` and its seconds (the metrics' histogram)."""
+        """Told of each ``park`` and ``wake`` and its seconds (the metrics' histogram),
+        and of each wake's ``wake_wait``: from its first waiting request to ready."""
 
     async def park(self, entry: ModelEntry, reason: str = "") -> bool:
         """Park ``entry`` now (it is ``ready``; anything else is left as it is). Its
@@ -116,7 +122,7 @@ class Parker:
             # Its paused requests wait in the line for the next turn; batch lines alone
             # take only a turn no person uses (``policy.room.for_batch_alone``).
             entry.batch_load = entry.leases == entry.batch_leases
-            self.wake(entry)
+            self.wake(entry, since=began, asked=False)  # they wait since the park began
 
     async def _measure(self, entry: ModelEntry, worker: WorkerRecord) -> None:
         """What ``entry``'s parked worker holds (``policy.park.may_park`` reads it)."""
@@ -130,27 +136,44 @@ class Parker:
         if worker is not None:
             self._spawn(self._measure(entry, worker))
 
-    def wake(self, entry: ModelEntry) -> asyncio.Task[None]:
+    def wake(self, entry: ModelEntry, since: float | None = None,
+             asked: bool = True) -> asyncio.Task[None]:
         """The model's one wake task, begun now if none runs. It waits for a park under
         way, then for room, then resumes the worker; it ends with the model ``ready``,
-        or in whatever state a crash or a stop left it (its waiters look again)."""
+        or in whatever state a crash or a stop left it (its waiters look again).
+        ``since``: when its first request began to wait (default now), what its
+        ``waited`` seconds count from. ``asked``: a load asks for it (else it is for the
+        model's paused requests alone, and ends unwoken once none is left: ``wanted``)."""
+        if asked:
+            self._asked.add(entry.id)
         task = self._wakes.get(entry.id)
         if task is None:
-            task = asyncio.create_task(self._wake(entry), name=f"wake-{entry.id}")
+            first = time.monotonic() if since is None else since
+            task = asyncio.create_task(self._wake(entry, first), name=f"wake-{entry.id}")
             self._wakes[entry.id] = task
-            task.add_done_callback(lambda t: self._wake_done(entry, t))
+            task.add_done_callback(lambda t: self._wake_done(entry, t, first))
         return task
 
     def cancel(self, entry: ModelEntry) -> None:
         """End ``entry``'s wake under way, if any (a stop or a crash: it must not park
         another model for one that no longer wakes)."""
         task = self._wakes.pop(entry.id, None)
+        self._asked.discard(entry.id)
         if task is not None:
             task.cancel()
 
-    def _wake_done(self, entry: ModelEntry, task: asyncio.Task[None]) -> None:
+    def wanted(self, entry: ModelEntry) -> bool:
+        """Someone waits for ``entry``'s wake: a load asked for it, or requests hold the
+        model (paused in flight, or waiting for a slot), or a stream of its link is still
+        read. A paused request whose client left holds nothing: a wake for it alone would
+        take the running model's turn for no one."""
+        return (entry.id in self._asked or entry.leases > 0 or entry.queued > 0
+                or (entry.link is not None and entry.link.busy))
+
+    def _wake_done(self, entry: ModelEntry, task: asyncio.Task[None], since: float) -> None:
         if self._wakes.get(entry.id) is task:
             del self._wakes[entry.id]
+            self._asked.discard(entry.id)  # the loads that awaited it go on alone now
         if task.cancelled():
             return
         if task.exception() is not None:
@@ -160,14 +183,17 @@ class Parker:
                 # pinned model holds it): it stops, draining them where room allows.
                 self._stopping(entry)
             elif entry.state == "parked" and entry.leases:
-                self.wake(entry)  # requests wait for it: try again
+                self.wake(entry, since=since, asked=False)  # requests wait: try again
 
-    async def _wake(self, entry: ModelEntry) -> None:
+    async def _wake(self, entry: ModelEntry, since: float) -> None:
         while entry.state == "parking":
             await asyncio.sleep(POLL)
         if entry.state != "parked":
             return
-        await self._make_room(entry)
+        # Asked once more right before room is claimed: a wake its paused requests alone
+        # asked for, whose clients have all gone, parks no one (it stays parked).
+        if not await self._make_room(entry, lambda: self.wanted(entry)):
+            return
         worker, link = self.worker_of(entry), entry.link
         if entry.state != "parked" or worker is None or link is None:
             return  # it died or stopped while it waited: a request loads it again
@@ -190,9 +216,13 @@ class Parker:
         now = time.monotonic()
         entry.state, entry.turn_at, entry.last_used = "ready", now, now
         entry.wakes += 1
+        # ``wake``: the resume alone (what bench/swap.py holds to 0.1 s); ``wake_wait``:
+        # what its requests saw, the line for room (and a park under way) included.
         self.observe(entry.id, "wake", now - began)
+        self.observe(entry.id, "wake_wait", now - since)
         self._publish_state(entry, "woken")
         self.events.publish("wake", entry.id, seconds=round(now - began, 4),
+                            waited=round(now - since, 4),
                             parked_seconds=round(began - entry.parked_at, 3))
 
     async def thaw(self, entry: ModelEntry, worker: WorkerRecord) -> None:

@@ -104,11 +104,13 @@ class RoomMaker:
                 out[e.id] = await asyncio.to_thread(self.placer.held_asleep, e.spec, pids)
         return out
 
-    async def make(self, entry: ModelEntry) -> None:
+    async def make(self, entry: ModelEntry, wanted: Callable[[], bool] | None = None) -> bool:
         """Stop other models until ``entry`` fits, as ``room.decide`` says, one at a time.
         A yielding model takes no new requests (``yield_to``) and stops once its own are
         done. The waiting model keeps its state (its ``queued`` count shows the wait) and
-        becomes ``loading`` only once it has room."""
+        becomes ``loading`` only once it has room. ``wanted``, asked before each
+        decision (no await from there until room is claimed): once it says no, the wait
+        ends with nothing done for it, False (a wake whose requests have all gone)."""
         began = entry.room_since = time.monotonic()
         try:
             while True:
@@ -123,6 +125,8 @@ class RoomMaker:
                     memory = park.HostMemory(vm.total, vm.available)
                 # Read after those awaits (threads): a load that claimed room meanwhile
                 # counts, and nothing awaits from here until room is claimed.
+                if wanted is not None and not wanted():
+                    return False
                 now = time.monotonic()
                 decision = room.decide(entry, self.registry, self.loaded(entry), self.server,
                                        self.placer.gpus, held, now=now, wall=time.time(),
@@ -130,7 +134,7 @@ class RoomMaker:
                                        memory=memory, parking=self.park_victim is not None)
                 victim = decision.victim
                 if decision.action == "fits":
-                    return
+                    return True
                 if decision.action == "park" and victim is not None:
                     assert self.park_victim is not None  # ``memory`` None: ``may_park`` no
                     log.info("model %s: parking %s to run (%s)", entry.id, victim.id,

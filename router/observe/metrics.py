@@ -42,7 +42,8 @@ from router.workers.link import Usage
 STATES = ("unloaded", "loading", "ready", "sleeping", "parking", "parked", "waking",
           "stopping", "failed")
 SWITCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-"""Seconds of a park (engine paused, processes stopped) or a wake (to serving again)."""
+"""Seconds of a park (engine paused, processes stopped), a wake (to serving again) or a
+wake's whole wait (``wake_wait``: its requests' wait for room included)."""
 UNKNOWN_MODEL = "-"
 # Seconds; CPU workers answer in seconds to minutes, GPU workers in milliseconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
@@ -82,12 +83,14 @@ class _ModelCollector:
     def __init__(self, models: ModelRegistry) -> None:
         self.models = models
         self.switches: dict[tuple[str, str], _Histogram] = {}
-        """Per model and kind (``park``, ``wake``): how long each took."""
+        """Per model and kind (``park``, ``wake``, ``wake_wait``): how long each took."""
 
     def collect(self) -> Iterator[Metric]:
         switches = HistogramMetricFamily(
             "modelyard_model_switch_seconds", "How long a park (its engine paused between "
-            "steps, its processes stopped) or a wake (to serving again) of the model took",
+            "steps, its processes stopped) or a wake (to serving again) of the model took; "
+            "wake_wait: from a wake's first waiting request to serving, its wait for room "
+            "included",
             labels=["model", "kind"])
         for (model, kind), histogram in self.switches.items():
             switches.add_metric([model, kind], histogram.cumulative(), histogram.sum)
@@ -282,7 +285,7 @@ class Metrics:
             batches.key_lines[owner, state] = batches.key_lines.get((owner, state), 0) + count
 
     def switch(self, model: str, kind: str, seconds: float) -> None:
-        """Count a ``park`` or ``wake`` of ``model`` that took ``seconds``."""
+        """Count a ``park``, ``wake`` or ``wake_wait`` of ``model`` that took ``seconds``."""
         histogram = self._models.switches.get((model, kind))
         if histogram is None:
             histogram = self._models.switches[model, kind] = _Histogram(SWITCH_BUCKETS)

@@ -9,7 +9,8 @@ model that makes room parks whenever memory allows (``may_park``): fewer than
 or (unset) this host's available memory, less what the model that needs room is
 expected to take, stays above ``PARK_MARGIN`` of its total. Otherwise it stops, as
 before. Under memory pressure a parked model with nothing in flight is the first to stop
-(``room.decide``). Models on a GPU are not parked yet (their memory is the GPU's).
+(``room.decide``). Models on a GPU are not parked yet (their memory is the GPU's), nor
+those whose processes cannot be stopped (``freezes``: a Ray worker's).
 
 Two models with work take turns of ``park_quantum`` seconds (``turn_over``): the running
 one is parked between two engine steps, its streams pause and go on at its next turn.
@@ -21,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from router.registry import ModelEntry
-from shared.config import ServerConfig
+from shared.config import ModelSpec, ServerConfig
 
 GIB = 1024 ** 3
 PARK_MARGIN = 0.2
@@ -60,6 +61,15 @@ def expected_bytes(entry: ModelEntry) -> int:
     return entry.weights_bytes + int((entry.spec.kv_cache_gib + UNKNOWN_NEED_GIB) * GIB)
 
 
+def freezes(spec: ModelSpec) -> bool:
+    """Whether its worker's processes can be stopped (``WorkerHandle.freeze``): those
+    started on this host. A Ray worker's cannot (its actor and its link's heartbeats
+    must go on), nor can this host measure what it holds: parked there, it would be an
+    engine paused alone, still polling on its cores, its memory counted as nothing
+    against ``park_memory_gib``. It stops instead, as before parking."""
+    return spec.backend in (None, "local")
+
+
 def may_park(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry],
              server: ServerConfig, memory: HostMemory | None) -> bool:
     """Whether ``victim``, making room for ``need``, parks instead of stopping (module
@@ -67,6 +77,8 @@ def may_park(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry],
     read, and nothing parks on its account."""
     if server.max_parked_models <= 0 or victim.spec.device == "cuda" or victim.removed:
         return False
+    if not freezes(victim.spec):  # a CPU model (a GPU one's park would be vLLM's sleep)
+        return False  # a pause alone holds its cores, and its memory unmeasured
     others = [e for e in parked(models) if e is not victim]
     if len(others) >= server.max_parked_models:
         return False

@@ -9,6 +9,8 @@ has waited ``swap_wait``, and only to a model of its priority or higher; one tha
 batch lines alone yields at once to a model a person waits for. A load that batch lines
 alone wait for goes after every other load in line, and takes only room no person used
 for ``BATCH_QUIET`` s.
+A load (or a wake) a model was parked for during its wait goes before all others
+(``owed``): the room that park freed is its own.
 
 Where the victim may park instead (``policy.park.may_park``: memory allows), stopping's
 caution has no reason left: an idle victim, or one serving batch lines alone for a
@@ -108,18 +110,33 @@ def batch_may_run(entry: ModelEntry, loaded: list[ModelEntry], server: ServerCon
 
 
 def first_in_line(entry: ModelEntry, models: Iterable[ModelEntry]) -> bool:
-    """Of the loads waiting for room among ``models``, ``entry``'s goes first: one a
+    """Of the loads waiting for room among ``models``, ``entry``'s goes first: one for
+    which a model was parked during its wait (``owed``) before any other, then one a
     person waits for (or no batch alone asked for) before one for batch lines alone,
     then the highest priority, then the longest wait. A waiting ``entry`` is in the line
     whether or not ``models`` holds it: a reload may have taken it out of the registry
     while it waits (its retirement cancels the wait)."""
     # In ``models``' order (a dict, not a set): a tie goes to the first, whatever the
     # entries' addresses; a set made the line, and a seed's simulation, depend on memory.
-    waiting = [e for e in dict.fromkeys((*models, entry)) if e.room_since is not None]
+    everyone = list(dict.fromkeys((*models, entry)))
+    waiting = [e for e in everyone if e.room_since is not None]
     by_id = {e.id: e for e in waiting}
     return bool(waiting) and max(
-        waiting, key=lambda e: (not for_batch_alone(e), not defers(e, by_id),
-                                e.spec.priority, -(e.room_since or 0))) is entry
+        waiting, key=lambda e: (owed(e, everyone), not for_batch_alone(e),
+                                not defers(e, by_id), e.spec.priority,
+                                -(e.room_since or 0))) is entry
+
+
+def owed(entry: ModelEntry, models: Iterable[ModelEntry]) -> bool:
+    """A model of ``models`` was parked for ``entry`` (``parked_for``) during its wait
+    for room, and is parked still: the room that park freed is ``entry``'s, whatever
+    loads came since. The park was decided for it (``park.may_park``: the parked set's
+    limits with ``entry``, a parked model, leaving it, or memory for ``entry``'s
+    size): a higher priority taking that room left two parked past
+    ``max_parked_models`` (simulation seed 800170) and ``entry`` waiting on."""
+    since = entry.room_since
+    return since is not None and any(e.parked_for == entry.id and e.state == "parked"
+                                     and e.parked_at >= since for e in models)
 
 
 def defers(entry: ModelEntry, waiting: dict[str, ModelEntry]) -> bool:
