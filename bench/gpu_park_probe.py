@@ -27,6 +27,7 @@ level-2 file is ~16 GB of disk writes and reads; ``GPU_PARK_SIZES=135m,0.6b`` sk
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -186,7 +187,7 @@ def probe_size(torch: Any, shape: Shape, folder: Path, deadline: float) -> dict[
         empty_pinned_cache(torch)  # a first park's cost: pinning is part of it
         before = pinned_bytes_now(torch)
 
-        seconds, host = timed(torch, lambda gpu=weights: offload(torch, gpu))
+        seconds, host = timed(torch, functools.partial(offload, torch, weights))
         l1_sleep.append(seconds)
         after = pinned_bytes_now(torch)
         if after is not None and before is not None:
@@ -204,7 +205,7 @@ def probe_size(torch: Any, shape: Shape, folder: Path, deadline: float) -> dict[
     # back (vLLM drops its backup tensors after a wake), so no page is pinned anew.
     warm = None
     if time.monotonic() < deadline:
-        warm, host = timed(torch, lambda gpu=weights: offload(torch, gpu))
+        warm, host = timed(torch, functools.partial(offload, torch, weights))
         weights = [h.to("cuda", non_blocking=True) for h in host]
         torch.cuda.synchronize()
         host.clear()

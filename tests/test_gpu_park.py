@@ -189,7 +189,7 @@ def test_the_worker_asks_vllm_to_keep_requests_and_reloads_weights_after_level_2
             return []
 
     engine = VllmEngine.__new__(VllmEngine)
-    engine._llm = Llm()  # type: ignore[assignment]
+    engine._llm = Llm()
     engine._asleep, engine.adapters = None, None
 
     async def cycle(level: int) -> None:
