@@ -188,6 +188,10 @@ class ModelEntry:
     """Times it was parked (each frees its cores for another model)."""
     wakes: int = 0
     """Times it was woken from ``parked``."""
+    parked_level: int = 0
+    """How its worker is parked (while ``parking``/``parked``/``waking``): 0 its engine
+    paused and its processes stopped (a CPU model), 1 or 2 vLLM's sleep mode (a GPU
+    model: weights in pinned host memory, or dropped; ``policy.gpu_park``)."""
     weights_bytes: int = 0
     """Its weights' size on disk (read once, when a park first needs to know what its
     load will take): the floor of what its worker holds."""

@@ -688,21 +688,37 @@ class VllmEngine:
 
     async def sleep(self, level: int) -> None:
         """Level 0 parks (``shared.protocol.Sleep``): the scheduler pauses between steps,
-        requests in flight and the caches are kept. 1 and 2: vLLM's sleep mode."""
+        requests in flight and the caches are kept. 1 and 2: vLLM's sleep mode, with its
+        requests in flight kept too (``mode="keep"``; its default, ``"abort"``, would end
+        them): vLLM 0.32 pauses the scheduler between two steps, and freeing the KV cache
+        moves its running requests back to the waiting queue (their tokens so far kept,
+        the in-flight step's output dropped rather than sent twice), to be recomputed
+        after the wake. A busy GPU model so parks for another's turn and its streams go
+        on, paying a prefill, not an error (``router.lifecycle.parking``)."""
         if level == 0:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
         else:
-            await self._llm.sleep(level=level)
+            await self._llm.sleep(level=level, mode="keep")
         self._asleep = level
 
     async def wake(self) -> None:
+        """Leave the last ``sleep``. From level 2 the weights were dropped: their memory
+        comes back first, they are read from the model's files again (vLLM's
+        ``reload_weights``), and only then the KV cache, whose wake resumes the scheduler,
+        so no kept request steps with weights not yet read (vLLM's own order, in
+        ``vllm/snapshot/server.py``). Adapters are loaded again after any level."""
         level, self._asleep = self._asleep, None
         if level is None:
             return  # awake already (a second wake: a stop's after a wake's)
         if level == 0:
             await self._llm.resume_generation()
             return
-        await self._llm.wake_up()
+        if level >= 2:
+            await self._llm.wake_up(tags=["weights"])
+            await self._llm.collective_rpc("reload_weights")
+            await self._llm.wake_up(tags=["kv_cache"])
+        else:
+            await self._llm.wake_up()
         if self.adapters is not None:
             await self.adapters.reload_all()
 

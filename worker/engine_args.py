@@ -75,8 +75,11 @@ def engine_args_for(spec: ModelSpec, model_path: str,
         args.update(enable_lora=True, max_loras=spec.max_loras,
                     max_cpu_loras=spec.max_cpu_loras, max_lora_rank=spec.max_lora_rank)
     if spec.device == "cuda":
-        if spec.idle_action == "sleep":
-            args["enable_sleep_mode"] = True
+        # Every GPU engine can sleep: a model that makes room parks through vLLM's sleep
+        # mode (``router.lifecycle.policy.park``), and so does ``idle_action: sleep``. A
+        # preset turns it off with ``engine_args: {enable_sleep_mode: false}`` (then it
+        # stops instead of parking).
+        args["enable_sleep_mode"] = True
         if spec.gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = spec.gpu_memory_utilization
         if spec.kv_cache_memory_bytes is not None:

@@ -90,6 +90,8 @@ class SyntheticEngine:
                          if serves_adapters(spec) else None)
         self.dead: str | None = None
         """Why the engine died (as vLLM's engine core does on an error inside a step)."""
+        self.asleep: int | None = None
+        """The level of the last ``sleep`` not yet woken from (0: parked)."""
 
     # Adapters: checked by their adapter_config.json only; a load takes
     # ``engine_args.adapter_load_seconds``; the engine keeps ``max_cpu_loras``, LRU. As
@@ -303,12 +305,25 @@ class SyntheticEngine:
         return self._running
 
     async def sleep(self, level: int) -> None:
-        """Parked or asleep at any level: no step runs until ``wake`` (as vLLM's paused
-        scheduler keeps its requests)."""
+        """Parked or asleep at any level: no step runs until ``wake``, and requests in
+        flight are kept (as vLLM's paused scheduler keeps them, and its sleep mode with
+        ``mode="keep"``: ``worker.engine``). The level is recorded (``asleep``, and a
+        line in ``engine_args.sleep_log`` where set: tests read which level the router
+        asked for)."""
         self._awake.clear()
+        self.asleep = level
+        self._note(f"sleep {level}")
 
     async def wake(self) -> None:
+        level, self.asleep = self.asleep, None
         self._awake.set()
+        self._note(f"wake {level}")
+
+    def _note(self, line: str) -> None:
+        path = self._spec.engine_args.get("sleep_log")
+        if path:
+            with open(path, "a", encoding="utf-8") as log:  # a line: no await in between
+                log.write(line + "\n")
 
     def shutdown(self) -> None:
         return None

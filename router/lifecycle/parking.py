@@ -11,6 +11,18 @@ resumes the engine. One wake task per model, which every request for it shares; 
 parked model whose requests are still in flight (paused mid-stream) asks for its next
 turn at once. A worker that dies while parked is noticed by the supervisor's death watch
 as any other (a stopped process still dies); a failed park or wake stops the model.
+
+A GPU model parks through vLLM's sleep mode (``Sleep(level=1|2)``, the level
+``policy.park.park_level`` chose) and its processes keep running (no ``SIGSTOP``); it
+wakes with ``Wake`` through the same line for room. Its requests in flight are kept:
+the worker asks vLLM for ``sleep(level, mode="keep")``, whose pause freezes them between
+two steps and, as the KV cache is freed, moves the running ones back to the waiting
+queue (``reset_prefix_cache(reset_running_requests=True)``: their tokens kept, their
+in-flight step's output dropped, not doubled); after the wake they are recomputed
+(prefill of prompt and tokens so far) and go on. So a busy GPU model takes turns as a
+CPU one does, at the price of that recompute, not of the stream. Stopped while asleep,
+it is not woken to drain (waking takes GPU memory that another model may hold now): its
+paused requests end with the unload.
 """
 
 from __future__ import annotations
@@ -35,6 +47,10 @@ PARK_TIMEOUT = 10.0
 waits for the park, so one that hangs stops instead."""
 THAW_TIMEOUT = 10.0
 """Seconds a parked worker that is to stop may take to resume its engine first."""
+SLEEP_TIMEOUT = 60.0
+"""Seconds a GPU engine may take to fall asleep: level 1 copies its weights to pinned
+host memory (page-locking 16 GB for an 8B model alone takes seconds; the probe,
+``bench/gpu_park_probe.py``, measures it), and the step in flight ends first."""
 
 
 class Parker:
@@ -67,35 +83,39 @@ class Parker:
         """Told of each ``park`` and ``wake`` and its seconds (the metrics' histogram),
         and of each wake's ``wake_wait``: from its first waiting request to ready."""
 
-    async def park(self, entry: ModelEntry, reason: str = "") -> bool:
-        """Park ``entry`` now (it is ``ready``; anything else is left as it is). Its
-        requests in flight pause and take its next turn, which it asks for at once. A
-        park, once begun, is never cancelled by whoever waits for it (a load making room
-        that is itself unloaded): it runs as a task of its own, awaited shielded. False:
-        it could not begin (no worker to park), and the caller stops it instead."""
+    async def park(self, entry: ModelEntry, reason: str = "", level: int = 0) -> bool:
+        """Park ``entry`` now (it is ``ready``; anything else is left as it is): ``level``
+        0 pauses its engine and stops its processes, 1 or 2 puts its GPU engine to sleep
+        at that level (module docstring). Its requests in flight pause and take its next
+        turn, which it asks for at once. A park, once begun, is never cancelled by
+        whoever waits for it (a load making room that is itself unloaded): it runs as a
+        task of its own, awaited shielded. False: it could not begin (no worker to
+        park), and the caller stops it instead."""
         if entry.state != "ready" or self.worker_of(entry) is None or entry.link is None:
             return False
-        task = asyncio.create_task(self._park(entry, reason), name=f"park-{entry.id}")
+        task = asyncio.create_task(self._park(entry, reason, level), name=f"park-{entry.id}")
         self._parks.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._parks.discard)
         await asyncio.shield(task)
         return True
 
-    async def _park(self, entry: ModelEntry, reason: str) -> None:
+    async def _park(self, entry: ModelEntry, reason: str, level: int) -> None:
         worker, link = self.worker_of(entry), entry.link
         if entry.state != "ready" or worker is None or link is None:
             return
         began = time.monotonic()
         entry.state = "parking"  # no new lease from here (``acquire_now`` wants ready)
+        entry.parked_level = level
         self._publish_state(entry, reason or None)
         # An engine with nothing in flight is between steps already: its processes stop
         # as they are (a pause costs ~50 ms of vLLM's). A request that got its lease
-        # before the park and sends later waits, queued, for the wake.
-        paused = link.busy
+        # before the park and sends later waits, queued, for the wake. A GPU engine
+        # sleeps whether busy or not: that is what frees its GPU memory.
+        paused = link.busy or level > 0
         if paused:
             try:
-                async with asyncio.timeout(PARK_TIMEOUT):
-                    await link.sleep(0)
+                async with asyncio.timeout(SLEEP_TIMEOUT if level else PARK_TIMEOUT):
+                    await link.sleep(level)
             except (APIError, TimeoutError) as err:
                 log.warning("model %s: park failed (%s); stopping instead", entry.id,
                             getattr(err, "message", "no answer"))
@@ -107,17 +127,22 @@ class Parker:
                     await link.wake()
                 return
         worker.parked, worker.paused = True, paused  # a stop resumes it first (``thaw``)
-        worker.handle.freeze(True)
+        if not level:
+            worker.handle.freeze(True)
         seconds = time.monotonic() - began
         entry.state, entry.parked_at = "parked", time.monotonic()
         entry.parks += 1
         self.observe(entry.id, "park", seconds)
         self._publish_state(entry, reason or None)
         self.events.publish("park", entry.id, seconds=round(seconds, 4),
-                            in_flight=entry.leases)
-        log.info("model %s: parked in %.3f s%s", entry.id, seconds,
+                            in_flight=entry.leases, level=level)
+        log.info("model %s: parked in %.3f s%s%s", entry.id, seconds,
+                 f" (asleep at level {level})" if level else "",
                  f" ({entry.leases} request(s) paused)" if entry.leases else "")
-        self._spawn(self._measure(entry, worker))
+        if not level:
+            # A GPU one keeps its measure as it ran: its pinned weights are counted apart
+            # (``policy.park.host_held``), and would be twice in a new one.
+            self._spawn(self._measure(entry, worker))
         if entry.leases:
             # Its paused requests wait in the line for the next turn; batch lines alone
             # take only a turn no person uses (``policy.room.for_batch_alone``).
@@ -201,7 +226,8 @@ class Parker:
         entry.state = "waking"
         self._publish_state(entry, None)
         began = time.monotonic()
-        worker.handle.freeze(False)
+        if not entry.parked_level:
+            worker.handle.freeze(False)
         if worker.paused:
             try:
                 await link.wake()
@@ -213,6 +239,7 @@ class Parker:
         worker.parked = worker.paused = False
         if entry.state != "waking" or self.worker_of(entry) is not worker:
             return
+        entry.parked_level = 0
         now = time.monotonic()
         entry.state, entry.turn_at, entry.last_used = "ready", now, now
         entry.wakes += 1
@@ -225,15 +252,19 @@ class Parker:
                             waited=round(now - since, 4),
                             parked_seconds=round(began - entry.parked_at, 3))
 
-    async def thaw(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+    async def thaw(self, entry: ModelEntry, worker: WorkerRecord) -> bool:
         """Before a stop: a parked worker's processes continue and its engine resumes, so
-        its requests in flight drain and ``Shutdown`` is read."""
+        its requests in flight drain and ``Shutdown`` is read. False: it is left asleep,
+        a GPU engine (module docstring), or did not resume; its requests will not drain."""
         if not worker.parked:
-            return
-        worker.handle.freeze(False)
+            return True
         worker.parked = False
+        if entry.parked_level:
+            entry.parked_level = 0
+            return False  # its worker reads ``Shutdown`` asleep
+        worker.handle.freeze(False)
         if not worker.paused:
-            return
+            return True
         try:
             async with asyncio.timeout(THAW_TIMEOUT):
                 await worker.link.wake()
@@ -241,3 +272,5 @@ class Parker:
         except (APIError, TimeoutError) as err:
             log.warning("model %s: its parked engine did not resume before its stop (%s)",
                         entry.id, err)
+            return False
+        return True

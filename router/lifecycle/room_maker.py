@@ -1,9 +1,10 @@
 """``RoomMaker``: carries out the room policy (``router.lifecycle.policy.room``) for a load.
 
 A load (or a parked model's wake) that needs room waits in one line with the others;
-while it is first, it reads what sleeping models still hold on their GPUs and this
-host's memory (a thread), asks ``room.decide`` and acts: parks a victim (the
-``Parker``'s ``park``, awaited), stops an idle one (the supervisor's ``stop``, awaited),
+while it is first, it reads what sleeping (and parked GPU) models still hold on their
+GPUs, this host's memory and, where a GPU model may park, NVML's free memory (threads),
+asks ``room.decide`` and acts: parks a victim at the level it says (the ``Parker``'s
+``park``, awaited), stops an idle one (the supervisor's ``stop``, awaited),
 or makes a busy one yield (``yield_to``: it takes no new requests and stops once its own
 are done). The ``Supervisor`` owns one and hands it the few of its own operations it
 needs.
@@ -58,7 +59,7 @@ class RoomMaker:
                  placer: Placer, events: EventBus,
                  worker_of: Callable[[ModelEntry], WorkerRecord | None],
                  stop: Callable[[ModelEntry], Coroutine[Any, Any, None]], poll: float,
-                 park_victim: Callable[[ModelEntry, str], Coroutine[Any, Any, bool]]
+                 park_victim: Callable[[ModelEntry, str, int], Coroutine[Any, Any, bool]]
                  | None = None) -> None:
         self.registry = registry
         self.removed = removed
@@ -69,7 +70,8 @@ class RoomMaker:
         self.stop = stop
         self.poll = poll
         self.park_victim = park_victim
-        """How a victim parks (the ``Parker``'s ``park``); ``None``: nothing parks."""
+        """How a victim parks, at a level (the ``Parker``'s ``park``); ``None``: nothing
+        parks."""
 
     def loaded(self, entry: ModelEntry) -> list[ModelEntry]:
         """The models other than ``entry`` that run (or will soon): parked ones hold
@@ -93,12 +95,19 @@ class RoomMaker:
         return (self.park_victim is not None and self.server.max_parked_models > 0
                 and self.server.park_memory_gib is None)
 
+    def _gpu_may_park(self, loaded: list[ModelEntry]) -> bool:
+        """Whether a decision may park a GPU model (its level reads NVML and its
+        weights' size)."""
+        return (self.park_victim is not None and self.server.max_parked_models > 0
+                and any(e.spec.device == "cuda" and e.state == "ready" for e in loaded))
+
     async def _held_asleep(self, loaded: list[ModelEntry]) -> dict[str, dict[str, float]]:
-        """What each sleeping model still holds on its GPUs (it counts against the budget
-        by that, not by its full footprint)."""
+        """What each sleeping model, and each GPU model parked (asleep through vLLM's
+        sleep mode), still holds on its GPUs (it counts against the budget by that, not by
+        its full footprint)."""
         out = {}
         for e in loaded:
-            if e.state == "sleeping":
+            if e.state == "sleeping" or (e.state == "parked" and e.spec.device == "cuda"):
                 worker = self.worker_of(e)
                 pids = worker.handle.pids() if worker is not None else set()
                 out[e.id] = await asyncio.to_thread(self.placer.held_asleep, e.spec, pids)
@@ -115,14 +124,24 @@ class RoomMaker:
         try:
             while True:
                 first = room.first_in_line(entry, self.registry)
-                held = await self._held_asleep(self.loaded(entry)) if first else {}
-                memory = None
+                present = [*self.loaded(entry), *self.parked(entry)]
+                held = await self._held_asleep(present) if first else {}
+                memory, gpus_now = None, None
                 if first and self._memory_needed():
                     if not entry.weights_bytes and park.expected_bytes(entry):
                         entry.weights_bytes = await asyncio.to_thread(weights_on_disk,
                                                                       entry.spec.model)
                     vm = await asyncio.to_thread(psutil.virtual_memory)
                     memory = park.HostMemory(vm.total, vm.available)
+                if first and self._gpu_may_park(present):
+                    # A GPU model's sleep level needs its weights' size (level 1 pins a
+                    # copy in host memory), and whether the GPU then holds ``entry``:
+                    # NVML's free memory now (the placer's reading is from start-up).
+                    for e in present:
+                        if e.spec.device == "cuda" and not e.weights_bytes:
+                            e.weights_bytes = await asyncio.to_thread(weights_on_disk,
+                                                                      e.spec.model)
+                    gpus_now = await asyncio.to_thread(self.placer.read_gpus)
                 # Read after those awaits (threads): a load that claimed room meanwhile
                 # counts, and nothing awaits from here until room is claimed.
                 if wanted is not None and not wanted():
@@ -131,18 +150,21 @@ class RoomMaker:
                 decision = room.decide(entry, self.registry, self.loaded(entry), self.server,
                                        self.placer.gpus, held, now=now, wall=time.time(),
                                        waited=now - began, parked=self.parked(entry),
-                                       memory=memory, parking=self.park_victim is not None)
+                                       memory=memory, parking=self.park_victim is not None,
+                                       gpus_now=gpus_now)
                 victim = decision.victim
                 if decision.action == "fits":
                     return True
                 if decision.action == "park" and victim is not None:
                     assert self.park_victim is not None  # ``memory`` None: ``may_park`` no
-                    log.info("model %s: parking %s to run (%s)", entry.id, victim.id,
-                             decision.why)
+                    log.info("model %s: parking %s to run (%s)%s", entry.id, victim.id,
+                             decision.why, f", asleep at level {decision.level}"
+                             if decision.level else "")
                     self.events.publish("eviction", victim.id, action="park",
-                                        reason=decision.why, **{"for": entry.id})
+                                        reason=decision.why, level=decision.level,
+                                        **{"for": entry.id})
                     victim.parked_for = entry.id
-                    if not await self.park_victim(victim, f"for {entry.id}"):
+                    if not await self.park_victim(victim, f"for {entry.id}", decision.level):
                         victim.evictions += 1  # nothing there to park: it stops
                         await self.stop(victim)
                     continue

@@ -93,7 +93,8 @@ class Supervisor:
         self._closing = False
         self.rooms = RoomMaker(registry, self._removed, server, self.placer, self.events,
                                self.worker_of, self.stop, POLL,
-                               lambda victim, why: self.parker.park(victim, why))
+                               lambda victim, why, level: self.parker.park(victim, why,
+                                                                           level))
         self.parker = Parker(self.events, self.worker_of, self._publish_state, self.stopping,
                              self.rooms.make, self._spawn_task)
         self.idler = IdleReaper(registry, server, POLL, self._publish_state, self.stopping,
@@ -597,8 +598,9 @@ class Supervisor:
             # Its paused requests drain only where one more model may run (it holds its
             # place: ``stopping`` counts as running); none by the deadline: they end.
             await asyncio.sleep(POLL)
-        await self.parker.thaw(entry, worker)  # a parked one resumes to drain and exit
-        if not force:
+        # A parked one resumes to drain and exit; a GPU one asleep is stopped as it is.
+        resumed = await self.parker.thaw(entry, worker)
+        if not force and resumed:
             while (worker.link.busy and worker.handle.returncode is None
                    and time.monotonic() < deadline):
                 await asyncio.sleep(POLL)

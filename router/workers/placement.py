@@ -3,7 +3,8 @@
 Pure bookkeeping (no processes): ``Placer.place`` picks cores for a CPU model and returns
 the variables vLLM reads; ``release`` frees them when the worker stops. ``footprint`` and
 ``fits`` decide whether one more model may load; GPU memory comes from NVML when the
-``nvidia-ml-py`` package and a driver are present (``read_gpus``), else from nothing.
+``nvidia-ml-py`` package and a driver are present (``read_gpus``, re-exported from
+``router.workers.nvml``), else from nothing.
 """
 
 from __future__ import annotations
@@ -11,38 +12,18 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
+from router.workers.nvml import (
+    ASLEEP_GIB,
+    GIB,
+    GpuMemory,
+    nvml_process_memory,
+    read_gpus,
+)
 from shared.config import ConfigError, ModelSpec, ServerConfig, format_cores, parse_cores
 
-GIB = 1024 ** 3
-
-
-@dataclass(frozen=True)
-class GpuMemory:
-    index: int
-    total_bytes: int
-    free_bytes: int
-
-
-def read_gpus() -> dict[int, GpuMemory]:
-    """Every GPU's memory as NVML reports it; empty without NVML or a driver."""
-    try:
-        import pynvml  # nvidia-ml-py
-    except ImportError:
-        return {}
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001  # NVMLError: no driver / no GPU here, so there is nothing to place on
-        return {}
-    try:
-        out = {}
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            mem = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
-            out[i] = GpuMemory(i, int(mem.total), int(mem.free))
-        return out
-    finally:
-        pynvml.nvmlShutdown()
+__all__ = ["ASLEEP_GIB", "GIB", "GpuMemory", "Placer", "check_budgets", "devices", "fits",
+           "footprint", "nvml_process_memory", "read_gpus", "runs_beside", "within_budgets"]
 
 
 def devices(spec: ModelSpec) -> list[str]:
@@ -102,35 +83,6 @@ def within_budgets(spec: ModelSpec, resident: Iterable[ModelSpec], server: Serve
     return True
 
 
-ASLEEP_GIB = 1.0
-"""GPU memory a model asleep at level 1 is taken to hold per GPU (the CUDA context and
-vLLM's buffers; its weights went to CPU memory, its KV cache was freed) when NVML cannot
-say what its processes use."""
-
-
-def nvml_process_memory(pids: set[int]) -> dict[int, float]:
-    """GiB of each GPU that the processes ``pids`` use, as NVML reports it; empty without
-    NVML or a driver."""
-    try:
-        import pynvml  # nvidia-ml-py
-    except ImportError:
-        return {}
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001  # NVMLError: no driver / no GPU
-        return {}
-    try:
-        out: dict[int, float] = {}
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid in pids and proc.usedGpuMemory:
-                    out[i] = out.get(i, 0.0) + proc.usedGpuMemory / GIB
-        return out
-    finally:
-        pynvml.nvmlShutdown()
-
-
 def check_budgets(models: Iterable[ModelSpec], server: ServerConfig,
                   gpus: dict[int, GpuMemory]) -> None:
     """Refuse a model that could never load: larger than its device's whole budget (it
@@ -153,10 +105,14 @@ class Placer:
     def __init__(self, cores: set[int] | None = None,
                  gpus: dict[int, GpuMemory] | None = None,
                  process_memory: Callable[[set[int]], dict[int, float]] = nvml_process_memory,
-                 ) -> None:
+                 nvml: Callable[[], dict[int, GpuMemory]] = read_gpus) -> None:
         self.cores = cores if cores is not None else set(os.sched_getaffinity(0))
-        self.gpus = gpus if gpus is not None else read_gpus()
+        self.gpus = gpus if gpus is not None else nvml()
+        """The GPUs as read at start-up: their totals (``footprint``)."""
         self.process_memory = process_memory
+        self.read_gpus = nvml
+        """NVML's reading now (free memory changes as workers come and go): blocking, call
+        it in a thread."""
         self._held: dict[str, set[int]] = {}
         self._gpu_locks: dict[int, asyncio.Lock] = {}
 

@@ -9,6 +9,8 @@ the backend that starts them. All of it lives on the one (virtual-time) event lo
   for ``Generate``, stops on ``Cancel``, answers ``Ping``/``Sleep``/``Wake`` and exits on
   ``Shutdown`` (or ignores it, to be killed). Its faults come from a ``FaultPlan`` drawn
   from the seed's random stream when it is spawned.
+  A GPU model's park is ``Sleep(level=1|2)`` alone (``level``; vLLM's sleep mode with
+  its requests kept: paused as below, never frozen).
   A park is as on a real host: ``Sleep(level=0)`` pauses its engine between two steps
   (``paused``: as vLLM's ``pause_generation(mode="keep")``, every request is kept and
   none gets a delta until ``Wake``), then ``SimHandle.freeze`` stops the "process"
@@ -369,7 +371,16 @@ class SimWorker:
         self.generated = 0
         self.asleep = False
         self.paused = False
-        """Its engine is parked (``Sleep(level=0)`` answered, no ``Wake`` since): no step."""
+        """Its engine is parked (``Sleep`` answered, no ``Wake`` since): no step."""
+        self.stepping = 0
+        """Engine steps under way (a sleep answers once they have ended)."""
+        self._sleep_turns: deque[Sleep | Wake] = deque()
+        """``Sleep``s and ``Wake``s received, not yet taken up."""
+        self._sleep_under_way: asyncio.Future[None] | None = None
+        """A sleep waiting for a step to end: a ``Sleep`` or ``Wake`` after it waits."""
+        self.level: int | None = None
+        """The level of the ``Sleep`` it answered last, until a ``Wake`` (1, 2: a GPU
+        model's park through vLLM's sleep mode; its processes are not frozen)."""
         self.frozen = False
         """Its processes are stopped (``SimHandle.freeze``): it does nothing at all."""
         self._go = asyncio.Event()
@@ -500,25 +511,61 @@ class SimWorker:
         elif isinstance(message, Ping):
             self._send(Pong(id=message.id, in_flight=len(self.tasks)))
         elif isinstance(message, (Sleep, Wake)):
-            self._later(self.plan.boot_delay / 2, self._slept_or_woken, message)
+            # In the order they came, as the worker's lock runs them (timers due at the
+            # same moment may fire in any order): each timer takes the oldest.
+            self._sleep_turns.append(message)
+            self._later(self.plan.boot_delay / 2, self._next_sleep_turn)
         elif isinstance(message, Shutdown):
             self.shutdown_seen = True
             if self.plan.shutdown == "exit":
                 self._later(self.plan.shutdown_delay, self.exit, 0, "shut down")
 
+    def _next_sleep_turn(self) -> None:
+        self._slept_or_woken(self._sleep_turns.popleft())
+
     def _slept_or_woken(self, message: Sleep | Wake) -> None:
         if isinstance(message, Sleep) and self.plan.sleep_fails:
             self._send(Error(id=message.id, message="simulated: sleep mode unavailable"))
             return
+        if self._sleep_under_way is not None and not self._sleep_under_way.done():
+            # the worker runs Sleep and Wake one at a time, in the order they came
+            call = asyncio.ensure_future(self._after(self._sleep_under_way, message))
+            self.calls[call] = None
+            call.add_done_callback(lambda done: self.calls.pop(done, None))
+            return
+        if isinstance(message, Sleep) and message.level and self.stepping:
+            # vLLM's sleep pauses between two steps: it answers once the step under way
+            # has ended (a level-0 park's processes are frozen instead, which holds it)
+            self.paused = True
+            self._update()
+            call = asyncio.ensure_future(self._after_steps(message))
+            self._sleep_under_way = call
+            self.calls[call] = None
+            call.add_done_callback(lambda done: self.calls.pop(done, None))
+            return
         self.asleep = isinstance(message, Sleep)
-        if isinstance(message, Sleep) and message.level == 0:
-            # vLLM's pause: between two steps, every request kept (none gets a delta)
+        if isinstance(message, Sleep):
+            # vLLM's pause (level 0), or its sleep mode with ``mode="keep"`` (1, 2: a GPU
+            # model's park, ``worker.engine``): between two steps, every request kept
+            # (none gets a delta until ``Wake``)
             self.paused = True
             self.paused_gens |= set(self.tasks)
+            self.level = message.level
         elif isinstance(message, Wake):
             self.paused = False
+            self.level = None
         self._update()
         self._send(Pong(id=message.id, in_flight=len(self.tasks)))
+
+    async def _after_steps(self, message: Sleep) -> None:
+        while self.stepping:
+            await asyncio.sleep(self.plan.step / 4)
+        self._sleep_under_way = None
+        self._slept_or_woken(message)
+
+    async def _after(self, sleeping: asyncio.Future[None], message: Sleep | Wake) -> None:
+        await asyncio.wait([sleeping])
+        self._slept_or_woken(message)
 
     async def _adapters(self, message: Adapters) -> None:
         """``worker.engine``'s ``adapters_apply``: load, then unload; the pool after."""
@@ -559,9 +606,13 @@ class SimWorker:
                      and self.generated % self.plan.engine_error_every == 0)
             for i in range(tokens):
                 await self._running()  # a paused engine takes no step
-                await asyncio.sleep(self.plan.step)
-                await self._awake()  # a step under way when frozen ends once thawed
-                self.net.on_step(self)
+                self.stepping += 1
+                try:
+                    await asyncio.sleep(self.plan.step)
+                    await self._awake()  # a step under way when frozen ends once thawed
+                    self.net.on_step(self)
+                finally:
+                    self.stepping -= 1
                 if fails and i == tokens // 2:
                     self.ended[gen.id] = "error"
                     self._send(Error(id=gen.id, message="simulated engine error", status=500))

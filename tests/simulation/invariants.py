@@ -13,9 +13,10 @@ Parking's (``router.lifecycle.parking``), as the run goes and at quiescence:
   others run (``RUNS``: ``parked`` runs nothing); and a parked model that stops with
   requests in flight runs them only where one more may run (its drain is an engine
   running): ``park_transition_violations``, at each state change;
-- (c) a parked model's worker is paused and frozen, a ready one's neither (each state
-  change and operation, ``park_state_violations``), and no parked model's worker runs
-  an engine step (``harness``, at each step);
+- (c) a parked model's worker is paused and frozen (a GPU model's: asleep at the level
+  the router chose, not frozen), a ready one's neither (each state change and
+  operation, ``park_state_violations``), and no parked model's worker runs an engine
+  step (``harness``, at each step);
 - (d) each park keeps within ``max_parked_models`` and ``park_memory_gib`` (what the
   workers really hold); at quiescence no model is ``parking``/``waking``, no wake runs,
   and those limits hold unless a reload lowered them (``parked_violations``);
@@ -292,7 +293,14 @@ def park_state_violations(sup: Supervisor, entries: Iterable[ModelEntry]) -> lis
         kept = sup.worker_of(entry)
         if worker is None or worker.returncode is not None or kept is None:
             continue
-        if entry.state == "parked" and not (worker.frozen and worker.paused == kept.paused):
+        if entry.state == "parked" and entry.parked_level:
+            # a GPU model asleep: its engine sleeps at the level decided, its processes run
+            if worker.frozen or worker.level != entry.parked_level:
+                out.append(f"{entry.id}: parked at level {entry.parked_level}, but its worker "
+                           f"{worker.pid} is {'frozen' if worker.frozen else ''} asleep at "
+                           f"{worker.level}")
+        elif entry.state == "parked" and not (worker.frozen
+                                              and worker.paused == kept.paused):
             out.append(f"{entry.id}: parked, but its worker {worker.pid} is "
                        f"{'not frozen' if not worker.frozen else 'paused: ' + str(worker.paused)}"
                        f" (the supervisor paused it: {kept.paused})")

@@ -69,9 +69,9 @@ def due(models: Iterable[ModelEntry], now: float, server: ServerConfig) -> list[
                else None)
     held = 0
     for i, e in enumerate(kept):
-        held += e.resident_bytes
+        held += park.host_held(e)
         over = i >= server.max_parked_models or (ceiling is not None and held > ceiling)
         if over and park.stoppable(e) and not e.spec.pinned:
             out.append(IdleDecision(e, "stop", now - e.last_used))
-            held -= e.resident_bytes
+            held -= park.host_held(e)
     return out

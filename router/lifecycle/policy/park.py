@@ -9,8 +9,17 @@ model that makes room parks whenever memory allows (``may_park``): fewer than
 or (unset) this host's available memory, less what the model that needs room is
 expected to take, stays above ``PARK_MARGIN`` of its total. Otherwise it stops, as
 before. Under memory pressure a parked model with nothing in flight is the first to stop
-(``room.decide``). Models on a GPU are not parked yet (their memory is the GPU's), nor
-those whose processes cannot be stopped (``freezes``: a Ray worker's).
+(``room.decide``). A CPU model whose processes cannot be stopped (``freezes``: a Ray
+worker's) stops instead of parking.
+
+A model on a GPU parks through vLLM's sleep mode instead (``park_level``,
+``policy.gpu_park``): level 1 (weights to pinned host memory) where host memory holds
+them, level 2 (weights dropped, read from disk on wake) where it does not, and it stops
+where the GPU, with what it still holds asleep, would not hold the model that needs room
+(NVML's free memory, ``memory_budget_gib``). Its processes keep running (no ``SIGSTOP``:
+an engine asleep holds no core but its idle loop); what it still holds on its GPUs
+counts against their budgets as a sleeping model's does, and at level 1 its pinned
+weights count against host memory (``host_held``).
 
 Two models with work take turns of ``park_quantum`` seconds (``turn_over``): the running
 one is parked between two engine steps, its streams pause and go on at its next turn.
@@ -19,15 +28,23 @@ one is parked between two engine steps, its streams pause and go on at its next 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from router.lifecycle.policy.gpu_park import (
+    PARK_MARGIN,
+    HostMemory,
+    gpu_room_after_sleep,
+    pinned_bytes,
+    sleep_level,
+)
 from router.registry import ModelEntry
+from router.workers.placement import ASLEEP_GIB, GpuMemory, devices, footprint, within_budgets
 from shared.config import ModelSpec, ServerConfig
 
+__all__ = ["GIB", "PARKED_STATES", "PARK_MARGIN", "RESIDENT_STATES", "UNKNOWN_NEED_GIB",
+           "HostMemory", "expected_bytes", "freezes", "host_held", "may_park", "park_level", "parked",
+           "sleeps", "stoppable", "turn_over"]
+
 GIB = 1024 ** 3
-PARK_MARGIN = 0.2
-"""Of this host's memory, what must stay available once a model parks and the model it
-makes room for has started (when ``park_memory_gib`` is unset)."""
 UNKNOWN_NEED_GIB = 2.0
 """Memory a model never measured is expected to take beyond its KV cache."""
 PARKED_STATES = ("parking", "parked")
@@ -35,14 +52,6 @@ PARKED_STATES = ("parking", "parked")
 RESIDENT_STATES = (*PARKED_STATES, "waking")
 """A model in one of these keeps its worker without serving: a wake, not a load, brings
 it back (and a stop need not cancel a load to end that wake)."""
-
-
-@dataclass(frozen=True, slots=True)
-class HostMemory:
-    """This host's memory in bytes, as ``psutil.virtual_memory`` read it."""
-
-    total: int
-    available: int
 
 
 def parked(models: Iterable[ModelEntry]) -> list[ModelEntry]:
@@ -61,33 +70,89 @@ def expected_bytes(entry: ModelEntry) -> int:
     return entry.weights_bytes + int((entry.spec.kv_cache_gib + UNKNOWN_NEED_GIB) * GIB)
 
 
+def host_held(entry: ModelEntry) -> int:
+    """What ``entry``'s parked worker holds in host memory: its resident set as measured,
+    and, asleep at level 1, its weights' pinned copy (counted apart: it was measured
+    running, before the copy was made)."""
+    pinned = pinned_bytes(entry.weights_bytes) if entry.parked_level == 1 else 0
+    return entry.resident_bytes + pinned
+
+
 def freezes(spec: ModelSpec) -> bool:
     """Whether its worker's processes can be stopped (``WorkerHandle.freeze``): those
     started on this host. A Ray worker's cannot (its actor and its link's heartbeats
     must go on), nor can this host measure what it holds: parked there, it would be an
     engine paused alone, still polling on its cores, its memory counted as nothing
-    against ``park_memory_gib``. It stops instead, as before parking."""
+    against ``park_memory_gib``. A CPU model there stops instead, as before parking (a GPU
+    model's park is vLLM's sleep, which needs neither)."""
     return spec.backend in (None, "local")
+
+
+def sleeps(spec: ModelSpec) -> bool:
+    """A GPU model whose engine started with vLLM's sleep mode (every one does, unless
+    its ``engine_args`` turn ``enable_sleep_mode`` off: ``worker.engine_args``)."""
+    return spec.device == "cuda" and spec.engine_args.get("enable_sleep_mode", True) is not False
+
+
+def park_level(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry],
+               server: ServerConfig, memory: HostMemory | None, *,
+               gpus: dict[int, GpuMemory] | None = None,
+               held: dict[str, dict[str, float]] | None = None,
+               gpus_now: dict[int, GpuMemory] | None = None) -> int | None:
+    """How ``victim``, making room for ``need``, parks (module docstring): 0 its engine
+    paused and its processes stopped (a CPU model), 1 or 2 vLLM's sleep mode at that
+    level (a GPU model); ``None``: it stops instead.
+
+    ``models`` are the others that run or are parked; ``memory`` this host's (needed only
+    without ``park_memory_gib``; ``None``: not read, and nothing parks on its account).
+    For a GPU victim, ``gpus`` are the GPUs' totals (the footprints), ``held`` what
+    sleeping and parked models hold on them, ``gpus_now`` NVML's reading now (free
+    memory; ``None``: the budgets alone decide)."""
+    if server.max_parked_models <= 0 or victim.removed:
+        return None
+    models = list(models)
+    others = [e for e in parked(models) if e is not victim]
+    if len(others) >= server.max_parked_models:
+        return None
+    ceiling = (int(server.park_memory_gib * GIB) if server.park_memory_gib is not None
+               else None)
+    held_host = sum(host_held(e) for e in others) + victim.resident_bytes
+    if victim.spec.device != "cuda":
+        if not freezes(victim.spec):
+            return None  # a pause alone holds its cores, and its memory unmeasured
+        if ceiling is not None:
+            return 0 if held_host <= ceiling else None
+        if memory is None:
+            return None
+        return 0 if memory.available - expected_bytes(need) >= PARK_MARGIN * memory.total \
+            else None
+    if not sleeps(victim.spec):
+        return None
+    gpus = gpus or {}
+    asleep = {k: ASLEEP_GIB for k in devices(victim.spec)}  # until NVML sees it asleep
+    # The GPUs: its footprint gives way to what it holds asleep, in the budgets and in
+    # what NVML says is free; where the model that needs room still does not fit, its
+    # park would free too little and it stops.
+    resident = [e.spec for e in models if e is not need]
+    if not within_budgets(need.spec, resident, server, gpus,
+                          {**(held or {}), victim.spec.id: asleep}):
+        return None
+    if gpus_now:
+        free = {f"cuda:{i}": g.free_bytes / GIB for i, g in gpus_now.items()}
+        if not gpu_room_after_sleep(footprint(need.spec, gpus), free,
+                                    footprint(victim.spec, gpus), asleep):
+            return None
+    need_host = (need.resident_bytes or int(UNKNOWN_NEED_GIB * GIB)
+                 if need.spec.device == "cuda" else expected_bytes(need))
+    return sleep_level(victim.weights_bytes, need_bytes=need_host, host=memory,
+                       ceiling=ceiling, held=held_host)
 
 
 def may_park(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry],
              server: ServerConfig, memory: HostMemory | None) -> bool:
-    """Whether ``victim``, making room for ``need``, parks instead of stopping (module
-    docstring). ``memory`` is needed only without ``park_memory_gib``; ``None``: not
-    read, and nothing parks on its account."""
-    if server.max_parked_models <= 0 or victim.spec.device == "cuda" or victim.removed:
-        return False
-    if not freezes(victim.spec):  # a CPU model (a GPU one's park would be vLLM's sleep)
-        return False  # a pause alone holds its cores, and its memory unmeasured
-    others = [e for e in parked(models) if e is not victim]
-    if len(others) >= server.max_parked_models:
-        return False
-    if server.park_memory_gib is not None:
-        held = sum(e.resident_bytes for e in others) + victim.resident_bytes
-        return held <= server.park_memory_gib * GIB
-    if memory is None:
-        return False
-    return memory.available - expected_bytes(need) >= PARK_MARGIN * memory.total
+    """Whether ``victim``, making room for ``need``, parks instead of stopping
+    (``park_level`` with no GPU readings)."""
+    return park_level(victim, need, models, server, memory) is not None
 
 
 def turn_over(entry: ModelEntry, now: float, server: ServerConfig) -> bool:

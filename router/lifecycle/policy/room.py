@@ -53,6 +53,9 @@ class RoomDecision:
     action: Literal["fits", "evict", "park", "yield", "wait"]
     victim: ModelEntry | None = None
     why: str = ""
+    level: int = 0
+    """How ``park`` parks it (``park.park_level``): 0 paused and stopped (CPU), 1 or 2
+    vLLM's sleep mode at that level (GPU)."""
 
 
 WAIT = RoomDecision("wait")
@@ -186,17 +189,18 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
            server: ServerConfig, gpus: dict[int, GpuMemory],
            held: dict[str, dict[str, float]], *, now: float, wall: float,
            waited: float, parked: list[ModelEntry] | None = None,
-           memory: park.HostMemory | None = None, parking: bool = False) -> RoomDecision:
+           memory: park.HostMemory | None = None, parking: bool = False,
+           gpus_now: dict[int, GpuMemory] | None = None) -> RoomDecision:
     """What ``entry``'s load (or wake), waiting for room for ``waited`` seconds, does now.
 
     ``models`` are those that may wait for room (the line), ``loaded`` the others that
     run (or will soon), ``parked`` those that hold memory and no core, ``held`` what
-    each sleeping one still holds on its GPUs, ``memory`` this host's (for
-    ``park.may_park``); ``parking``: the executor can park (else victims stop). Only the
-    first in line acts. A victim that may park parks at
-    once when idle and after its ``park_quantum`` when busy; one that must stop goes at
-    once when idle, and when in use keeps serving until ``entry`` has waited
-    ``swap_wait``, then yields if ``entry``'s priority is at least its own."""
+    each sleeping (or parked GPU) one still holds on its GPUs, ``memory`` this host's
+    and ``gpus_now`` NVML's reading now (for ``park.park_level``); ``parking``: the
+    executor can park (else victims stop). Only the first in line acts. A victim that
+    may park parks at once when idle and after its ``park_quantum`` when busy; one that
+    must stop goes at once when idle, and when in use keeps serving until ``entry`` has
+    waited ``swap_wait``, then yields if ``entry``'s priority is at least its own."""
     if not first_in_line(entry, models):
         return WAIT
     parked = [e for e in parked or () if e is not entry]
@@ -205,15 +209,29 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
     idle_parked = [e for e in parked if park.stoppable(e) and not e.spec.pinned]
     stale = min(idle_parked, default=None,
                 key=lambda e: (e.spec.priority, expected_cost(e, now), e.last_used))
+
+    def level(chosen: ModelEntry) -> int | None:
+        return park.park_level(chosen, entry, [*loaded, *parked], server, memory,
+                               gpus=gpus, held=held, gpus_now=gpus_now)
+
     if runs_beside(entry.spec, [e.spec for e in loaded], server):
         # Memory is what is short: a parked model with nothing in flight goes first
-        # (parking a running one would free none).
+        # (parking a running CPU model would free none; a GPU model's sleep frees its
+        # GPU memory, and it parks where that leaves room).
         if stale is not None:
             return RoomDecision("evict", stale, "parked; " + why(stale, now))
-        return _stop_for(entry, victim(entry, loaded, now, wall), server, now, waited)
+        chosen = victim(entry, loaded, now, wall)
+        if parking and chosen is not None and chosen.spec.device == "cuda":
+            gpu_level = level(chosen)
+            parks = None if gpu_level is None else _park(entry, chosen, gpu_level, server,
+                                                         now)
+            if parks is not None:
+                return parks
+        return _stop_for(entry, chosen, server, now, waited)
     chosen = victim(entry, loaded, now, wall)
     if parking and chosen is not None:
-        if not park.may_park(chosen, entry, [*loaded, *parked], server, memory):
+        how = level(chosen)
+        if how is None:
             # Memory (or ``max_parked_models``) holds no more parked models: the parked
             # one least worth keeping stops first, by the same cost rules, so that the
             # running one, which people use now, parks instead of stopping.
@@ -224,21 +242,32 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
                 return RoomDecision("evict", stale, "parked, to park another; "
                                     + why(stale, now))
             return _stop_for(entry, chosen, server, now, waited)
-        if is_idle(chosen):
-            return RoomDecision("park", chosen, why(chosen, now))
-        # Work in flight parks only for a model that gives the cores back in turn: a
-        # pinned one never does, and the paused requests would wait for ever (it yields).
-        if not entry.spec.pinned:
-            if batch_only(chosen) and wanted_in_person(entry):
-                return RoomDecision("park", chosen, why(chosen, now))
-            # Paused requests of its own take their turn whatever the priorities: a
-            # quantum bounds how long a stream, once begun, is held (a higher priority
-            # says who goes first, not who may starve a half-written answer).
-            if park.turn_over(chosen, now, server) and (
-                    chosen.spec.priority <= entry.spec.priority or paused_work(entry)):
-                return RoomDecision("park", chosen, "its turn is over; " + why(chosen, now))
-            return WAIT
+        parks = _park(entry, chosen, how, server, now)
+        if parks is not None:
+            return parks
     return _stop_for(entry, chosen, server, now, waited)
+
+
+def _park(entry: ModelEntry, chosen: ModelEntry, level: int, server: ServerConfig,
+          now: float) -> RoomDecision | None:
+    """Parking ``chosen`` (at ``level``) for ``entry``: at once when idle, when busy
+    once its turn is over (or at once for a person, from batch lines alone); ``None``:
+    it may not park with work in flight (``entry`` is pinned), and stops instead."""
+    if is_idle(chosen):
+        return RoomDecision("park", chosen, why(chosen, now), level)
+    # Work in flight parks only for a model that gives the cores back in turn: a
+    # pinned one never does, and the paused requests would wait for ever (it yields).
+    if entry.spec.pinned:
+        return None
+    if batch_only(chosen) and wanted_in_person(entry):
+        return RoomDecision("park", chosen, why(chosen, now), level)
+    # Paused requests of its own take their turn whatever the priorities: a quantum
+    # bounds how long a stream, once begun, is held (a higher priority says who goes
+    # first, not who may starve a half-written answer).
+    if park.turn_over(chosen, now, server) and (
+            chosen.spec.priority <= entry.spec.priority or paused_work(entry)):
+        return RoomDecision("park", chosen, "its turn is over; " + why(chosen, now), level)
+    return WAIT
 
 
 def paused_work(entry: ModelEntry) -> bool:
