@@ -809,3 +809,22 @@ def load_preset(path: str | os.PathLike[str],
     except OSError as err:
         raise ConfigError(f"{p}: cannot read: {err.strerror}") from None
     return build_preset(parse(text, str(p), environ), str(p))
+
+
+EXPANDABLE = "expandable_segments:true"
+"""In ``PYTORCH_CUDA_ALLOC_CONF``: torch's expandable segments, which vLLM's sleep-mode
+allocator (``CuMemAllocator``) refuses to start beside."""
+
+
+def sleep_mode(spec: ModelSpec, environ: Mapping[str, str]) -> bool:
+    """Whether ``spec``'s engine starts with vLLM's sleep mode, which a GPU model parks
+    (and ``idle_action: sleep`` sleeps) through: every GPU model's, unless its
+    ``engine_args`` turn ``enable_sleep_mode`` off, or its environment (``environ``, the
+    worker's, with the model's own ``env`` over it) asks torch for expandable segments,
+    where vLLM would refuse to start it. The worker starts the engine by it and the room
+    policy parks by it: one rule, so a model is never parked through a sleep its engine
+    cannot do."""
+    if spec.device != "cuda" or spec.engine_args.get("enable_sleep_mode", True) is False:
+        return False
+    conf = {**environ, **spec.env}.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    return EXPANDABLE not in conf.replace(" ", "").lower()

@@ -130,6 +130,24 @@ def test_max_parked_models_and_sleep_mode_off_keep_stopping() -> None:
     assert engine_args_for(m["b"].spec, "/b")["enable_sleep_mode"] is True  # every GPU model
 
 
+def test_expandable_segments_keep_sleep_mode_off_and_the_model_stopping(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's sleep-mode allocator refuses to start beside torch's expandable segments: a
+    GPU model whose environment asks for them starts without sleep mode (it would not
+    start at all), and the room policy, by the same rule, stops it instead of parking."""
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    m, server = entries(a={"env": {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}},
+                        b={})
+    a = ready(m["a"], weights_gib=1)
+    assert "enable_sleep_mode" not in engine_args_for(a.spec, "/a")
+    assert not park.sleeps(a.spec)
+    assert park.park_level(a, m["b"], [a], server, host(128, 100), gpus=H100) is None
+    assert park.sleeps(m["b"].spec)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512, expandable_segments:true")
+    assert not park.sleeps(m["b"].spec)  # the router's (and so every worker's) own
+    assert "enable_sleep_mode" not in engine_args_for(m["b"].spec, "/b")
+
+
 def test_a_level_1_parked_model_counts_its_pinned_weights_against_host_memory() -> None:
     """``park_memory_gib`` 10: ``a`` parked at level 1 holds 1 GiB resident and 2 x 3 GiB
     pinned = 7; ``b`` (1 resident, 3 of weights) may then park at level 2 only (7 + 1 +

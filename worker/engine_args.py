@@ -6,9 +6,10 @@ Pure, and imports no vLLM: the router's benchmarks and the tests read it without
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from shared.config import ModelSpec, serves_adapters
+from shared.config import ModelSpec, serves_adapters, sleep_mode
 
 
 def cpu_flags() -> set[str]:
@@ -77,9 +78,10 @@ def engine_args_for(spec: ModelSpec, model_path: str,
     if spec.device == "cuda":
         # Every GPU engine can sleep: a model that makes room parks through vLLM's sleep
         # mode (``router.lifecycle.policy.park``), and so does ``idle_action: sleep``. A
-        # preset turns it off with ``engine_args: {enable_sleep_mode: false}`` (then it
-        # stops instead of parking).
-        args["enable_sleep_mode"] = True
+        # preset turns it off with ``engine_args: {enable_sleep_mode: false}``, and torch's
+        # expandable segments do (``sleep_mode``): then it stops instead of parking.
+        if sleep_mode(spec, os.environ):
+            args["enable_sleep_mode"] = True
         if spec.gpu_memory_utilization is not None:
             args["gpu_memory_utilization"] = spec.gpu_memory_utilization
         if spec.kv_cache_memory_bytes is not None:

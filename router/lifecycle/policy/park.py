@@ -27,6 +27,7 @@ one is parked between two engine steps, its streams pause and go on at its next 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from router.lifecycle.policy.gpu_park import (
@@ -38,7 +39,7 @@ from router.lifecycle.policy.gpu_park import (
 )
 from router.registry import ModelEntry
 from router.workers.placement import ASLEEP_GIB, GpuMemory, devices, footprint, within_budgets
-from shared.config import ModelSpec, ServerConfig
+from shared.config import ModelSpec, ServerConfig, sleep_mode
 
 __all__ = ["GIB", "PARKED_STATES", "PARK_MARGIN", "RESIDENT_STATES", "UNKNOWN_NEED_GIB",
            "HostMemory", "expected_bytes", "freezes", "host_held", "may_park", "park_level", "parked",
@@ -89,9 +90,10 @@ def freezes(spec: ModelSpec) -> bool:
 
 
 def sleeps(spec: ModelSpec) -> bool:
-    """A GPU model whose engine started with vLLM's sleep mode (every one does, unless
-    its ``engine_args`` turn ``enable_sleep_mode`` off: ``worker.engine_args``)."""
-    return spec.device == "cuda" and spec.engine_args.get("enable_sleep_mode", True) is not False
+    """A GPU model whose engine started with vLLM's sleep mode (``shared.config.sleep_mode``,
+    the rule ``worker.engine_args`` starts it by; workers inherit this process's
+    environment)."""
+    return sleep_mode(spec, os.environ)
 
 
 def park_level(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry],
