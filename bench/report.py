@@ -108,6 +108,39 @@ def vllmclient(r: Result) -> str:
                "ITL p99, modelyard ÷ vllm serve", "ITL p99 ratio, each round"], ratios)])
 
 
+def gpu_park_probe(r: Result) -> str:
+    """The probe's sizes as columns, each figure a row; the rest as ``flat`` lists it."""
+    def leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                yield from leaves(inner, f"{path}.{key}" if path else key)
+        else:
+            yield path, value
+
+    def cell(value: Any) -> str:
+        return ", ".join(shown(v) for v in value) if isinstance(value, list) else shown(value)
+
+    sizes = r["sizes"]
+    columns = {name: dict(leaves(size, "")) for name, size in sizes.items()}
+    paths = list(dict.fromkeys(p for one in columns.values() for p in one))
+    rows = [(f"`{p}`", *(cell(columns[n].get(p, "")) for n in sizes)) for p in paths]
+    skip = {"benchmark", "when", "commit", "machine", "sizes"}
+    rest = [(f"`{p}`", cell(v)) for p, v in leaves(
+        {k: v for k, v in r.items() if k not in skip}, "")
+        if not (p.startswith("index_agreement.devices"))]
+    devices = [(d["index"], d["cuda_name"], d["nvml_name"], cell(d["cuda_pci"]),
+                cell(d["nvml_pci"]), shown(d["agree"]))
+               for d in r["index_agreement"]["devices"]]
+    m = r.get("machine", {})
+    setup = f"{m.get('gpu', '')}, torch {m.get('torch', '')}, {m.get('cpus', '')} CPUs"
+    return "\n\n".join([
+        provenance("gpu_park_probe", r, setup),
+        table(["figure", *sizes], rows),
+        table(["index", "CUDA's name", "NVML's name", "CUDA's PCI", "NVML's PCI", "agree"],
+              devices),
+        table(["figure", "value"], rest)])
+
+
 def relay(r: Result) -> str:
     rows = []
     for kind, load in (("stream", "streamed chunks/s"), ("requests", "non-streaming requests/s")):
@@ -399,7 +432,7 @@ def flat(name: str, r: Result) -> str:
 
 
 TABLES: dict[str, Callable[[Result], str]] = {
-    "overhead": overhead, "vllmclient": vllmclient, "relay": relay, "coldstart": coldstart, "scaling": scaling,
+    "overhead": overhead, "vllmclient": vllmclient, "gpu_park_probe": gpu_park_probe, "relay": relay, "coldstart": coldstart, "scaling": scaling,
     "faults": faults, "swap": swap, "ledger": ledger, "toolcalls": toolcalls, "lora": lora,
     "batch": batch}
 
