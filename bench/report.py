@@ -108,15 +108,17 @@ def vllmclient(r: Result) -> str:
                "ITL p99, modelyard ÷ vllm serve", "ITL p99 ratio, each round"], ratios)])
 
 
+def leaves(value: Any, path: str = "") -> Iterable[tuple[str, Any]]:
+    """Every figure of a results file under ``value``, by its path in the JSON."""
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield from leaves(inner, f"{path}.{key}" if path else key)
+    else:
+        yield path, value
+
+
 def gpu_park_probe(r: Result) -> str:
     """The probe's sizes as columns, each figure a row; the rest as ``flat`` lists it."""
-    def leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
-        if isinstance(value, dict):
-            for key, inner in value.items():
-                yield from leaves(inner, f"{path}.{key}" if path else key)
-        else:
-            yield path, value
-
     def cell(value: Any) -> str:
         return ", ".join(shown(v) for v in value) if isinstance(value, list) else shown(value)
 
@@ -419,13 +421,6 @@ def batch_one_run(r: Result) -> str:
 
 def flat(name: str, r: Result) -> str:
     """A results file with no table of its own: every figure, by its path in the JSON."""
-    def leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
-        if isinstance(value, dict):
-            for key, inner in value.items():
-                yield from leaves(inner, f"{path}.{key}" if path else key)
-        else:
-            yield path, value
-
     skip = {"benchmark", "when", "commit", "machine"}
     rows = [(f"`{p}`", v) for p, v in leaves({k: v for k, v in r.items() if k not in skip}, "")]
     return "\n\n".join([provenance(name, r), table(["figure", "value"], rows)])
