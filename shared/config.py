@@ -824,7 +824,8 @@ def sleep_mode(spec: ModelSpec, environ: Mapping[str, str]) -> bool:
     where vLLM would refuse to start it. The worker starts the engine by it and the room
     policy parks by it: one rule, so a model is never parked through a sleep its engine
     cannot do."""
-    if spec.device != "cuda" or spec.engine_args.get("enable_sleep_mode", True) is False:
+    # As vLLM reads it (``args.update(spec.engine_args)``): any false value turns it off.
+    if spec.device != "cuda" or not spec.engine_args.get("enable_sleep_mode", True):
         return False
     conf = {**environ, **spec.env}.get("PYTORCH_CUDA_ALLOC_CONF", "")
     return EXPANDABLE not in conf.replace(" ", "").lower()

@@ -220,3 +220,60 @@ def test_the_worker_asks_vllm_to_keep_requests_and_reloads_weights_after_level_2
     asyncio.run(cycle(2))
     assert calls == [("sleep", 2, "keep"), ("wake_up", ["weights"]),
                      ("rpc", "reload_weights"), ("wake_up", ["kv_cache"])]
+
+
+def test_a_parked_gpu_models_wake_waits_for_the_gpu_memory_it_gave_back() -> None:
+    """``a`` (48 GiB) asleep holds 1 GiB, ``d`` (48 GiB) runs, NVML reads 31 GiB free, and
+    no budget is set: the wake would ask ``wake_up`` for 47 GiB more and fail (its paused
+    requests ending with the stop). It does not fit; ``d``, idle, parks for it. With
+    enough free it fits (review of 3b50b70, M1)."""
+    m, server = entries({"max_loaded_models": 2}, a={"memory_gib": 48}, d={"memory_gib": 48})
+    a, d = ready(m["a"], weights_gib=16), ready(m["d"], weights_gib=16)
+    a.state, a.parked_level, a.room_since = "parked", 1, NOW - 1
+    mem = host(128, 100)
+    short = {0: GpuMemory(0, 80 * GIB, 31 * GIB)}
+    decision = room.decide(a, [a], [d], server, H100, {"a": {"cuda:0": 1.0}}, now=NOW,
+                           wall=WALL, waited=0, parked=[], memory=mem, parking=True,
+                           gpus_now=short)
+    assert (decision.action, decision.victim) == ("park", d)
+    roomy = {0: GpuMemory(0, 80 * GIB, 47 * GIB)}
+    assert room.decide(a, [a], [d], server, H100, {"a": {"cuda:0": 1.0}}, now=NOW, wall=WALL,
+                       waited=0, parked=[], memory=mem, parking=True,
+                       gpus_now=roomy).action == "fits"
+
+
+def test_level_2_only_where_the_weights_can_be_read_again_and_level_1_only_here() -> None:
+    """A level-2 wake reads the weights again in place (``reload_weights``): a load format
+    vLLM cannot reload, or a draft model (its weights would wake uninitialised), stops
+    instead of parking at 2; a Ray model (another node's memory, neither read nor
+    counted here) parks at 2 at most (review of 3b50b70, M2, M6)."""
+    mem = host(128, 100)
+    for args in ({"load_format": "tensorizer"}, {"speculative_config": {"method": "ngram"}}):
+        m, server = entries(a={"engine_args": args}, b={})
+        a = ready(m["a"], weights_gib=0)  # a hub id: level 2 where it can
+        assert not park.reloads_weights(a.spec)
+        assert park.park_level(a, m["b"], [a], server, mem, gpus=H100) is None
+        a.weights_bytes = GIB
+        assert park.park_level(a, m["b"], [a], server, mem, gpus=H100) == 1
+    m, server = entries(a={"backend": "ray"}, b={})
+    a = ready(m["a"], weights_gib=1)
+    assert park.park_level(a, m["b"], [a], server, mem, gpus=H100) == 2
+    m, server = entries(a={}, b={})
+    assert park.park_level(ready(m["a"], weights_gib=1), m["b"], [m["a"]], server, mem,
+                           gpus=H100) == 1
+
+
+@pytest.mark.parametrize("off", [False, 0, None, ""])
+def test_sleep_mode_is_off_for_any_false_value_as_vllm_reads_it(off: object) -> None:
+    """``engine_args`` reach vLLM as they are: ``enable_sleep_mode: 0`` turns sleep mode
+    off there, so the router must not park the model through a sleep (review, M7)."""
+    m, _ = entries(a={"engine_args": {"enable_sleep_mode": off}})
+    assert not park.sleeps(m["a"].spec)
+
+
+def test_a_gpu_sleep_may_take_as_long_as_pinning_its_weights() -> None:
+    """A fixed 60 s refused every first level-1 park past ~70 GB of weights (pinning ran
+    ~1.2 GB/s on the H200); the bound grows with them (review, M4)."""
+    from router.lifecycle.parking import SLEEP_TIMEOUT, sleep_timeout
+    assert sleep_timeout(0) == SLEEP_TIMEOUT
+    assert sleep_timeout(140 * 10**9) >= 140 / 1.2 + SLEEP_TIMEOUT

@@ -8,16 +8,19 @@ sleep mode (``bench/gpu_park_probe.py`` measures what it costs on a GPU).
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
+from router.errors import ModelUnavailable
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelRegistry
 from router.workers.placement import GIB, GpuMemory, Placer
 from shared.config import build_preset
+from shared.protocol import Generate, SamplingSpec
 from tests.test_parking import run, statuses, until, use
 
 H100 = {0: GpuMemory(0, 80 * GIB, 79 * GIB)}
@@ -86,11 +89,13 @@ def test_a_gpu_model_parks_at_the_level_host_memory_allows_and_wakes(
     run(sup, scenario)
 
 
-def test_a_busy_gpu_model_parks_with_its_stream_kept(tmp_path: Path) -> None:
-    """A long stream on ``a`` is put to sleep (level 2 here) once its ``park_quantum`` is
-    over and ``b`` waits: ``b`` answers in its middle, then ``a`` wakes and its stream
-    ends whole (vLLM's ``mode="keep"``: its requests are recomputed, not ended)."""
-    sup = gpu_supervisor(tmp_path, {"park_quantum": 0.3},
+def test_a_busy_gpu_model_yields_then_parks_it_never_takes_turns(tmp_path: Path) -> None:
+    """A GPU model's sleep frees its KV cache: a request kept through it is recomputed
+    (prompt and answer so far) after the wake, so a turn shorter than that recompute
+    throws it away again, each turn (a livelock with long contexts; review of 3b50b70).
+    A long stream on ``a`` therefore runs to its end while ``b`` waits (``a`` yields),
+    then ``a`` parks, idle (level 2 here), and ``b`` answers; nothing is recomputed."""
+    sup = gpu_supervisor(tmp_path, {"park_quantum": 0.3, "swap_wait": 0.2},
                          a={"engine_args": {"tokens_per_second": 20}},
                          b={"engine_args": {"tokens_per_second": 50}})
 
@@ -101,10 +106,10 @@ def test_a_busy_gpu_model_parks_with_its_stream_kept(tmp_path: Path) -> None:
         await until(lambda: a.state == "ready" and a.leases == 1, 30, "a serves")
         await asyncio.sleep(0.1)
         assert await use(sup, "b", tokens=5) == "tok " * 5
-        assert not long.done()
+        assert long.done(), "a busy GPU model was put to sleep mid-stream"
         assert await long == "tok " * 60
-        assert a.parks >= 1 and a.loads == 1
-        assert sleeps(tmp_path, "a")[:2] == ["sleep 2", "wake 2"]
+        assert (a.state, a.parks, a.loads, a.evictions) == ("parked", 1, 1, 0)
+        assert sleeps(tmp_path, "a") == ["sleep 2"]
 
     run(sup, scenario)
 
@@ -165,5 +170,35 @@ def test_a_parked_gpu_model_counts_by_what_nvml_says_it_holds(tmp_path: Path) ->
         assert (a.state, b.state) == ("parked", "ready")
         await use(sup, "c")
         assert (a.state, b.state, c.state, a.evictions) == ("parked", "ready", "ready", 0)
+
+    run(sup, scenario)
+
+
+def test_a_gpu_model_stopped_asleep_ends_its_kept_requests_at_once(tmp_path: Path) -> None:
+    """A GPU engine asleep never drains (it is stopped asleep: waking needs GPU memory
+    another model may hold), so its stop must not wait out ``drain_timeout`` first, the
+    model holding its place as ``stopping`` all along, nor tell the client it was drained
+    (review of 3b50b70, M3)."""
+    sup = gpu_supervisor(tmp_path, {"drain_timeout": 60},
+                         a={"engine_args": {"tokens_per_second": 20}})
+
+    async def scenario() -> None:
+        a = sup.registry.entries["a"]
+        lease, link = await sup.acquire("a")
+        stream = link.submit([Generate(id="g-long", prompt="hi",
+                                       sampling=SamplingSpec(max_tokens=200))])
+        await anext(stream)
+        assert await sup.parker.park(a, "test", 2)
+        assert a.state == "parked" and a.parked_level == 2
+        began = time.monotonic()
+        stop = sup.stopping(a)  # at once: its own wake (its paused request) must not run
+        with pytest.raises(ModelUnavailable) as ended:
+            async for _ in stream:
+                pass
+        await stop
+        lease.release()
+        assert time.monotonic() - began < 30, "the stop waited out drain_timeout"
+        assert "drain" not in ended.value.message
+        assert a.state == "unloaded"
 
     run(sup, scenario)

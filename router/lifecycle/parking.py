@@ -47,10 +47,19 @@ PARK_TIMEOUT = 10.0
 waits for the park, so one that hangs stops instead."""
 THAW_TIMEOUT = 10.0
 """Seconds a parked worker that is to stop may take to resume its engine first."""
+PIN_BYTES_PER_S = 0.5e9
+"""A floor for how fast host memory is pinned for a level-1 sleep (half the H200's)."""
 SLEEP_TIMEOUT = 60.0
 """Seconds a GPU engine may take to fall asleep: level 1 copies its weights to pinned
 host memory (page-locking 16 GB for an 8B model alone takes seconds; the probe,
 ``bench/gpu_park_probe.py``, measures it), and the step in flight ends first."""
+
+
+def sleep_timeout(weights_bytes: int) -> float:
+    """Seconds a GPU engine may take to sleep: ``SLEEP_TIMEOUT``, plus the first level-1
+    park's pinning of its weights at ``PIN_BYTES_PER_S`` (measured ~1.2 GB/s on an H200:
+    13.8 s for 8B), which a fixed bound would refuse for every model past ~70 GB."""
+    return SLEEP_TIMEOUT + weights_bytes / PIN_BYTES_PER_S
 
 
 class Parker:
@@ -114,11 +123,19 @@ class Parker:
         paused = link.busy or level > 0
         if paused:
             try:
-                async with asyncio.timeout(SLEEP_TIMEOUT if level else PARK_TIMEOUT):
+                async with asyncio.timeout(sleep_timeout(entry.weights_bytes)
+                                           if level else PARK_TIMEOUT):
                     await link.sleep(level)
             except (APIError, TimeoutError) as err:
                 log.warning("model %s: park failed (%s); stopping instead", entry.id,
                             getattr(err, "message", "no answer"))
+                # vLLM pauses its scheduler before it sleeps: a sleep that failed (or
+                # still runs) may have left it paused, and its requests would hang
+                # until the stop's drain timed out. Resumed first, they drain.
+                with contextlib.suppress(APIError, TimeoutError):
+                    async with asyncio.timeout(THAW_TIMEOUT):
+                        await link.wake()
+                entry.parked_level = 0
                 await asyncio.shield(self._stopping(entry))
                 return
             if entry.state != "parking" or self.worker_of(entry) is not worker:

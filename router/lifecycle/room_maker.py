@@ -125,7 +125,11 @@ class RoomMaker:
             while True:
                 first = room.first_in_line(entry, self.registry)
                 present = [*self.loaded(entry), *self.parked(entry)]
-                held = await self._held_asleep(present) if first else {}
+                # A parked GPU model's wake needs the GPU memory it gave back: what it
+                # holds asleep is read with the others' (``room.decide`` checks it).
+                wakes_gpu = entry.spec.device == "cuda" and entry.state in park.PARKED_STATES
+                held = (await self._held_asleep([*present, entry] if wakes_gpu else present)
+                        if first else {})
                 memory, gpus_now = None, None
                 if first and self._memory_needed():
                     if not entry.weights_bytes and park.expected_bytes(entry):
@@ -133,7 +137,7 @@ class RoomMaker:
                                                                       entry.spec.model)
                     vm = await asyncio.to_thread(psutil.virtual_memory)
                     memory = park.HostMemory(vm.total, vm.available)
-                if first and self._gpu_may_park(present):
+                if first and (wakes_gpu or self._gpu_may_park(present)):
                     # A GPU model's sleep level needs its weights' size (level 1 pins a
                     # copy in host memory), and whether the GPU then holds ``entry``:
                     # NVML's free memory now (the placer's reading is from start-up).

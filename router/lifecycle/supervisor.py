@@ -591,7 +591,8 @@ class Supervisor:
         and after ``grace`` seconds the group is killed from here."""
         began = time.monotonic()
         deadline = began + self.server.drain_timeout
-        while (worker.parked and worker.link.busy and not force
+        # (A GPU engine asleep never drains: it is stopped asleep, its requests end now.)
+        while (worker.parked and worker.link.busy and not force and not entry.parked_level
                and worker.handle.returncode is None and time.monotonic() < deadline
                and not runs_beside(entry.spec, [e.spec for e in self.rooms.loaded(entry)],
                                    self.server)):
@@ -606,8 +607,8 @@ class Supervisor:
                 await asyncio.sleep(POLL)
         ended = None
         if worker.link.busy:
-            ended = ModelUnavailable(f"model '{entry.id}' was unloaded" if force else
-                                     f"model '{entry.id}' was unloaded after a "
+            ended = ModelUnavailable(f"model '{entry.id}' was unloaded" if force or not resumed
+                                     else f"model '{entry.id}' was unloaded after a "
                                      f"{self.server.drain_timeout:g} s drain")
         try:
             # Shutdown first: once the link has failed it sends nothing, and the engine

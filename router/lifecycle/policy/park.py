@@ -144,10 +144,31 @@ def park_level(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry
         if not gpu_room_after_sleep(footprint(need.spec, gpus), free,
                                     footprint(victim.spec, gpus), asleep):
             return None
+    if not freezes(victim.spec):
+        # On another node (Ray): level 1 would pin the weights in that node's memory,
+        # which this host neither reads nor counts; level 2 holds none of it.
+        return 2 if reloads_weights(victim.spec) else None
     need_host = (need.resident_bytes or int(UNKNOWN_NEED_GIB * GIB)
                  if need.spec.device == "cuda" else expected_bytes(need))
-    return sleep_level(victim.weights_bytes, need_bytes=need_host, host=memory,
-                       ceiling=ceiling, held=held_host)
+    level = sleep_level(victim.weights_bytes, need_bytes=need_host, host=memory,
+                        ceiling=ceiling, held=held_host)
+    return None if level == 2 and not reloads_weights(victim.spec) else level
+
+
+NO_RELOAD_FORMATS = frozenset({"tensorizer", "sharded_state", "dummy",
+                               "runai_streamer_sharded"})
+"""vLLM 0.32's load formats whose loader cannot read the weights again in place
+(``reload_weights`` raises ``NotImplementedError``: no ``get_all_weights``)."""
+
+
+def reloads_weights(spec: ModelSpec) -> bool:
+    """Whether a level-2 wake can read ``spec``'s weights again (``worker.engine``'s
+    ``reload_weights``): not with a load format vLLM cannot reload in place, nor with a
+    speculative draft model (only the target's weights are read again: the draft's
+    would wake uninitialised). Such a model parks at level 1 or stops."""
+    args = spec.engine_args
+    return (str(args.get("load_format", "auto")) not in NO_RELOAD_FORMATS
+            and not args.get("speculative_config"))
 
 
 def may_park(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry],

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from router.lifecycle.policy import park
+from router.lifecycle.policy.gpu_park import gpu_room_after_sleep
 from router.registry import ModelEntry
-from router.workers.placement import GpuMemory, fits, runs_beside
+from router.workers.placement import GpuMemory, fits, footprint, runs_beside
 from shared.config import ServerConfig
 
 ACTIVE_GAP = 2.0
@@ -204,7 +205,8 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
     if not first_in_line(entry, models):
         return WAIT
     parked = [e for e in parked or () if e is not entry]
-    if fits(entry.spec, [e.spec for e in loaded], server, gpus, held, [e.spec for e in parked]):
+    if fits(entry.spec, [e.spec for e in loaded], server, gpus, held,
+            [e.spec for e in parked]) and gpu_holds_wake(entry, gpus, held, gpus_now):
         return RoomDecision("fits")
     idle_parked = [e for e in parked if park.stoppable(e) and not e.spec.pinned]
     stale = min(idle_parked, default=None,
@@ -248,6 +250,20 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
     return _stop_for(entry, chosen, server, now, waited)
 
 
+def gpu_holds_wake(entry: ModelEntry, gpus: dict[int, GpuMemory],
+                   held: dict[str, dict[str, float]],
+                   gpus_now: dict[int, GpuMemory] | None) -> bool:
+    """A GPU model parked (asleep) gets back, on each of its GPUs, its footprint: NVML's
+    free memory now plus what it holds asleep. The budgets alone did not say it (with
+    none set they hold anything), and a ``wake_up`` short of memory fails, its paused
+    requests then ending with the stop. Not a parked GPU model, or no NVML reading: yes."""
+    if entry.spec.device != "cuda" or entry.state not in park.PARKED_STATES or not gpus_now:
+        return True
+    free = {f"cuda:{i}": g.free_bytes / park.GIB for i, g in gpus_now.items()}
+    return gpu_room_after_sleep(footprint(entry.spec, gpus), free,
+                                held.get(entry.spec.id, {}), {})
+
+
 def _park(entry: ModelEntry, chosen: ModelEntry, level: int, server: ServerConfig,
           now: float) -> RoomDecision | None:
     """Parking ``chosen`` (at ``level``) for ``entry``: at once when idle, when busy
@@ -255,6 +271,13 @@ def _park(entry: ModelEntry, chosen: ModelEntry, level: int, server: ServerConfi
     it may not park with work in flight (``entry`` is pinned), and stops instead."""
     if is_idle(chosen):
         return RoomDecision("park", chosen, why(chosen, now), level)
+    if level > 0 and not batch_only(chosen):
+        # vLLM's sleep frees the KV cache: kept requests are recomputed (prompt and answer
+        # so far) after the wake, and a turn shorter than that recompute throws it away
+        # again, each turn (a livelock with long contexts; at level 2 each turn also
+        # rereads the weights). A busy GPU model yields instead (its requests finish,
+        # then it parks, idle); batch lines alone still park for a person.
+        return None
     # Work in flight parks only for a model that gives the cores back in turn: a
     # pinned one never does, and the paused requests would wait for ever (it yields).
     if entry.spec.pinned:

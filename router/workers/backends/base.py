@@ -58,8 +58,8 @@ class WorkerHandle(abc.ABC):
     def freeze(self, frozen: bool) -> bool:
         """Stop (``SIGSTOP``) or continue (``SIGCONT``) it and every process it started,
         threads and all: a parked worker holds no core. ``False`` where this backend
-        cannot (a worker on another node: its link's heartbeats must go on), and the
-        engine's own pause is all a park does there."""
+        cannot (a worker on another node: its link's heartbeats must go on); a CPU model
+        there does not park at all (``policy.park.freezes``)."""
         return False
 
     def resident_bytes(self) -> int:
