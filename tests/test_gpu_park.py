@@ -277,3 +277,18 @@ def test_a_gpu_sleep_may_take_as_long_as_pinning_its_weights() -> None:
     from router.lifecycle.parking import SLEEP_TIMEOUT, sleep_timeout
     assert sleep_timeout(0) == SLEEP_TIMEOUT
     assert sleep_timeout(140 * 10**9) >= 140 / 1.2 + SLEEP_TIMEOUT
+
+
+def test_the_switch_histogram_reaches_a_gpu_models_slow_wakes_and_parks() -> None:
+    """Its buckets ended at 5 s: a level-2 wake (11 s for 8B on the H200), a first
+    level-1 park (14 s, pinning) and a whole wait all read as +Inf (review, L3)."""
+    from prometheus_client import generate_latest
+
+    from router.observe.metrics import Metrics
+    from router.registry import ModelRegistry
+    preset = build_preset({"models": {"a": {"model": "/a"}}})
+    metrics = Metrics(ModelRegistry(preset))
+    metrics.switch("a", "wake", 11.1)
+    text = generate_latest(metrics.registry).decode()
+    assert 'modelyard_model_switch_seconds_bucket{kind="wake",le="5.0",model="a"} 0.0' in text
+    assert 'modelyard_model_switch_seconds_bucket{kind="wake",le="30.0",model="a"} 1.0' in text

@@ -202,3 +202,31 @@ def test_a_gpu_model_stopped_asleep_ends_its_kept_requests_at_once(tmp_path: Pat
         assert a.state == "unloaded"
 
     run(sup, scenario)
+
+
+def test_a_sleep_that_fails_is_resumed_so_its_requests_drain(tmp_path: Path) -> None:
+    """vLLM pauses its scheduler before it sleeps: a sleep that fails leaves it paused, and
+    the stop that follows waited out ``drain_timeout`` (60 s here) for requests that could
+    not move, then ended them with a 503. The engine is woken first: its stream drains
+    whole (review of 3b50b70, M4)."""
+    sup = gpu_supervisor(tmp_path, {"drain_timeout": 60},
+                         a={"engine_args": {"tokens_per_second": 50, "sleep_fails": True}})
+
+    async def scenario() -> None:
+        a = sup.registry.entries["a"]
+        lease, link = await sup.acquire("a")
+        text = ""
+        stream = link.submit([Generate(id="g-long", prompt="hi",
+                                       sampling=SamplingSpec(max_tokens=50))])
+        text += "".join(d.text for d in await anext(stream))
+        began = time.monotonic()
+        assert await sup.parker.park(a, "test", 2)  # failed: it stops instead
+        async for deltas in stream:
+            text += "".join(d.text for d in deltas)
+        lease.release()
+        assert text == "tok " * 50
+        assert time.monotonic() - began < 30, "the paused engine waited out drain_timeout"
+        await until(lambda: a.state == "unloaded", 30, "a stopped")
+        assert sleeps(tmp_path, "a")[:2] == ["sleep 2 failed", "wake None"]
+
+    run(sup, scenario)

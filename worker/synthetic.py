@@ -311,6 +311,11 @@ class SyntheticEngine:
         line in ``engine_args.sleep_log`` where set: tests read which level the router
         asked for)."""
         self._awake.clear()
+        if self._spec.engine_args.get("sleep_fails"):
+            # As vLLM can fail: its scheduler paused first, then the sleep itself fails
+            # (fault injection: the router must resume it before it stops the model).
+            self._note(f"sleep {level} failed")
+            raise SyntheticError("sleep failed (engine_args.sleep_fails)", status=500)
         self.asleep = level
         self._note(f"sleep {level}")
 

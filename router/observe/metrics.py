@@ -41,9 +41,12 @@ from router.workers.link import Usage
 
 STATES = ("unloaded", "loading", "ready", "sleeping", "parking", "parked", "waking",
           "stopping", "failed")
-SWITCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+SWITCH_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                  60.0)
 """Seconds of a park (engine paused, processes stopped), a wake (to serving again) or a
-wake's whole wait (``wake_wait``: its requests' wait for room included)."""
+wake's whole wait (``wake_wait``: its requests' wait for room included). Past 5 s: a GPU
+model's level-2 wake (11 s for 8B on an H200) and first level-1 park (14 s, pinning), and
+waits for the other model's work to end."""
 UNKNOWN_MODEL = "-"
 # Seconds; CPU workers answer in seconds to minutes, GPU workers in milliseconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
