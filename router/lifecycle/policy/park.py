@@ -42,7 +42,7 @@ from router.workers.placement import ASLEEP_GIB, GpuMemory, devices, footprint, 
 from shared.config import ModelSpec, ServerConfig, sleep_mode
 
 __all__ = ["GIB", "PARKED_STATES", "PARK_MARGIN", "RESIDENT_STATES", "UNKNOWN_NEED_GIB",
-           "HostMemory", "expected_bytes", "freezes", "host_held", "may_park", "park_level", "parked",
+           "HostMemory", "expected_bytes", "free_gib", "freezes", "host_held", "may_park", "park_level", "parked",
            "sleeps", "stoppable", "turn_over"]
 
 GIB = 1024 ** 3
@@ -139,11 +139,9 @@ def park_level(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry
     if not within_budgets(need.spec, resident, server, gpus,
                           {**(held or {}), victim.spec.id: asleep}):
         return None
-    if gpus_now:
-        free = {f"cuda:{i}": g.free_bytes / GIB for i, g in gpus_now.items()}
-        if not gpu_room_after_sleep(footprint(need.spec, gpus), free,
-                                    footprint(victim.spec, gpus), asleep):
-            return None
+    if gpus_now and not gpu_room_after_sleep(footprint(need.spec, gpus), free_gib(gpus_now),
+                                             footprint(victim.spec, gpus), asleep):
+        return None
     if not freezes(victim.spec):
         # On another node (Ray): level 1 would pin the weights in that node's memory,
         # which this host neither reads nor counts; level 2 holds none of it.
@@ -169,6 +167,11 @@ def reloads_weights(spec: ModelSpec) -> bool:
     args = spec.engine_args
     return (str(args.get("load_format", "auto")) not in NO_RELOAD_FORMATS
             and not args.get("speculative_config"))
+
+
+def free_gib(gpus_now: dict[int, GpuMemory]) -> dict[str, float]:
+    """NVML's free memory now, in GiB, by device key (``cuda:N``, as footprints are)."""
+    return {f"cuda:{i}": g.free_bytes / GIB for i, g in gpus_now.items()}
 
 
 def may_park(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry],

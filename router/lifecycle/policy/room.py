@@ -259,8 +259,7 @@ def gpu_holds_wake(entry: ModelEntry, gpus: dict[int, GpuMemory],
     requests then ending with the stop. Not a parked GPU model, or no NVML reading: yes."""
     if entry.spec.device != "cuda" or entry.state not in park.PARKED_STATES or not gpus_now:
         return True
-    free = {f"cuda:{i}": g.free_bytes / park.GIB for i, g in gpus_now.items()}
-    return gpu_room_after_sleep(footprint(entry.spec, gpus), free,
+    return gpu_room_after_sleep(footprint(entry.spec, gpus), park.free_gib(gpus_now),
                                 held.get(entry.spec.id, {}), {})
 
 
