@@ -693,8 +693,9 @@ class VllmEngine:
         them): vLLM 0.32 pauses the scheduler between two steps, and freeing the KV cache
         moves its running requests back to the waiting queue (their tokens so far kept,
         the in-flight step's output dropped rather than sent twice), to be recomputed
-        after the wake. A busy GPU model so parks for another's turn and its streams go
-        on, paying a prefill, not an error (``router.lifecycle.parking``)."""
+        after the wake: a request leased just before a park, or batch lines parked for a
+        person, go on paying a prefill, not an error (a busy GPU model does not take
+        turns: ``router.lifecycle.policy.room``)."""
         if level == 0:
             await self._llm.pause_generation(mode="keep", clear_cache=False)
         else:
