@@ -116,17 +116,27 @@ def guard_group() -> int | None:
         watch = os.pidfd_open(worker)  # opened here: it names this worker, whatever follows
     except OSError:  # Linux before 5.3: the guard polls its parent instead
         watch = None
+    named, told = os.pipe()
     pid = os.fork()
     if pid:
+        os.close(told)
         if watch is not None:
             os.close(watch)
+        # Return once the guard bears its name: the router's freeze (SIGSTOP of the group
+        # but its guard) tells it by name, and a guard not yet scheduled (a busy host: the
+        # parent runs on after a fork) was stopped with the rest, so never killed them.
+        os.read(named, 1)  # b"" if it died first
+        os.close(named)
         return pid
     try:
+        os.close(named)
         set_parent_death_signal(0)  # a fork hook may have set one: it must outlive the worker
         if _prctl is not None:
             _prctl(ctypes.c_int(_PR_SET_NAME), ctypes.c_char_p(b"modelyard-guard"))
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # it ends with the worker, not before
+        os.write(told, b"1")
+        os.close(told)
         if watch is not None:
             select.select([watch], [], [])  # readable once the worker has exited
         else:

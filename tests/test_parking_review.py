@@ -152,6 +152,30 @@ def test_a_parked_group_ends_when_its_worker_dies_with_the_router(tmp_path: Path
             pass
 
 
+NAMES = textwrap.dedent("""
+    import os, signal
+    from shared.lifeline import guard_group
+    os.setpgid(0, 0)  # a group leader, as the router starts a worker
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core: the parent runs on
+    for _ in range(20):
+        guard = guard_group()
+        with open(f"/proc/{guard}/comm") as comm:
+            print(comm.read().strip(), flush=True)
+        os.kill(guard, signal.SIGKILL)
+        os.waitpid(guard, 0)
+""")
+
+
+def test_the_guard_bears_its_name_once_guard_group_returns() -> None:
+    """``LocalHandle.freeze`` spares the guard by its name. The test above failed in CI
+    (the guard stopped with the rest): on a busy host the parent runs on after ``fork``
+    and the guard had not yet renamed itself when the worker went on (here, on one core, every
+    guard was still ``python`` on 1ed4268)."""
+    out = subprocess.run([sys.executable, "-c", NAMES], cwd=os.getcwd(), capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert out == ["modelyard-guard"] * 20, out
+
+
 def test_host_memory_pressure_stops_a_stale_parked_model_before_the_running_one() -> None:
     """Default preset (no ``memory_budget_gib``, no ``park_memory_gib``): memory is short
     on this host, so the running model ``a`` may not park for ``new``. ``stale``, parked
