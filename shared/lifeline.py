@@ -102,10 +102,12 @@ def die_with_parent() -> None:
         set_parent_death_signal(signal.SIGTERM)
 
 
-def guard_group() -> int | None:
+def guard_group(router: int | None = None) -> int | None:
     """Fork the process that SIGKILLs this worker's process group once the worker has
-    exited; its pid. Only for a worker the router made a group leader (one started by
-    hand must not kill its shell's group). Call it before the engine starts any process
+    exited, or once the process the pidfd ``router`` names has (a spare forked by the
+    zygote: the router is not its parent, so no parent-death signal ends it); its pid.
+    Only for a worker the router made a group leader (one started by hand must not kill
+    its shell's group). Call it before the engine starts any process
     (a spare has vLLM imported by then, with a few native threads: the forked guard takes
     none of their locks, as it makes nothing but system calls)."""
     worker = os.getpid()
@@ -137,8 +139,8 @@ def guard_group() -> int | None:
             signal.signal(sig, signal.SIG_IGN)  # it ends with the worker, not before
         os.write(told, b"1")
         os.close(told)
-        if watch is not None:
-            select.select([watch], [], [])  # readable once the worker has exited
+        if watch is not None:  # readable once the process has exited
+            select.select([watch] + ([router] if router is not None else []), [], [])
         else:
             while os.getppid() == worker:
                 time.sleep(0.1)

@@ -98,14 +98,18 @@ def _can_raise_priority(nice: int) -> bool:
     return os.geteuid() == 0 or limit == resource.RLIM_INFINITY or 20 - nice <= limit
 
 
-def _import_in_background() -> None:
+def _import_in_background(zygote: bool) -> int:
     """Lower this spare's priority until its boot arrives on stdin, then restore it on every
     thread, so the model it is given (and a spare taken before its imports are done) runs
-    at the router's priority. Left as it is where the priority could not be restored."""
+    at the router's priority. Left as it is where the priority could not be restored. A
+    zygote starts no thread (it forks): each spare it forks restores the priority it
+    returns, its own."""
     nice = os.getpriority(os.PRIO_PROCESS, 0)
     if nice >= SPARE_NICE or not _can_raise_priority(nice):
-        return
+        return nice
     os.setpriority(os.PRIO_PROCESS, 0, SPARE_NICE)
+    if zygote:
+        return nice
 
     def restore() -> None:
         select.select([sys.stdin.fileno()], [], [])  # the boot (or EOF): read by main()
@@ -114,6 +118,7 @@ def _import_in_background() -> None:
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)
 
     threading.Thread(target=restore, name="spare-priority", daemon=True).start()
+    return nice
 
 
 def _import_vllm() -> float:
@@ -124,7 +129,8 @@ def _import_vllm() -> float:
     return time.time()
 
 
-async def _main(args: argparse.Namespace, boot: WorkerBoot, phases: Phases) -> int:
+async def _main(args: argparse.Namespace, boot: WorkerBoot, phases: Phases,
+                router: int | None) -> int:
     spec = boot.spec
     parent = os.getppid()
     server = WorkerServer(boot.endpoint, spec.id, boot.router_key)
@@ -159,7 +165,7 @@ async def _main(args: argparse.Namespace, boot: WorkerBoot, phases: Phases) -> i
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.stop)
     try:
-        await server.serve(engine, error, parent, phases.seconds, phases.booted_at)
+        await server.serve(engine, error, parent, phases.seconds, phases.booted_at, router)
     finally:
         if spec.engine != "synthetic" and os.getpgid(0) == os.getpid():
             # A fast stop: the router drained this worker before its Shutdown, so there is
@@ -180,6 +186,9 @@ def main() -> None:
                         help="import vLLM and torch first, then wait for a model on stdin")
     parser.add_argument("--ready-fd", type=int, default=None,
                         help="with --spare: write one byte here once the imports are done")
+    parser.add_argument("--zygote-fd", type=int, default=None,
+                        help="with --spare: after the imports, fork spares for the router "
+                        "over this socket (worker/zygote.py)")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args()
@@ -188,23 +197,32 @@ def main() -> None:
     die_with_parent()
     if os.environ.get(CHILDREN_DIE_WITH_IT) == "1":
         _children_die_with_us()
-    if args.spare:
-        _import_in_background()
+    zygote = args.spare and args.zygote_fd is not None
+    nice = _import_in_background(zygote) if args.spare else 0
     imported_at = _import_vllm() if args.spare else 0.0
     if args.ready_fd is not None:
         with contextlib.suppress(OSError):  # the router stopped listening: it gave us a model
             os.write(args.ready_fd, b"1")
         os.close(args.ready_fd)
-    boot = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerBoot)
+    router = None  # a pidfd of the router, where the router is not our parent
+    if zygote:
+        from worker.zygote import serve
+
+        router = serve(args.zygote_fd, nice)  # returns in a spare it forked
+        imported_at = time.time()  # nothing of this spare's start went to imports
+    data = sys.stdin.buffer.read()
+    if not data:  # the router is gone (or stopped this spare) before it gave us a model
+        sys.exit(0)
+    boot = msgspec.json.decode(data, type=WorkerBoot)
     phases = Phases(imported_at)
     if boot.log_path:
         _take_output(boot.log_path)
     if boot.spec.engine != "synthetic":  # its engine starts processes: they end with it
-        guard_group()
+        guard_group(router)
     os.environ.update(boot.env)  # before any engine reads it (placement, the model's env)
     # uvloop, as vLLM's own API server runs: the stdlib loop's Python ``_run_once`` cost the
     # synthetic worker about half its time per request.
-    sys.exit(uvloop.run(_main(args, boot, phases)))
+    sys.exit(uvloop.run(_main(args, boot, phases, router)))
 
 
 if __name__ == "__main__":

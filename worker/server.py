@@ -208,11 +208,22 @@ class WorkerServer:
                 continue
             self._handle(message)
 
-    async def _watch_parent(self, parent: int) -> None:
-        """Exit when the router is gone (it was killed and could not tell us)."""
-        while os.getppid() == parent:
-            await asyncio.sleep(0.5)
-        log.warning("router (pid %d) is gone; shutting down", parent)
+    async def _watch_parent(self, parent: int, router: int | None) -> None:
+        """Exit when the router is gone (it was killed and could not tell us): our parent,
+        or, for a spare forked by the zygote, the process ``router`` (a pidfd) names."""
+        if router is not None:
+            gone = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            loop.add_reader(router, gone.set)  # readable once it has exited
+            try:
+                await gone.wait()
+            finally:
+                loop.remove_reader(router)
+            log.warning("router is gone; shutting down")
+        else:
+            while os.getppid() == parent:
+                await asyncio.sleep(0.5)
+            log.warning("router (pid %d) is gone; shutting down", parent)
         self._stopping.set()
 
     def fail(self, message: str) -> None:
@@ -220,7 +231,8 @@ class WorkerServer:
         self._send(Error(id="", message=message, status=503, type="model_unavailable"))
 
     async def serve(self, engine: Engine, request_error: type[Exception], parent_pid: int,
-                    phases: dict[str, float] | None = None, booted_at: float = 0.0) -> None:
+                    phases: dict[str, float] | None = None, booted_at: float = 0.0,
+                    router: int | None = None) -> None:
         """Announce ``Ready`` and serve until ``Shutdown``, a signal, or the router's death.
 
         ``request_error`` is the engine's exception for a refused request; it must carry
@@ -235,7 +247,7 @@ class WorkerServer:
         fd = cast(int, self._sock.getsockopt(zmq.FD))
         loop.add_reader(fd, self._drain)
         loop.call_soon(self._drain)  # frames may have queued while the engine loaded
-        watcher = asyncio.create_task(self._watch_parent(parent_pid))
+        watcher = asyncio.create_task(self._watch_parent(parent_pid, router))
         await self._stopping.wait()
         loop.remove_reader(fd)
         watcher.cancel()

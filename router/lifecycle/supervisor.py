@@ -101,7 +101,7 @@ class Supervisor:
                                 self._spawn_task)
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
                                 worker_command(server, spare=True), base_env, self._spawn_task,
-                                self._spares_may_import)
+                                self._spares_may_import, server.fork_spares)
         self.backends: dict[str, Backend] = {
             "local": LocalBackend(self.spares, lambda: worker_command(server), base_env)}
         if any(entry.spec.backend == "ray" for entry in registry):
@@ -676,11 +676,12 @@ class Supervisor:
         self._closing = True  # a reload's restart under way loads nothing more
         if self._reaper is not None:
             self._reaper.cancel()
-        await self.spares.close()
+        await self.spares.close(zygote=False)  # it reaps the workers it forked
         for task in list(self._loads.values()):
             task.cancel()
         await asyncio.gather(*(self.stop(e) for e in (*self.registry, *self._removed)
                                if self.worker_of(e) is not None), return_exceptions=True)
+        await self.spares.close()
         self._ctx.destroy(linger=0)  # closes any socket a cancelled start left behind
         for backend in self.backends.values():
             backend.close()

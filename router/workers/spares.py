@@ -13,23 +13,33 @@ an import beside a serving model took a 1-stream rate from 32 to 13.6 tokens/s f
 first ~4 s after every load: not CPU time but the core's shared resources. A held spare
 still dies with the router: it is started with SIGKILL as its parent-death signal, which
 a stopped process cannot hold off (``shared.lifeline``).
+
+With ``fork`` (the preset's ``fork_spares``, default on) the pool starts one spare of that
+kind, the zygote (``worker/zygote.py``), paced the same way, and once its imports are done
+forks each spare from it in ~10 ms, ready at once: the spare that replaces one a load took
+is there before the next load. ``take`` forks one on the spot when none is left. A zygote
+that refuses a fork (a thread started in it) is stopped, and spares are started as
+processes from then on; one that dies is replaced as a spare is (``FAILURES_MAX``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 
 from router.registry import ModelEntry, ModelRegistry
 from router.workers.processes import group_members, kill_tree, log_tail, signal_all
+from router.workers.zygote import ForkedProcess, ZygoteError, ZygoteLink
 from shared.lifeline import dies_with
 
 log = logging.getLogger("modelyard.router")
@@ -37,16 +47,37 @@ FAILURES_MAX = 3  # spares that die unused in a row before no more are started
 PACE = 0.05  # seconds between looks at whether an importing spare may go on
 
 
+class Stdin(Protocol):
+    def write(self, data: bytes) -> None: ...
+    def close(self) -> None: ...
+
+
+class Proc(Protocol):
+    """What the router uses of a worker's process: asyncio's ``Process``, or a
+    ``ForkedProcess`` (a spare the zygote forked)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def stdin(self) -> Stdin | None: ...
+    async def wait(self) -> int: ...
+
+
 class Spare:
     """A started worker process with vLLM imported, waiting on stdin for its model. It
-    writes one byte to ``ready_fd``'s pipe once its imports are done."""
+    writes one byte to ``ready_fd``'s pipe once its imports are done (a forked spare has
+    none: it is ready from the start)."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path, ready_fd: int) -> None:
+    def __init__(self, proc: Proc, log_path: Path, ready_fd: int | None) -> None:
         self.proc = proc
         self.log_path = log_path
         self.started_at = time.time()
         self._ready_fd: int | None = ready_fd
-        self.ready = False
+        self.ready = ready_fd is None
+        self.forked = isinstance(proc, ForkedProcess)
+        """Its output went to the zygote's log until it took its model's."""
         self.held = False
         """Stopped (``SIGSTOP``) until a model stops streaming or a load needs it."""
 
@@ -82,8 +113,11 @@ class SparePool:
     def __init__(self, size: int, registry: ModelRegistry, runtime_dir: Path,
                  command: list[str], env: Callable[[], dict[str, str]],
                  spawn_task: Callable[[Coroutine[Any, Any, None]], None],
-                 may_import: Callable[[], bool] = lambda: True) -> None:
+                 may_import: Callable[[], bool] = lambda: True, fork: bool = False) -> None:
         self.size = size
+        self.fork = fork
+        self.zygote: Spare | None = None
+        self._link: ZygoteLink | None = None
         self.may_import = may_import
         self.registry = registry
         self.runtime_dir = runtime_dir
@@ -115,51 +149,117 @@ class SparePool:
         self._spawn_task(self._start())
 
     async def _start(self) -> None:
+        try:
+            if self.fork and self.zygote is None:
+                await self._start_process(zygote=True)  # it forks spares once it is ready
+                return
+            if self.fork:
+                if self.zygote is not None and self.zygote.ready:
+                    forked = await self._fork()
+                    if forked is not None:
+                        self._spares.append(forked)
+                        self._spawn_task(self._watch(forked))
+                return  # (the zygote's pacing calls ``replenish`` once it is ready)
+            await self._start_process()
+        finally:
+            self._starting = False
+        self.replenish()
+
+    async def _start_process(self, zygote: bool = False) -> None:
+        """Start a spare process (or the zygote); one pipe tells when its imports are done."""
         self._count += 1
-        log_path = self.runtime_dir / f"spare{self._count}.log"
+        log_path = self.runtime_dir / (f"zygote{self._count}.log" if zygote
+                                       else f"spare{self._count}.log")
         ready_fd, told_fd = os.pipe()
         os.set_blocking(ready_fd, False)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if zygote \
+            else (None, None)
+        extra = ["--zygote-fd", str(theirs.fileno())] if theirs is not None else []
         try:
             with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append: no wait
                 proc = await asyncio.create_subprocess_exec(
-                    *self.command, "--ready-fd", str(told_fd),
-                    stdin=asyncio.subprocess.PIPE, stdout=log_file,
-                    stderr=asyncio.subprocess.STDOUT, env=self.env(),
-                    start_new_session=True, pass_fds=(told_fd,),
+                    *self.command, "--ready-fd", str(told_fd), *extra,
+                    stdin=asyncio.subprocess.DEVNULL if zygote else asyncio.subprocess.PIPE,
+                    stdout=log_file, stderr=asyncio.subprocess.STDOUT, env=self.env(),
+                    start_new_session=True,
+                    pass_fds=(told_fd,) + ((theirs.fileno(),) if theirs is not None else ()),
                     preexec_fn=dies_with(os.getpid()))  # dies with us, held or not
         except (OSError, ValueError) as err:
             os.close(ready_fd)
+            if ours is not None:
+                ours.close()
             self._failures += 1
             log.error("could not start a spare worker: %s: %s", type(err).__name__, err)
             return
         finally:
             os.close(told_fd)
-            self._starting = False
+            if theirs is not None:
+                theirs.close()
         spare = Spare(proc, log_path, ready_fd)
-        self._spares.append(spare)
-        log.info("spare worker pid %d starting", proc.pid)
+        if ours is not None:
+            self.zygote, self._link = spare, ZygoteLink(ours)
+            log.info("zygote pid %d starting (spares are forked from it)", proc.pid)
+        else:
+            self._spares.append(spare)
+            log.info("spare worker pid %d starting", proc.pid)
         self._spawn_task(self._watch(spare))
         self._spawn_task(self._pace(spare))
-        self.replenish()
+
+    async def _fork(self) -> Spare | None:
+        """A spare forked from the zygote; ``None`` (and processes from now on) where it
+        refused, and ``None`` where it is gone (its watcher starts another)."""
+        zygote, link = self.zygote, self._link
+        assert zygote is not None and link is not None
+        try:
+            proc = await link.fork()
+        except ZygoteError as err:
+            if zygote.proc.returncode is None and self.zygote is zygote:
+                log.warning("the zygote (pid %d) refused a fork: %s; spares are started as "
+                            "processes from now on", zygote.proc.pid, err)
+                self.fork = False
+                self._end_zygote()
+            return None
+        log.info("spare worker pid %d forked from the zygote", proc.pid)
+        return Spare(proc, zygote.log_path, None)
+
+    def _end_zygote(self) -> None:
+        zygote, link = self.zygote, self._link
+        self.zygote = self._link = None
+        if zygote is not None:
+            zygote.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(zygote.proc.pid, signal.SIGKILL)
+        if link is not None:
+            link.close()
+
+    def _kept(self, spare: Spare) -> bool:
+        return spare in self._spares or spare is self.zygote
 
     async def _pace(self, spare: Spare) -> None:
         """Until ``spare`` is ready (or taken, or gone): hold its imports while
-        ``may_import`` says no."""
-        while spare in self._spares and spare.proc.returncode is None and not spare.poll_ready():
+        ``may_import`` says no. A zygote ready forks the spares."""
+        while self._kept(spare) and spare.proc.returncode is None and not spare.poll_ready():
             spare.hold(not self.may_import())
             await asyncio.sleep(PACE)
-        if spare in self._spares:
+        if self._kept(spare):
             spare.hold(False)
+        if spare is self.zygote and spare.ready:
+            self.replenish()
 
     async def _watch(self, spare: Spare) -> None:
         code = await spare.proc.wait()
-        if spare not in self._spares:
+        what = "spare worker"
+        if spare is self.zygote:
+            what = "the zygote"
+            self._end_zygote()
+        elif spare in self._spares:
+            self._spares.remove(spare)
+        else:
             return  # it became a worker, or it was stopped
-        self._spares.remove(spare)
         spare.close()
         self._failures += 1
         last = await asyncio.to_thread(log_tail, spare.log_path, 5)
-        log.error("spare worker pid %d exited unused with code %s%s\n%s", spare.proc.pid, code,
+        log.error("%s pid %d exited unused with code %s%s\n%s", what, spare.proc.pid, code,
                   "; no more spares are started until a worker starts"
                   if self._failures >= FAILURES_MAX else "",
                   last)
@@ -183,7 +283,27 @@ class SparePool:
                 if spare.ready:
                     self._failures = 0  # spares can start here: a new streak from now
                 return spare
-        return None
+        return await self._fork_now()
+
+    async def _fork_now(self) -> Spare | None:
+        """A spare forked for a load that found none: once the zygote's imports are done
+        (they go on at once, at the router's priority, as a taken spare's do)."""
+        zygote = self.zygote
+        if not self.fork or zygote is None or self._closing:
+            return None
+        zygote.hold(False)
+        if not zygote.ready:
+            nice = os.getpriority(os.PRIO_PROCESS, 0)
+            with contextlib.suppress(OSError):  # gone, or we may not: it stays at nice 19
+                for tid in os.listdir(f"/proc/{zygote.proc.pid}/task"):
+                    with contextlib.suppress(OSError):
+                        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        while (zygote is self.zygote and zygote.proc.returncode is None
+               and not zygote.poll_ready()):
+            await asyncio.sleep(PACE)
+        if zygote is not self.zygote or not zygote.ready:
+            return None  # it died: a fresh process
+        return await self._fork()  # (its exit is reaped whoever waits: ``ForkedProcess``)
 
     def worker_ready(self) -> None:
         """A worker of this host became ready: spares can start again, whatever killed
@@ -199,15 +319,22 @@ class SparePool:
             except psutil.Error:
                 continue
             out.append({"pid": spare.proc.pid, "ready": spare.poll_ready(), "held": spare.held,
+                        "forked": spare.forked,
                         "rss_mib": round(rss / 2**20, 1),
                         "age_seconds": round(time.time() - spare.started_at, 1)})
         return out
 
-    async def close(self) -> None:
-        """Stop every spare (the server is stopping); start no more."""
+    async def close(self, zygote: bool = True) -> None:
+        """Stop every spare (the server is stopping); start no more. With ``zygote``
+        false the zygote is left, to reap the workers it forked until they have
+        stopped (a second ``close`` stops it)."""
         self._closing = True
         spares, self._spares = self._spares, []  # their watchers see them stopped, not dead
         for spare in spares:
             spare.close()
             kill_tree(spare.proc.pid)
         await asyncio.gather(*(spare.proc.wait() for spare in spares))
+        if zygote and self.zygote is not None:
+            proc = self.zygote.proc
+            self._end_zygote()  # its own pid alone: ``kill_tree`` would take its children
+            await proc.wait()

@@ -17,7 +17,7 @@ import psutil
 from router.registry import ModelEntry
 from router.workers.backends.base import Backend, BootFor, WorkerHandle
 from router.workers.processes import descendants, group_members, kill_tree, signal_all
-from router.workers.spares import SparePool
+from router.workers.spares import Proc, SparePool
 from shared.lifeline import dies_with
 
 GUARD_NAME = "modelyard-guard"
@@ -32,7 +32,7 @@ def _name(process: psutil.Process) -> str:
 
 
 class LocalHandle(WorkerHandle):
-    def __init__(self, proc: asyncio.subprocess.Process, log_path: Path,
+    def __init__(self, proc: Proc, log_path: Path,
                  started_at: float | None = None, from_spare: bool = False) -> None:
         self.proc = proc
         self.pid = proc.pid
@@ -114,7 +114,8 @@ class LocalBackend(Backend):
                     env: dict[str, str]) -> WorkerHandle:
         spare = await self.spares.take(entry)
         if spare is not None:  # already running, vLLM imported: give it the model
-            spare.log_path.unlink(missing_ok=True)
+            if not spare.forked:  # (a forked one's is the zygote's)
+                spare.log_path.unlink(missing_ok=True)
             handle = LocalHandle(spare.proc, log_path, spare.started_at, from_spare=True)
         else:
             with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append

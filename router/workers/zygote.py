@@ -1,0 +1,144 @@
+"""The router's side of the zygote (``worker/zygote.py``, a spare that forks spares):
+``ZygoteLink``, its socket, and ``ForkedProcess``, one spare it forked as asyncio's
+``Process`` looks to its users (``pid``, ``returncode``, ``stdin``, ``wait``).
+
+The stdlib has no way to wait for a process that is not our child; Linux's pidfd is one:
+readable once the process has exited, for any process. The zygote reaps a child only when
+asked (``Reap``), so between ``Forked`` and ``Reap`` the pid names that child (alive or a
+zombie) and ``pidfd_open`` cannot open someone else. The exchange is a blocking
+``SOCK_SEQPACKET`` round trip (a fork takes ~10 ms) in a thread, one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Callable
+
+import msgspec
+
+from shared.zygote import MAX_MESSAGE, Fork, Forked, Reap, Reaped, Refused, Reply, Request
+
+UNKNOWN_EXIT = -1
+"""A forked process's exit code where the zygote could not tell it (it died first)."""
+EXCHANGE_TIMEOUT = 30.0  # seconds a fork or a reap may take before the zygote is given up
+_decode: Callable[[bytes], Reply] = msgspec.json.Decoder(Reply).decode
+_encode = msgspec.json.Encoder().encode
+
+
+class ZygoteError(Exception):
+    """The zygote refused a fork, or is gone (the message says which)."""
+
+
+class PipeStdin:
+    """The write end of a forked process's stdin, written at ``close`` (its boot, a few
+    KiB: a pipe holds 64 KiB, and the process reads it as soon as it comes)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+        self._data = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self._data += data
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            view = memoryview(self._data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+
+
+class ForkedProcess:
+    """A process the zygote forked, waited for through its pidfd and reaped by the
+    zygote."""
+
+    def __init__(self, pid: int, stdin_fd: int, zygote: ZygoteLink) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self.stdin = PipeStdin(stdin_fd)
+        self._zygote = zygote
+        self._exited = asyncio.Event()
+        self._pidfd = os.pidfd_open(pid)  # not reaped until we ask: the pid is still its
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(self._pidfd, self._on_exit)
+        self._reaping: asyncio.Task[None] | None = None
+
+    def _on_exit(self) -> None:
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self.stdin.close()  # nobody will read it now (BrokenPipe if a boot was left)
+        self._reaping = self._loop.create_task(self._reap())
+
+    async def _reap(self) -> None:
+        code = await self._zygote.reap(self.pid)
+        self.returncode = UNKNOWN_EXIT if code is None else code
+        self._exited.set()
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+
+class ZygoteLink:
+    """The router's end of a zygote's socket: once the zygote's imports are done, each
+    ``fork`` makes a spare of it, ready at once."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(EXCHANGE_TIMEOUT)
+        self._sock = sock
+        self._lock = asyncio.Lock()
+
+    async def _ask(self, request: Request, fds: list[int]) -> Reply:
+        data = _encode(request)
+
+        def exchange() -> bytes:
+            socket.send_fds(self._sock, [data], fds)
+            return self._sock.recv(MAX_MESSAGE)
+
+        async with self._lock:
+            try:
+                reply = await asyncio.to_thread(exchange)
+            except OSError as err:  # a timeout too
+                raise ZygoteError(f"{type(err).__name__}: {err}") from None
+        if not reply:
+            raise ZygoteError("the zygote closed its socket")
+        return _decode(reply)
+
+    async def fork(self) -> ForkedProcess:
+        """A new spare, or ``ZygoteError``."""
+        read, write = os.pipe()
+        try:
+            reply = await self._ask(Fork(), [read])
+        except BaseException:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        if not isinstance(reply, Forked):
+            os.close(write)
+            raise ZygoteError(reply.reason if isinstance(reply, Refused) else repr(reply))
+        try:
+            return ForkedProcess(reply.pid, write, self)
+        except OSError as err:  # pidfd_open: it cannot have been reaped, so this is odd
+            os.close(write)
+            raise ZygoteError(f"{type(err).__name__}: {err}") from None
+
+    async def reap(self, pid: int) -> int | None:
+        """``pid``'s exit code (it exited); ``None`` where the zygote cannot tell."""
+        try:  # (a zygote gone: its children were reparented and reaped by another)
+            reply = await self._ask(Reap(pid=pid), [])
+        except ZygoteError:
+            return None
+        return reply.code if isinstance(reply, Reaped) else None
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
