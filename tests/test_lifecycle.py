@@ -76,17 +76,21 @@ def test_a_load_shows_its_phases_and_a_spare_takes_the_next(life: RouterProcess)
     """A spare worker (vLLM imported, no model) becomes the next model's worker; the load
     then spends nothing on imports, and a new spare is started for the one after."""
     wait_spare(life)
-    spare = next(s["pid"] for s in life.client.get(f"{life.url}/health").json()["spares"]
-                 if s["ready"])
-    # A spare has no model: it runs at the lowest priority, so its imports take only
-    # the CPU that loaded models leave idle.
-    assert set(thread_nices(spare)) == {19}
+    health = life.client.get(f"{life.url}/health").json()
+    spare = next(s["pid"] for s in health["spares"] if s["ready"])
+    # The zygote, whose imports every spare forked from it shares, runs at the lowest
+    # priority, so its imports took only the CPU that loaded models left idle; a spare
+    # forked from it (it only waits) is back at the router's.
+    router_nice = os.getpriority(os.PRIO_PROCESS, life.proc.pid)  # type: ignore[union-attr]
+    assert health["zygote"]["ready"] and set(thread_nices(health["zygote"]["pid"])) == {19}
+    assert psutil.Process(spare).ppid() == health["zygote"]["pid"]
+    assert set(thread_nices(spare)) == {router_nice}
     httpx.post(f"{life.url}/v1/models/load", json={"model": "swap-a"}, timeout=600)
     phases = models(life)["swap-a"]["load_phases"]
     assert phases["spare"] < 1 and phases["imports"] == 0, phases
     # The spare became the worker, back at the router's priority on every thread.
     assert models(life)["swap-a"]["pid"] == spare
-    assert set(thread_nices(spare)) == {os.getpriority(os.PRIO_PROCESS, life.proc.pid)}  # type: ignore[union-attr]
+    assert set(thread_nices(spare)) == {router_nice}
     assert {"model_files", "engine", "weights", "kv_cache_and_warmup"} <= set(phases)
     assert sum(v for k, v in phases.items() if k not in ("weights", "kv_cache_and_warmup")) \
         <= models(life)["swap-a"]["load_seconds"] + 0.01
@@ -121,7 +125,8 @@ def test_keep_alive_0_stops_the_model_after_its_request(life: RouterProcess) -> 
 
 def test_20_loads_and_stops_leave_no_process_behind(life: RouterProcess) -> None:
     """Each stop takes well under a second and leaves nothing of the worker (nor vLLM's
-    EngineCore and executor); what remains besides loaded workers are the spares."""
+    EngineCore and executor); what remains besides loaded workers are the spares and the
+    zygote they are forked from."""
     assert life.proc is not None
     router = psutil.Process(life.proc.pid)
     for i in range(10):  # 20 loads in all: each evicts (stops) the one before
@@ -133,7 +138,8 @@ def test_20_loads_and_stops_leave_no_process_behind(life: RouterProcess) -> None
     stops = [float(line.rsplit("stopped in ", 1)[1].split()[0])
              for line in life.tail(4000).splitlines() if "stopped in " in line]
     assert len(stops) >= 20 and max(stops[-20:]) < 1.0, stops
-    spares = {s["pid"] for s in life.client.get(f"{life.url}/health").json()["spares"]}
+    health = life.client.get(f"{life.url}/health").json()
+    spares = {s["pid"] for s in health["spares"]} | {health["zygote"]["pid"]}
     left = [p for p in router.children(recursive=True) if p.pid not in spares]
     _, alive = psutil.wait_procs(left, timeout=5)
     assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]

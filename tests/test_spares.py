@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from router.registry import ModelRegistry
 from router.workers.spares import SparePool
+from router.workers.zygote import UNKNOWN_EXIT
 from shared.config import build_preset
 from tests.test_lifecycle_races import run, until
 
@@ -95,6 +99,125 @@ def test_a_load_that_takes_a_held_spare_lets_it_go_on_at_once(tmp_path: Path) ->
             assert state(spare.proc.pid) != "T"
             spare.proc.kill()
             await spare.proc.wait()
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+# A zygote with nothing to import: ``worker.zygote.serve`` as ``python -m worker --spare
+# --zygote-fd`` runs it, and each spare it forks writes its stdin and its pid to a file
+# named in argv, then exits with code 7 (``THREAD`` in argv: a thread runs before serve).
+ZYGOTE = """
+import os, sys, threading, time
+from worker.zygote import serve
+out = sys.argv[1]
+ready = int(sys.argv[sys.argv.index("--ready-fd") + 1])
+control = int(sys.argv[sys.argv.index("--zygote-fd") + 1])
+if "THREAD" in sys.argv:
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+os.write(ready, b"1")
+router = serve(control, os.getpriority(os.PRIO_PROCESS, 0))
+with open(out, "a") as f:
+    f.write(f"{os.getpid()} {os.getsid(0)} {os.getppid()} {sys.stdin.read()}\\n")
+sys.exit(7)
+"""
+
+
+def zygote_pool(tmp_path: Path, spawn_task: Any, *extra: str) -> SparePool:
+    registry = ModelRegistry(build_preset({"models": {"m": {"model": "/m"}}}))
+    return SparePool(1, registry, tmp_path, [sys.executable, "-c", ZYGOTE,
+                                             str(tmp_path / "out"), *extra],
+                     lambda: dict(os.environ), spawn_task, fork=True)
+
+
+def tasks_of() -> tuple[set[asyncio.Task[None]], Any]:
+    tasks: set[asyncio.Task[None]] = set()
+
+    def spawn_task(coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    return tasks, spawn_task
+
+
+def test_spares_are_forked_from_the_zygote_and_reaped_through_it(tmp_path: Path) -> None:
+    """Once the zygote has imported, each spare is a fork of it: ready at once, its own
+    session, its stdin the boot the router writes, its exit code told by the zygote (it
+    is not the router's child); a load that finds no spare left forks one on the spot."""
+    tasks, spawn_task = tasks_of()
+    registry_entry = ModelRegistry(build_preset({"models": {"m": {"model": "/m"}}})).entries["m"]
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task)
+        try:
+            pool.replenish()
+            await until(lambda: bool(pool._spares), 30, "a spare is forked from the zygote")
+            assert pool.zygote is not None
+            zygote = pool.zygote.proc.pid
+            first = await pool.take(registry_entry)
+            assert first is not None and first.forked and first.ready
+            second = await pool.take(registry_entry)  # none left: forked on the spot
+            assert second is not None and second.forked and second.proc.pid != first.proc.pid
+            for n, spare in enumerate((first, second)):
+                stdin = spare.proc.stdin
+                assert stdin is not None
+                stdin.write(f"boot{n}".encode())
+                stdin.close()
+                assert await asyncio.wait_for(spare.proc.wait(), 10) == 7
+            lines = sorted((tmp_path / "out").read_text().split("\n")[:-1])
+            assert lines == sorted(f"{s.proc.pid} {s.proc.pid} {zygote} boot{n}"
+                                   for n, s in enumerate((first, second))), lines
+            # Both were reaped: a zombie would still be listed among its children.
+            assert not any(p.status() == "zombie" for p in psutil.Process(zygote).children())
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_zygote_that_refuses_a_fork_gives_way_to_started_spares(tmp_path: Path) -> None:
+    """A thread in the zygote (which a fork would not copy, with whatever lock it held)
+    refuses the fork: the zygote is stopped and spares are started as processes."""
+    tasks, spawn_task = tasks_of()
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task, "THREAD")
+        try:
+            pool.replenish()
+            await until(lambda: not pool.fork and bool(pool._spares), 30,
+                        "a spare started afresh after the refusal")
+            assert pool.zygote is None and not pool._spares[0].forked
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_forked_spare_outlives_its_zygote(tmp_path: Path) -> None:
+    """The zygote dies (the OOM killer): the spare it forked does not (no parent-death
+    signal ties it to the zygote), its exit is still seen (code unknown: the zygote that
+    would reap it is gone), and another zygote is started."""
+    tasks, spawn_task = tasks_of()
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task)
+        try:
+            pool.replenish()
+            await until(lambda: bool(pool._spares), 30, "a spare is forked")
+            assert pool.zygote is not None
+            old = pool.zygote.proc.pid
+            spare = pool._spares[0]
+            os.kill(old, signal.SIGKILL)
+            await until(lambda: pool.zygote is not None and pool.zygote.proc.pid != old, 10,
+                        "another zygote")
+            assert spare.proc.returncode is None and psutil.Process(spare.proc.pid).is_running()
+            os.kill(spare.proc.pid, signal.SIGKILL)
+            assert await asyncio.wait_for(spare.proc.wait(), 10) == UNKNOWN_EXIT
         finally:
             await pool.close()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -241,6 +241,7 @@ class AdminAPI:
                              "models": {e.id: e.state for e in self.registry
                                         if _visible(e, principal)},
                              "spares": self.supervisor.spares.describe(),
+                             "zygote": self.supervisor.spares.describe_zygote(),
                              "tasks": len(asyncio.all_tasks())})
 
     async def ready(self, request: Request) -> Response:

@@ -140,27 +140,30 @@ class SparePool:
         return entry.spec.engine == "vllm" and not entry.spec.env and entry.spec.backend != "ray"
 
     def replenish(self) -> None:
-        """Keep ``size`` spares, started one at a time in the background."""
-        if (self._starting or self._closing or len(self._spares) >= self.size
+        """Keep ``size`` spares, started one at a time in the background (and a zygote,
+        even with ``size`` spares kept: a load that takes them all forks another)."""
+        if (self._starting or self._closing or not self.size
                 or self._failures >= FAILURES_MAX
                 or not any(self.fits(e) for e in self.registry)):
+            return
+        if self.fork and self.zygote is not None and not self.zygote.ready:
+            return  # its pacing calls this once its imports are done
+        if len(self._spares) >= self.size and not (self.fork and self.zygote is None):
             return
         self._starting = True
         self._spawn_task(self._start())
 
     async def _start(self) -> None:
         try:
-            if self.fork and self.zygote is None:
+            if not self.fork:
+                await self._start_process()
+            elif self.zygote is None:
                 await self._start_process(zygote=True)  # it forks spares once it is ready
-                return
-            if self.fork:
-                if self.zygote is not None and self.zygote.ready:
-                    forked = await self._fork()
-                    if forked is not None:
-                        self._spares.append(forked)
-                        self._spawn_task(self._watch(forked))
-                return  # (the zygote's pacing calls ``replenish`` once it is ready)
-            await self._start_process()
+            else:
+                forked = await self._fork()
+                if forked is not None:
+                    self._spares.append(forked)
+                    self._spawn_task(self._watch(forked))
         finally:
             self._starting = False
         self.replenish()
@@ -312,17 +315,11 @@ class SparePool:
 
     def describe(self) -> list[dict[str, Any]]:
         """The spares' pids, readiness and resident memory (``/health``)."""
-        out = []
-        for spare in self._spares:
-            try:
-                rss = psutil.Process(spare.proc.pid).memory_info().rss
-            except psutil.Error:
-                continue
-            out.append({"pid": spare.proc.pid, "ready": spare.poll_ready(), "held": spare.held,
-                        "forked": spare.forked,
-                        "rss_mib": round(rss / 2**20, 1),
-                        "age_seconds": round(time.time() - spare.started_at, 1)})
-        return out
+        return [d for d in map(_describe, self._spares) if d is not None]
+
+    def describe_zygote(self) -> dict[str, Any] | None:
+        """The zygote, as ``describe`` a spare (``/health``); ``None`` without one."""
+        return _describe(self.zygote) if self.zygote is not None else None
 
     async def close(self, zygote: bool = True) -> None:
         """Stop every spare (the server is stopping); start no more. With ``zygote``
@@ -338,3 +335,13 @@ class SparePool:
             proc = self.zygote.proc
             self._end_zygote()  # its own pid alone: ``kill_tree`` would take its children
             await proc.wait()
+
+
+def _describe(spare: Spare) -> dict[str, Any] | None:
+    try:
+        rss = psutil.Process(spare.proc.pid).memory_info().rss
+    except psutil.Error:
+        return None
+    return {"pid": spare.proc.pid, "ready": spare.poll_ready(), "held": spare.held,
+            "forked": spare.forked, "rss_mib": round(rss / 2**20, 1),
+            "age_seconds": round(time.time() - spare.started_at, 1)}
