@@ -295,15 +295,14 @@ class SparePool:
         if not self.fork or zygote is None or self._closing:
             return None
         zygote.hold(False)
-        if not zygote.ready:
-            nice = os.getpriority(os.PRIO_PROCESS, 0)
-            with contextlib.suppress(OSError):  # gone, or we may not: it stays at nice 19
-                for tid in os.listdir(f"/proc/{zygote.proc.pid}/task"):
-                    with contextlib.suppress(OSError):
-                        os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        while (zygote is self.zygote and zygote.proc.returncode is None
-               and not zygote.poll_ready()):
-            await asyncio.sleep(PACE)
+        if not zygote.poll_ready():
+            with contextlib.suppress(OSError):  # gone: its watcher says so
+                was = os.getpriority(os.PRIO_PROCESS, zygote.proc.pid)
+                _renice(zygote.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+                while (zygote is self.zygote and zygote.proc.returncode is None
+                       and not zygote.poll_ready()):
+                    await asyncio.sleep(PACE)
+                _renice(zygote.proc.pid, was)  # (lowering a priority is always allowed)
         if zygote is not self.zygote or not zygote.ready:
             return None  # it died: a fresh process
         return await self._fork()  # (its exit is reaped whoever waits: ``ForkedProcess``)
@@ -345,3 +344,11 @@ def _describe(spare: Spare) -> dict[str, Any] | None:
     return {"pid": spare.proc.pid, "ready": spare.poll_ready(), "held": spare.held,
             "forked": spare.forked, "rss_mib": round(rss / 2**20, 1),
             "age_seconds": round(time.time() - spare.started_at, 1)}
+
+
+def _renice(pid: int, nice: int) -> None:
+    """Set every thread of ``pid`` to ``nice`` where we may (raising a priority needs root
+    or ``RLIMIT_NICE``: without, it stays as it was)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, int(tid), nice)
