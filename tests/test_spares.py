@@ -6,6 +6,7 @@ says no, and lets it go on when that changes or when a load takes it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -117,6 +118,20 @@ ready = int(sys.argv[sys.argv.index("--ready-fd") + 1])
 control = int(sys.argv[sys.argv.index("--zygote-fd") + 1])
 if "THREAD" in sys.argv:
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+if "NICE" in sys.argv:  # imports at nice 19, as a spare's, for a second
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    time.sleep(1)
+fork = os.fork
+if "SLOW" in sys.argv:  # each fork takes half a second
+    os.fork = lambda: (time.sleep(0.5), fork())[1]
+marker = out + ".died"
+if "DIE_ONCE" in sys.argv and not os.path.exists(marker):
+    def die():  # the first fork kills it (the OOM killer): its socket closes first
+        open(marker, "w").close()
+        os.close(control)
+        time.sleep(2)
+        os._exit(9)
+    os.fork = die
 os.write(ready, b"1")
 router = serve(control, os.getpriority(os.PRIO_PROCESS, 0))
 with open(out, "a") as f:
@@ -218,6 +233,96 @@ def test_a_forked_spare_outlives_its_zygote(tmp_path: Path) -> None:
             assert spare.proc.returncode is None and psutil.Process(spare.proc.pid).is_running()
             os.kill(spare.proc.pid, signal.SIGKILL)
             assert await asyncio.wait_for(spare.proc.wait(), 10) == UNKNOWN_EXIT
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_zygote_that_dies_mid_fork_is_replaced_not_given_up(tmp_path: Path) -> None:
+    """A zygote gone in the middle of a fork (its socket closed before its exit was seen)
+    did not refuse anything: it is replaced, and spares are still forked."""
+    tasks, spawn_task = tasks_of()
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task, "DIE_ONCE")
+        try:
+            pool.replenish()
+            await until(lambda: (tmp_path / "out.died").exists(), 30, "the first fork")
+            await until(lambda: bool(pool._spares), 30, "a spare after the zygote's death")
+            assert pool.fork and pool._spares[0].forked
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_load_cancelled_mid_fork_leaves_no_zombie(tmp_path: Path) -> None:
+    """A load cancelled while the zygote forks its spare (an unload, a stop): the spare
+    forked meanwhile gets no boot, exits, and is reaped; the next fork is answered with
+    its own pid."""
+    tasks, spawn_task = tasks_of()
+    entry = ModelRegistry(build_preset({"models": {"m": {"model": "/m"}}})).entries["m"]
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task, "SLOW")
+        pool.size = 0  # no spare kept: a load forks its own
+        try:
+            pool._starting = True
+            await pool._start_process(zygote=True)
+            pool._starting = False
+            assert pool.zygote is not None
+            zygote = pool.zygote
+            await until(zygote.poll_ready, 30, "the zygote imported")
+            load = asyncio.create_task(pool.take(entry))
+            await until(lambda: bool(psutil.Process(zygote.proc.pid).children()), 10,
+                        "the fork under way")
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
+            await until(lambda: (tmp_path / "out").exists(), 10, "the cancelled spare exited")
+            await until(lambda: not psutil.Process(zygote.proc.pid).children(), 10,
+                        "the cancelled spare reaped (no zombie left in the zygote)")
+            spare = await pool.take(entry)
+            assert spare is not None and spare.proc.stdin is not None
+            spare.proc.stdin.write(b"boot")
+            spare.proc.stdin.close()
+            assert await asyncio.wait_for(spare.proc.wait(), 10) == 7
+            assert f"{spare.proc.pid} {spare.proc.pid} {zygote.proc.pid} boot" in (
+                tmp_path / "out").read_text().split("\n")
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_load_cancelled_while_the_zygote_imports_leaves_it_at_its_priority(
+        tmp_path: Path) -> None:
+    """A load that hurries the zygote's imports (its priority raised to the router's) and
+    is cancelled meanwhile puts it back at nice 19: it must not import beside models."""
+    tasks, spawn_task = tasks_of()
+    entry = ModelRegistry(build_preset({"models": {"m": {"model": "/m"}}})).entries["m"]
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task, "NICE")
+        pool.size = 0
+        try:
+            await pool._start_process(zygote=True)
+            assert pool.zygote is not None
+            pid = pool.zygote.proc.pid
+            await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, 10, "nice 19")
+            load = asyncio.create_task(pool.take(entry))
+            mine = os.getpriority(os.PRIO_PROCESS, 0)
+            await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) in (mine, 19) and
+                        load.done() is False, 10, "the load waits")
+            await asyncio.sleep(0.2)
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
+            assert os.getpriority(os.PRIO_PROCESS, pid) == 19
         finally:
             await pool.close()
             await asyncio.gather(*tasks, return_exceptions=True)

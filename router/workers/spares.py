@@ -39,7 +39,7 @@ import psutil
 
 from router.registry import ModelEntry, ModelRegistry
 from router.workers.processes import group_members, kill_tree, log_tail, signal_all
-from router.workers.zygote import ForkedProcess, ZygoteError, ZygoteLink
+from router.workers.zygote import ForkedProcess, ZygoteError, ZygoteLink, ZygoteRefused
 from shared.lifeline import dies_with
 
 log = logging.getLogger("modelyard.router")
@@ -148,6 +148,8 @@ class SparePool:
             return
         if self.fork and self.zygote is not None and not self.zygote.ready:
             return  # its pacing calls this once its imports are done
+        if self.fork and self._link is not None and self._link.broken:
+            return  # the zygote was stopped: its watcher calls this once it has exited
         if len(self._spares) >= self.size and not (self.fork and self.zygote is None):
             return
         self._starting = True
@@ -215,12 +217,19 @@ class SparePool:
         assert zygote is not None and link is not None
         try:
             proc = await link.fork()
-        except ZygoteError as err:
-            if zygote.proc.returncode is None and self.zygote is zygote:
+        except ZygoteRefused as err:
+            if self.zygote is zygote:
                 log.warning("the zygote (pid %d) refused a fork: %s; spares are started as "
                             "processes from now on", zygote.proc.pid, err)
                 self.fork = False
                 self._end_zygote()
+            return None
+        except ZygoteError as err:  # gone, or its link broke: its watcher starts another
+            if self.zygote is zygote:
+                log.error("the zygote (pid %d) failed a fork: %s; it is stopped",
+                          zygote.proc.pid, err)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(zygote.proc.pid, signal.SIGKILL)  # (a link broken, it lives)
             return None
         log.info("spare worker pid %d forked from the zygote", proc.pid)
         return Spare(proc, zygote.log_path, None)
@@ -298,11 +307,13 @@ class SparePool:
         if not zygote.poll_ready():
             with contextlib.suppress(OSError):  # gone: its watcher says so
                 was = os.getpriority(os.PRIO_PROCESS, zygote.proc.pid)
-                _renice(zygote.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
-                while (zygote is self.zygote and zygote.proc.returncode is None
-                       and not zygote.poll_ready()):
-                    await asyncio.sleep(PACE)
-                _renice(zygote.proc.pid, was)  # (lowering a priority is always allowed)
+                try:
+                    _renice(zygote.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+                    while (zygote is self.zygote and zygote.proc.returncode is None
+                           and not zygote.poll_ready()):
+                        await asyncio.sleep(PACE)
+                finally:  # a load cancelled too: it must not import beside models
+                    _renice(zygote.proc.pid, was)  # (lowering a priority is always allowed)
         if zygote is not self.zygote or not zygote.ready:
             return None  # it died: a fresh process
         return await self._fork()  # (its exit is reaped whoever waits: ``ForkedProcess``)
@@ -348,7 +359,11 @@ def _describe(spare: Spare) -> dict[str, Any] | None:
 
 def _renice(pid: int, nice: int) -> None:
     """Set every thread of ``pid`` to ``nice`` where we may (raising a priority needs root
-    or ``RLIMIT_NICE``: without, it stays as it was)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    or ``RLIMIT_NICE``: without, it stays as it was); a process gone is left."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return  # (never raised: from a ``finally`` it would replace a cancellation)
+    for tid in tids:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, int(tid), nice)

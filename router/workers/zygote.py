@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -26,10 +27,17 @@ UNKNOWN_EXIT = -1
 EXCHANGE_TIMEOUT = 30.0  # seconds a fork or a reap may take before the zygote is given up
 _decode: Callable[[bytes], Reply] = msgspec.json.Decoder(Reply).decode
 _encode = msgspec.json.Encoder().encode
+T = TypeVar("T")
 
 
 class ZygoteError(Exception):
-    """The zygote refused a fork, or is gone (the message says which)."""
+    """The zygote is gone, or its link broke (a timeout, a closed socket, a reply out of
+    turn): it is to be replaced."""
+
+
+class ZygoteRefused(ZygoteError):
+    """The zygote lives and refused a fork (a thread started in it): spares are started as
+    processes from then on."""
 
 
 class PipeStdin:
@@ -89,56 +97,103 @@ class ForkedProcess:
 
 class ZygoteLink:
     """The router's end of a zygote's socket: once the zygote's imports are done, each
-    ``fork`` makes a spare of it, ready at once."""
+    ``fork`` makes a spare of it, ready at once.
+
+    An exchange, once sent, runs to its end whoever waits for it: a caller cancelled
+    meanwhile (a load unloaded) must neither let the next request go out before this one's
+    reply came back (it would take that reply) nor drop a ``Forked`` (the child would stay
+    a zombie in the zygote, never reaped). One that failed closes the link: a reply that
+    came late would answer the next request."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(EXCHANGE_TIMEOUT)
-        self._sock = sock
+        self._sock: socket.socket | None = sock
         self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()  # exchanges whose caller left
+
+    @property
+    def broken(self) -> bool:
+        """An exchange failed (or ``close``): no more go out."""
+        return self._sock is None
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _ask(self, request: Request, fds: list[int]) -> Reply:
         data = _encode(request)
-
-        def exchange() -> bytes:
-            socket.send_fds(self._sock, [data], fds)
-            return self._sock.recv(MAX_MESSAGE)
-
         async with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise ZygoteError("the link to the zygote is closed")
+
+            def exchange() -> bytes:
+                socket.send_fds(sock, [data], fds)
+                return sock.recv(MAX_MESSAGE)
+
             try:
                 reply = await asyncio.to_thread(exchange)
             except OSError as err:  # a timeout too
+                self.close()
                 raise ZygoteError(f"{type(err).__name__}: {err}") from None
-        if not reply:
-            raise ZygoteError("the zygote closed its socket")
+            if not reply:
+                self.close()
+                raise ZygoteError("the zygote closed its socket")
         return _decode(reply)
 
     async def fork(self) -> ForkedProcess:
-        """A new spare, or ``ZygoteError``."""
+        """A new spare; ``ZygoteRefused``, or ``ZygoteError`` (the zygote is gone or its
+        link broke). A caller cancelled meanwhile leaves the fork to end: the spare it
+        made gets no boot (EOF), exits, and is reaped."""
+        task = self._run(self._fork())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_abandon)
+            raise
+
+    async def _fork(self) -> ForkedProcess:
         read, write = os.pipe()
         try:
-            reply = await self._ask(Fork(), [read])
+            try:
+                reply = await self._ask(Fork(), [read])
+            finally:
+                os.close(read)  # (only once the exchange has sent it)
+            if isinstance(reply, Refused):
+                raise ZygoteRefused(reply.reason)
+            if not isinstance(reply, Forked):
+                self.close()
+                raise ZygoteError(f"a reply out of turn: {reply!r}")
+            try:
+                return ForkedProcess(reply.pid, write, self)
+            except OSError as err:  # pidfd_open: it cannot have been reaped, so this is odd
+                self.close()
+                raise ZygoteError(f"{type(err).__name__}: {err}") from None
         except BaseException:
             os.close(write)
             raise
-        finally:
-            os.close(read)
-        if not isinstance(reply, Forked):
-            os.close(write)
-            raise ZygoteError(reply.reason if isinstance(reply, Refused) else repr(reply))
-        try:
-            return ForkedProcess(reply.pid, write, self)
-        except OSError as err:  # pidfd_open: it cannot have been reaped, so this is odd
-            os.close(write)
-            raise ZygoteError(f"{type(err).__name__}: {err}") from None
 
     async def reap(self, pid: int) -> int | None:
         """``pid``'s exit code (it exited); ``None`` where the zygote cannot tell."""
         try:  # (a zygote gone: its children were reparented and reaped by another)
-            reply = await self._ask(Reap(pid=pid), [])
+            reply = await asyncio.shield(self._run(self._ask(Reap(pid=pid), [])))
         except ZygoteError:
             return None
         return reply.code if isinstance(reply, Reaped) else None
 
     def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def _abandon(task: asyncio.Task[ForkedProcess]) -> None:
+    """A fork whose caller was cancelled: its spare gets EOF for a boot and exits (its
+    pidfd then has the zygote reap it)."""
+    if not task.cancelled() and task.exception() is None:
+        stdin = task.result().stdin
         with contextlib.suppress(OSError):
-            self._sock.close()
+            stdin.close()
