@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +19,11 @@ import psutil
 
 from router.registry import ModelRegistry
 from router.workers.spares import SparePool
-from router.workers.zygote import UNKNOWN_EXIT
+from router.workers.zygote import UNKNOWN_EXIT, PipeStdin
 from shared.config import build_preset
 from tests.test_lifecycle_races import run, until
+
+F_SETPIPE_SZ = 1031  # fcntl's, Linux (Python 3.10+ names it only on some builds)
 
 # An "import" of 40 steps of 10 ms, each a byte in the progress file, then ready.
 IMPORTING = """
@@ -326,5 +330,37 @@ def test_a_load_cancelled_while_the_zygote_imports_leaves_it_at_its_priority(
         finally:
             await pool.close()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_boot_longer_than_the_pipe_holds_does_not_block_the_router() -> None:
+    """A forked spare's boot is written to its stdin pipe at ``close``: what the pipe does
+    not take at once (4 KiB for a user past its pipe quota) waits for the reader, on the
+    event loop, instead of blocking it until the spare reads (or for good, if it never
+    does)."""
+    read, write = os.pipe()
+    fcntl.fcntl(write, F_SETPIPE_SZ, 4096)
+    boot = os.urandom(48 * 1024)
+    closed = threading.Event()
+    got = bytearray()
+    on_time: list[bool] = []
+
+    def reader() -> None:
+        on_time.append(closed.wait(10))  # the router's close returned (blocked: it did not)
+        while chunk := os.read(read, 65536):
+            got.extend(chunk)
+        os.close(read)
+
+    async def go() -> None:
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        stdin = PipeStdin(write)
+        stdin.write(boot)
+        stdin.close()
+        closed.set()
+        await until(lambda: not thread.is_alive(), 20, "the reader read the boot to its EOF")
+        assert on_time == [True], "close() blocked the event loop until the reader read"
+        assert bytes(got) == boot
 
     run(go())

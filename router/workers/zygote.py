@@ -42,7 +42,10 @@ class ZygoteRefused(ZygoteError):
 
 class PipeStdin:
     """The write end of a forked process's stdin, written at ``close`` (its boot, a few
-    KiB: a pipe holds 64 KiB, and the process reads it as soon as it comes)."""
+    KiB) without blocking: what the pipe does not take at once (a pipe holds 64 KiB, but
+    4 KiB once this user has used ``/proc/sys/fs/pipe-user-pages-soft``, and a chat
+    template can be long) is written as the process reads it, from the event loop, so a
+    process that does not read (stuck after its fork) cannot stop the router."""
 
     def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
@@ -52,15 +55,42 @@ class PipeStdin:
         self._data += data
 
     def close(self) -> None:
+        """Raises ``BrokenPipeError`` where the process is gone already."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        view = memoryview(bytes(self._data))
+        self._data.clear()
         try:
-            view = memoryview(self._data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
+            os.set_blocking(fd, False)
+            view = _write(fd, view)
+        except BaseException:
             os.close(fd)
+            raise
+        if not view:
+            os.close(fd)
+            return
+        loop = asyncio.get_running_loop()
+
+        def more() -> None:
+            nonlocal view
+            try:
+                view = _write(fd, view)
+            except OSError:  # it exited: nobody reads it now
+                view = view[:0]
+            if not view:
+                loop.remove_writer(fd)
+                os.close(fd)
+
+        loop.add_writer(fd, more)
+
+
+def _write(fd: int, view: memoryview) -> memoryview:
+    """What is left of ``view`` once the pipe took what it could now."""
+    with contextlib.suppress(BlockingIOError):
+        while view:
+            view = view[os.write(fd, view):]
+    return view
 
 
 class ForkedProcess:
@@ -81,7 +111,8 @@ class ForkedProcess:
     def _on_exit(self) -> None:
         self._loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
-        self.stdin.close()  # nobody will read it now (BrokenPipe if a boot was left)
+        with contextlib.suppress(OSError):  # a boot left unwritten: nobody reads it now
+            self.stdin.close()  # (raised here, it would leave ``wait`` waiting for good)
         self._reaping = self._loop.create_task(self._reap())
 
     async def _reap(self) -> None:
