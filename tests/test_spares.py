@@ -126,8 +126,8 @@ if "NICE" in sys.argv:  # imports at nice 19, as a spare's, for a second
     os.setpriority(os.PRIO_PROCESS, 0, 19)
     time.sleep(1)
 fork = os.fork
-if "SLOW" in sys.argv:  # each fork takes half a second
-    os.fork = lambda: (time.sleep(0.5), fork())[1]
+if "SLOW" in sys.argv:  # each fork is answered a second after the child exists
+    os.fork = lambda: (lambda pid: pid and (time.sleep(1), pid)[1])(fork())
 marker = out + ".died"
 if "DIE_ONCE" in sys.argv and not os.path.exists(marker):
     def die():  # the first fork kills it (the OOM killer): its socket closes first
@@ -286,6 +286,7 @@ def test_a_load_cancelled_mid_fork_leaves_no_zombie(tmp_path: Path) -> None:
             load.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await load
+            assert load.cancelled()  # (cancelled in the exchange, not after)
             await until(lambda: (tmp_path / "out").exists(), 10, "the cancelled spare exited")
             await until(lambda: not psutil.Process(zygote.proc.pid).children(), 10,
                         "the cancelled spare reaped (no zombie left in the zygote)")
