@@ -122,9 +122,9 @@ ready = int(sys.argv[sys.argv.index("--ready-fd") + 1])
 control = int(sys.argv[sys.argv.index("--zygote-fd") + 1])
 if "THREAD" in sys.argv:
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
-if "NICE" in sys.argv:  # imports at nice 19, as a spare's, for a second
+if "NICE" in sys.argv:  # imports at nice 19, as a spare's, for 3 seconds
     os.setpriority(os.PRIO_PROCESS, 0, 19)
-    time.sleep(1)
+    time.sleep(3)
 fork = os.fork
 if "SLOW" in sys.argv:  # each fork is answered a second after the child exists
     os.fork = lambda: (lambda pid: pid and (time.sleep(1), pid)[1])(fork())
@@ -363,5 +363,41 @@ def test_a_boot_longer_than_the_pipe_holds_does_not_block_the_router() -> None:
         await until(lambda: not thread.is_alive(), 20, "the reader read the boot to its EOF")
         assert on_time == [True], "close() blocked the event loop until the reader read"
         assert bytes(got) == boot
+
+    run(go())
+
+
+def test_two_loads_cancelled_while_the_zygote_imports_leave_it_at_its_priority(
+        tmp_path: Path) -> None:
+    """Two loads hurry the zygote's imports; the first cancelled must not put it back at
+    nice 19 while the other still waits, nor the second restore the priority the first
+    had raised it to."""
+    tasks, spawn_task = tasks_of()
+    entry = ModelRegistry(build_preset({"models": {"m": {"model": "/m"}}})).entries["m"]
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task, "NICE")
+        pool.size = 0
+        try:
+            await pool._start_process(zygote=True)
+            assert pool.zygote is not None
+            pid = pool.zygote.proc.pid
+            await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, 10, "nice 19")
+            mine = os.getpriority(os.PRIO_PROCESS, 0)
+            first = asyncio.create_task(pool.take(entry))
+            await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == mine, 10, "hurried")
+            second = asyncio.create_task(pool.take(entry))
+            await asyncio.sleep(0.1)
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            assert os.getpriority(os.PRIO_PROCESS, pid) == mine  # the second still waits
+            second.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await second
+            assert os.getpriority(os.PRIO_PROCESS, pid) == 19
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     run(go())

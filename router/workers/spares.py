@@ -80,6 +80,10 @@ class Spare:
         """Its output went to the zygote's log until it took its model's."""
         self.held = False
         """Stopped (``SIGSTOP``) until a model stops streaming or a load needs it."""
+        self.hurried = 0
+        """Loads waiting for the zygote's imports, at the router's priority meanwhile."""
+        self.nice = 0
+        """The zygote's priority before the first of them raised it (restored after)."""
 
     def hold(self, held: bool) -> None:
         """Stop or continue the process (its imports); a process already gone is left."""
@@ -305,15 +309,22 @@ class SparePool:
             return None
         zygote.hold(False)
         if not zygote.poll_ready():
-            with contextlib.suppress(OSError):  # gone: its watcher says so
-                was = os.getpriority(os.PRIO_PROCESS, zygote.proc.pid)
-                try:
+            try:  # the first load that hurries it notes its priority, the last restores it
+                if not zygote.hurried:
+                    zygote.nice = os.getpriority(os.PRIO_PROCESS, zygote.proc.pid)
                     _renice(zygote.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+            except OSError:
+                pass  # gone: its watcher says so
+            else:
+                zygote.hurried += 1
+                try:
                     while (zygote is self.zygote and zygote.proc.returncode is None
                            and not zygote.poll_ready()):
                         await asyncio.sleep(PACE)
                 finally:  # a load cancelled too: it must not import beside models
-                    _renice(zygote.proc.pid, was)  # (lowering a priority is always allowed)
+                    zygote.hurried -= 1
+                    if not zygote.hurried:  # (lowering a priority is always allowed)
+                        _renice(zygote.proc.pid, zygote.nice)
         if zygote is not self.zygote or not zygote.ready:
             return None  # it died: a fresh process
         return await self._fork()  # (its exit is reaped whoever waits: ``ForkedProcess``)
