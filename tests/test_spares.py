@@ -401,3 +401,27 @@ def test_two_loads_cancelled_while_the_zygote_imports_leave_it_at_its_priority(
             await asyncio.gather(*tasks, return_exceptions=True)
 
     run(go())
+
+
+def test_health_documents_what_it_says_of_spares_and_the_zygote(tmp_path: Path) -> None:
+    """``/health``'s schema names every field ``describe`` and ``describe_zygote`` give."""
+    from router.api.openapi import build_document
+
+    tasks, spawn_task = tasks_of()
+    schema = build_document([], auth=True)["components"]["schemas"]["Health"]["properties"]
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task)
+        try:
+            pool.replenish()
+            await until(lambda: bool(pool._spares), 30, "a spare is forked")
+            described = pool.describe_zygote()
+            assert described is not None and "zygote" in schema
+            spare = schema["spares"]["items"]["properties"]
+            assert set(described) == set(pool.describe()[0]) == set(spare)
+            assert set(schema["zygote"]["anyOf"][0]["properties"]) == set(described)
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
