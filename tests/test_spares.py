@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from router.registry import ModelRegistry
 from router.workers.spares import SparePool
@@ -420,6 +422,32 @@ def test_health_documents_what_it_says_of_spares_and_the_zygote(tmp_path: Path) 
             spare = schema["spares"]["items"]["properties"]
             assert set(described) == set(pool.describe()[0]) == set(spare)
             assert set(schema["zygote"]["anyOf"][0]["properties"]) == set(described)
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_kernel_without_pidfds_starts_spares_as_processes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before Linux 5.3 (no ``pidfd_open``) a zygote cannot watch the router nor the
+    router wait for what it forked: spares are started as processes, as with
+    ``fork_spares: false``, instead of a zygote that dies after its imports, three
+    times after every load, and no spare at all."""
+    def no_pidfd(pid: int, flags: int = 0) -> int:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    tasks, spawn_task = tasks_of()
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task)
+        try:
+            pool.replenish()
+            await until(lambda: bool(pool._spares) or pool.zygote is not None, 30,
+                        "a spare or a zygote started")
+            assert pool.zygote is None and not pool._spares[0].forked
         finally:
             await pool.close()
             await asyncio.gather(*tasks, return_exceptions=True)

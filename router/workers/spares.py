@@ -119,7 +119,11 @@ class SparePool:
                  spawn_task: Callable[[Coroutine[Any, Any, None]], None],
                  may_import: Callable[[], bool] = lambda: True, fork: bool = False) -> None:
         self.size = size
-        self.fork = fork
+        self.fork = fork and _has_pidfd()
+        if fork and not self.fork:
+            log.warning("fork_spares: this kernel has no pidfd (Linux 5.3+), which a forked "
+                        "spare needs (the router waits for it, it watches the router); "
+                        "spares are started as processes")
         self.zygote: Spare | None = None
         self._link: ZygoteLink | None = None
         self.may_import = may_import
@@ -378,3 +382,13 @@ def _renice(pid: int, nice: int) -> None:
     for tid in tids:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+
+
+def _has_pidfd() -> bool:
+    """Whether this kernel opens pidfds (Linux 5.3+): without, a zygote dies at its first
+    line after its imports, and with it every forked spare there would have been."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (OSError, AttributeError):  # ENOSYS; (AttributeError: not Linux)
+        return False
+    return True
