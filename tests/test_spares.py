@@ -11,6 +11,7 @@ import errno
 import fcntl
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -448,6 +449,30 @@ def test_a_kernel_without_pidfds_starts_spares_as_processes(
             await until(lambda: bool(pool._spares) or pool.zygote is not None, 30,
                         "a spare or a zygote started")
             assert pool.zygote is None and not pool._spares[0].forked
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_zygote_that_cannot_get_its_socket_leaks_no_descriptor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of descriptors (EMFILE) at the zygote's socket pair: the ready pipe made just
+    before is closed, and the failure counts (it was raised out of the task instead)."""
+    def no_socket(*args: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    tasks, spawn_task = tasks_of()
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task)
+        monkeypatch.setattr(socket, "socketpair", no_socket)
+        before = set(os.listdir("/proc/self/fd"))
+        try:
+            await pool._start_process(zygote=True)
+            assert pool.zygote is None and pool._failures == 1
+            assert set(os.listdir("/proc/self/fd")) <= before
         finally:
             await pool.close()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -183,12 +183,16 @@ class SparePool:
         self._count += 1
         log_path = self.runtime_dir / (f"zygote{self._count}.log" if zygote
                                        else f"spare{self._count}.log")
-        ready_fd, told_fd = os.pipe()
-        os.set_blocking(ready_fd, False)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if zygote \
-            else (None, None)
-        extra = ["--zygote-fd", str(theirs.fileno())] if theirs is not None else []
-        try:
+        ready_fd: int | None = None
+        told_fd: int | None = None
+        ours: socket.socket | None = None
+        theirs: socket.socket | None = None
+        try:  # (EMFILE: each descriptor made so far is closed, and the failure counts)
+            ready_fd, told_fd = os.pipe()
+            os.set_blocking(ready_fd, False)
+            if zygote:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            extra = ["--zygote-fd", str(theirs.fileno())] if theirs is not None else []
             with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append: no wait
                 proc = await asyncio.create_subprocess_exec(
                     *self.command, "--ready-fd", str(told_fd), *extra,
@@ -198,14 +202,16 @@ class SparePool:
                     pass_fds=(told_fd,) + ((theirs.fileno(),) if theirs is not None else ()),
                     preexec_fn=dies_with(os.getpid()))  # dies with us, held or not
         except (OSError, ValueError) as err:
-            os.close(ready_fd)
+            if ready_fd is not None:
+                os.close(ready_fd)
             if ours is not None:
                 ours.close()
             self._failures += 1
             log.error("could not start a spare worker: %s: %s", type(err).__name__, err)
             return
         finally:
-            os.close(told_fd)
+            if told_fd is not None:
+                os.close(told_fd)
             if theirs is not None:
                 theirs.close()
         spare = Spare(proc, log_path, ready_fd)
