@@ -6,19 +6,27 @@ says no, and lets it go on when that changes or when a load takes it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import fcntl
 import os
 import signal
+import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from router.registry import ModelRegistry
 from router.workers.spares import SparePool
-from router.workers.zygote import UNKNOWN_EXIT
+from router.workers.zygote import UNKNOWN_EXIT, PipeStdin
 from shared.config import build_preset
 from tests.test_lifecycle_races import run, until
+
+F_SETPIPE_SZ = 1031  # fcntl's, Linux (Python 3.10+ names it only on some builds)
 
 # An "import" of 40 steps of 10 ms, each a byte in the progress file, then ready.
 IMPORTING = """
@@ -117,6 +125,20 @@ ready = int(sys.argv[sys.argv.index("--ready-fd") + 1])
 control = int(sys.argv[sys.argv.index("--zygote-fd") + 1])
 if "THREAD" in sys.argv:
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+if "NICE" in sys.argv:  # imports at nice 19, as a spare's, for 3 seconds
+    os.setpriority(os.PRIO_PROCESS, 0, 19)
+    time.sleep(3)
+fork = os.fork
+if "SLOW" in sys.argv:  # each fork is answered a second after the child exists
+    os.fork = lambda: (lambda pid: pid and (time.sleep(1), pid)[1])(fork())
+marker = out + ".died"
+if "DIE_ONCE" in sys.argv and not os.path.exists(marker):
+    def die():  # the first fork kills it (the OOM killer): its socket closes first
+        open(marker, "w").close()
+        os.close(control)
+        time.sleep(2)
+        os._exit(9)
+    os.fork = die
 os.write(ready, b"1")
 router = serve(control, os.getpriority(os.PRIO_PROCESS, 0))
 with open(out, "a") as f:
@@ -218,6 +240,239 @@ def test_a_forked_spare_outlives_its_zygote(tmp_path: Path) -> None:
             assert spare.proc.returncode is None and psutil.Process(spare.proc.pid).is_running()
             os.kill(spare.proc.pid, signal.SIGKILL)
             assert await asyncio.wait_for(spare.proc.wait(), 10) == UNKNOWN_EXIT
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_zygote_that_dies_mid_fork_is_replaced_not_given_up(tmp_path: Path) -> None:
+    """A zygote gone in the middle of a fork (its socket closed before its exit was seen)
+    did not refuse anything: it is replaced, and spares are still forked."""
+    tasks, spawn_task = tasks_of()
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task, "DIE_ONCE")
+        try:
+            pool.replenish()
+            await until(lambda: (tmp_path / "out.died").exists(), 30, "the first fork")
+            await until(lambda: bool(pool._spares), 30, "a spare after the zygote's death")
+            assert pool.fork and pool._spares[0].forked
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_load_cancelled_mid_fork_leaves_no_zombie(tmp_path: Path) -> None:
+    """A load cancelled while the zygote forks its spare (an unload, a stop): the spare
+    forked meanwhile gets no boot, exits, and is reaped; the next fork is answered with
+    its own pid."""
+    tasks, spawn_task = tasks_of()
+    entry = ModelRegistry(build_preset({"models": {"m": {"model": "/m"}}})).entries["m"]
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task, "SLOW")
+        pool.size = 0  # no spare kept: a load forks its own
+        try:
+            pool._starting = True
+            await pool._start_process(zygote=True)
+            pool._starting = False
+            assert pool.zygote is not None
+            zygote = pool.zygote
+            await until(zygote.poll_ready, 30, "the zygote imported")
+            load = asyncio.create_task(pool.take(entry))
+            await until(lambda: bool(psutil.Process(zygote.proc.pid).children()), 10,
+                        "the fork under way")
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
+            assert load.cancelled()  # (cancelled in the exchange, not after)
+            await until(lambda: (tmp_path / "out").exists(), 10, "the cancelled spare exited")
+            await until(lambda: not psutil.Process(zygote.proc.pid).children(), 10,
+                        "the cancelled spare reaped (no zombie left in the zygote)")
+            spare = await pool.take(entry)
+            assert spare is not None and spare.proc.stdin is not None
+            spare.proc.stdin.write(b"boot")
+            spare.proc.stdin.close()
+            assert await asyncio.wait_for(spare.proc.wait(), 10) == 7
+            assert f"{spare.proc.pid} {spare.proc.pid} {zygote.proc.pid} boot" in (
+                tmp_path / "out").read_text().split("\n")
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_load_cancelled_while_the_zygote_imports_leaves_it_at_its_priority(
+        tmp_path: Path) -> None:
+    """A load that hurries the zygote's imports (its priority raised to the router's) and
+    is cancelled meanwhile puts it back at nice 19: it must not import beside models."""
+    tasks, spawn_task = tasks_of()
+    entry = ModelRegistry(build_preset({"models": {"m": {"model": "/m"}}})).entries["m"]
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task, "NICE")
+        pool.size = 0
+        try:
+            await pool._start_process(zygote=True)
+            assert pool.zygote is not None
+            pid = pool.zygote.proc.pid
+            await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, 10, "nice 19")
+            load = asyncio.create_task(pool.take(entry))
+            mine = os.getpriority(os.PRIO_PROCESS, 0)
+            await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) in (mine, 19) and
+                        load.done() is False, 10, "the load waits")
+            await asyncio.sleep(0.2)
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
+            assert os.getpriority(os.PRIO_PROCESS, pid) == 19
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_boot_longer_than_the_pipe_holds_does_not_block_the_router() -> None:
+    """A forked spare's boot is written to its stdin pipe at ``close``: what the pipe does
+    not take at once (4 KiB for a user past its pipe quota) waits for the reader, on the
+    event loop, instead of blocking it until the spare reads (or for good, if it never
+    does)."""
+    read, write = os.pipe()
+    fcntl.fcntl(write, F_SETPIPE_SZ, 4096)
+    boot = os.urandom(48 * 1024)
+    closed = threading.Event()
+    got = bytearray()
+    on_time: list[bool] = []
+
+    def reader() -> None:
+        on_time.append(closed.wait(10))  # the router's close returned (blocked: it did not)
+        while chunk := os.read(read, 65536):
+            got.extend(chunk)
+        os.close(read)
+
+    async def go() -> None:
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        stdin = PipeStdin(write)
+        stdin.write(boot)
+        stdin.close()
+        closed.set()
+        await until(lambda: not thread.is_alive(), 20, "the reader read the boot to its EOF")
+        assert on_time == [True], "close() blocked the event loop until the reader read"
+        assert bytes(got) == boot
+
+    run(go())
+
+
+def test_two_loads_cancelled_while_the_zygote_imports_leave_it_at_its_priority(
+        tmp_path: Path) -> None:
+    """Two loads hurry the zygote's imports; the first cancelled must not put it back at
+    nice 19 while the other still waits, nor the second restore the priority the first
+    had raised it to."""
+    tasks, spawn_task = tasks_of()
+    entry = ModelRegistry(build_preset({"models": {"m": {"model": "/m"}}})).entries["m"]
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task, "NICE")
+        pool.size = 0
+        try:
+            await pool._start_process(zygote=True)
+            assert pool.zygote is not None
+            pid = pool.zygote.proc.pid
+            await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, 10, "nice 19")
+            mine = os.getpriority(os.PRIO_PROCESS, 0)
+            first = asyncio.create_task(pool.take(entry))
+            await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == mine, 10, "hurried")
+            second = asyncio.create_task(pool.take(entry))
+            await asyncio.sleep(0.1)
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            assert os.getpriority(os.PRIO_PROCESS, pid) == mine  # the second still waits
+            second.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await second
+            assert os.getpriority(os.PRIO_PROCESS, pid) == 19
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_health_documents_what_it_says_of_spares_and_the_zygote(tmp_path: Path) -> None:
+    """``/health``'s schema names every field ``describe`` and ``describe_zygote`` give."""
+    from router.api.openapi import build_document
+
+    tasks, spawn_task = tasks_of()
+    schema = build_document([], auth=True)["components"]["schemas"]["Health"]["properties"]
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task)
+        try:
+            pool.replenish()
+            await until(lambda: bool(pool._spares), 30, "a spare is forked")
+            described = pool.describe_zygote()
+            assert described is not None and "zygote" in schema
+            spare = schema["spares"]["items"]["properties"]
+            assert set(described) == set(pool.describe()[0]) == set(spare)
+            assert set(schema["zygote"]["anyOf"][0]["properties"]) == set(described)
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_kernel_without_pidfds_starts_spares_as_processes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before Linux 5.3 (no ``pidfd_open``) a zygote cannot watch the router nor the
+    router wait for what it forked: spares are started as processes, as with
+    ``fork_spares: false``, instead of a zygote that dies after its imports, three
+    times after every load, and no spare at all."""
+    def no_pidfd(pid: int, flags: int = 0) -> int:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    tasks, spawn_task = tasks_of()
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task)
+        try:
+            pool.replenish()
+            await until(lambda: bool(pool._spares) or pool.zygote is not None, 30,
+                        "a spare or a zygote started")
+            assert pool.zygote is None and not pool._spares[0].forked
+        finally:
+            await pool.close()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    run(go())
+
+
+def test_a_zygote_that_cannot_get_its_socket_leaks_no_descriptor(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of descriptors (EMFILE) at the zygote's socket pair: the ready pipe made just
+    before is closed, and the failure counts (it was raised out of the task instead)."""
+    def no_socket(*args: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    tasks, spawn_task = tasks_of()
+
+    async def go() -> None:
+        pool = zygote_pool(tmp_path, spawn_task)
+        monkeypatch.setattr(socket, "socketpair", no_socket)
+        before = set(os.listdir("/proc/self/fd"))
+        try:
+            await pool._start_process(zygote=True)
+            assert pool.zygote is None and pool._failures == 1
+            assert set(os.listdir("/proc/self/fd")) <= before
         finally:
             await pool.close()
             await asyncio.gather(*tasks, return_exceptions=True)

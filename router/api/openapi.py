@@ -49,6 +49,7 @@ def _nullable(schema: Schema) -> Schema:
 
 
 _INT: Schema = {"type": "integer"}
+_BOOL: Schema = {"type": "boolean"}
 _STR: Schema = {"type": "string"}
 _NUM: Schema = {"type": "number"}
 
@@ -61,6 +62,8 @@ def _array(items: Schema) -> Schema:
     return {"type": "array", "items": items}
 
 
+_SPARE = _obj({"pid": _INT, "ready": _BOOL, "held": _BOOL, "forked": _BOOL, "rss_mib": _NUM,
+               "age_seconds": _NUM})  # ``router.workers.spares._describe``
 _CHAT_LOGPROBS = _nullable(_obj({"content": _nullable(_array(_obj(
     {"token": _STR, "logprob": _NUM, "bytes": _nullable(_array(_INT)),
      "top_logprobs": _array(_obj({"token": _STR, "logprob": _NUM,
@@ -220,8 +223,8 @@ RESPONSES: dict[str, Schema] = {
                              "deleted": {"type": "boolean"}}),
     "Health": _obj({"status": _STR}, {
         "models": {"type": "object", "additionalProperties": _STR},
-        "spares": _array(_obj({"pid": _INT, "ready": {"type": "boolean"},
-                               "rss_mib": _NUM, "age_seconds": _NUM})),
+        "spares": _array(_SPARE),
+        "zygote": _nullable(_SPARE),  # the spare that forks the others (fork_spares)
         "tasks": _INT}),
     "Event": _obj({"type": {"type": "string", "enum": [
         "hello", "activity", "state", "load", "eviction", "request", "batch", "dropped"]},

@@ -39,7 +39,7 @@ import psutil
 
 from router.registry import ModelEntry, ModelRegistry
 from router.workers.processes import group_members, kill_tree, log_tail, signal_all
-from router.workers.zygote import ForkedProcess, ZygoteError, ZygoteLink
+from router.workers.zygote import ForkedProcess, ZygoteError, ZygoteLink, ZygoteRefused
 from shared.lifeline import dies_with
 
 log = logging.getLogger("modelyard.router")
@@ -80,6 +80,10 @@ class Spare:
         """Its output went to the zygote's log until it took its model's."""
         self.held = False
         """Stopped (``SIGSTOP``) until a model stops streaming or a load needs it."""
+        self.hurried = 0
+        """Loads waiting for the zygote's imports, at the router's priority meanwhile."""
+        self.nice = 0
+        """The zygote's priority before the first of them raised it (restored after)."""
 
     def hold(self, held: bool) -> None:
         """Stop or continue the process (its imports); a process already gone is left."""
@@ -115,7 +119,11 @@ class SparePool:
                  spawn_task: Callable[[Coroutine[Any, Any, None]], None],
                  may_import: Callable[[], bool] = lambda: True, fork: bool = False) -> None:
         self.size = size
-        self.fork = fork
+        self.fork = fork and _has_pidfd()
+        if fork and not self.fork:
+            log.warning("fork_spares: this kernel has no pidfd (Linux 5.3+), which a forked "
+                        "spare needs (the router waits for it, it watches the router); "
+                        "spares are started as processes")
         self.zygote: Spare | None = None
         self._link: ZygoteLink | None = None
         self.may_import = may_import
@@ -148,6 +156,8 @@ class SparePool:
             return
         if self.fork and self.zygote is not None and not self.zygote.ready:
             return  # its pacing calls this once its imports are done
+        if self.fork and self._link is not None and self._link.broken:
+            return  # the zygote was stopped: its watcher calls this once it has exited
         if len(self._spares) >= self.size and not (self.fork and self.zygote is None):
             return
         self._starting = True
@@ -173,12 +183,16 @@ class SparePool:
         self._count += 1
         log_path = self.runtime_dir / (f"zygote{self._count}.log" if zygote
                                        else f"spare{self._count}.log")
-        ready_fd, told_fd = os.pipe()
-        os.set_blocking(ready_fd, False)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if zygote \
-            else (None, None)
-        extra = ["--zygote-fd", str(theirs.fileno())] if theirs is not None else []
-        try:
+        ready_fd: int | None = None
+        told_fd: int | None = None
+        ours: socket.socket | None = None
+        theirs: socket.socket | None = None
+        try:  # (EMFILE: each descriptor made so far is closed, and the failure counts)
+            ready_fd, told_fd = os.pipe()
+            os.set_blocking(ready_fd, False)
+            if zygote:
+                ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            extra = ["--zygote-fd", str(theirs.fileno())] if theirs is not None else []
             with open(log_path, "ab") as log_file:  # noqa: ASYNC230  # a local append: no wait
                 proc = await asyncio.create_subprocess_exec(
                     *self.command, "--ready-fd", str(told_fd), *extra,
@@ -188,14 +202,16 @@ class SparePool:
                     pass_fds=(told_fd,) + ((theirs.fileno(),) if theirs is not None else ()),
                     preexec_fn=dies_with(os.getpid()))  # dies with us, held or not
         except (OSError, ValueError) as err:
-            os.close(ready_fd)
+            if ready_fd is not None:
+                os.close(ready_fd)
             if ours is not None:
                 ours.close()
             self._failures += 1
             log.error("could not start a spare worker: %s: %s", type(err).__name__, err)
             return
         finally:
-            os.close(told_fd)
+            if told_fd is not None:
+                os.close(told_fd)
             if theirs is not None:
                 theirs.close()
         spare = Spare(proc, log_path, ready_fd)
@@ -215,12 +231,19 @@ class SparePool:
         assert zygote is not None and link is not None
         try:
             proc = await link.fork()
-        except ZygoteError as err:
-            if zygote.proc.returncode is None and self.zygote is zygote:
+        except ZygoteRefused as err:
+            if self.zygote is zygote:
                 log.warning("the zygote (pid %d) refused a fork: %s; spares are started as "
                             "processes from now on", zygote.proc.pid, err)
                 self.fork = False
                 self._end_zygote()
+            return None
+        except ZygoteError as err:  # gone, or its link broke: its watcher starts another
+            if self.zygote is zygote:
+                log.error("the zygote (pid %d) failed a fork: %s; it is stopped",
+                          zygote.proc.pid, err)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(zygote.proc.pid, signal.SIGKILL)  # (a link broken, it lives)
             return None
         log.info("spare worker pid %d forked from the zygote", proc.pid)
         return Spare(proc, zygote.log_path, None)
@@ -296,13 +319,22 @@ class SparePool:
             return None
         zygote.hold(False)
         if not zygote.poll_ready():
-            with contextlib.suppress(OSError):  # gone: its watcher says so
-                was = os.getpriority(os.PRIO_PROCESS, zygote.proc.pid)
-                _renice(zygote.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
-                while (zygote is self.zygote and zygote.proc.returncode is None
-                       and not zygote.poll_ready()):
-                    await asyncio.sleep(PACE)
-                _renice(zygote.proc.pid, was)  # (lowering a priority is always allowed)
+            try:  # the first load that hurries it notes its priority, the last restores it
+                if not zygote.hurried:
+                    zygote.nice = os.getpriority(os.PRIO_PROCESS, zygote.proc.pid)
+                    _renice(zygote.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+            except OSError:
+                pass  # gone: its watcher says so
+            else:
+                zygote.hurried += 1
+                try:
+                    while (zygote is self.zygote and zygote.proc.returncode is None
+                           and not zygote.poll_ready()):
+                        await asyncio.sleep(PACE)
+                finally:  # a load cancelled too: it must not import beside models
+                    zygote.hurried -= 1
+                    if not zygote.hurried:  # (lowering a priority is always allowed)
+                        _renice(zygote.proc.pid, zygote.nice)
         if zygote is not self.zygote or not zygote.ready:
             return None  # it died: a fresh process
         return await self._fork()  # (its exit is reaped whoever waits: ``ForkedProcess``)
@@ -348,7 +380,21 @@ def _describe(spare: Spare) -> dict[str, Any] | None:
 
 def _renice(pid: int, nice: int) -> None:
     """Set every thread of ``pid`` to ``nice`` where we may (raising a priority needs root
-    or ``RLIMIT_NICE``: without, it stays as it was)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    or ``RLIMIT_NICE``: without, it stays as it was); a process gone is left."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return  # (never raised: from a ``finally`` it would replace a cancellation)
+    for tid in tids:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+
+
+def _has_pidfd() -> bool:
+    """Whether this kernel opens pidfds (Linux 5.3+): without, a zygote dies at its first
+    line after its imports, and with it every forked spare there would have been."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (OSError, AttributeError):  # ENOSYS; (AttributeError: not Linux)
+        return False
+    return True

@@ -15,7 +15,8 @@ import asyncio
 import contextlib
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -26,15 +27,25 @@ UNKNOWN_EXIT = -1
 EXCHANGE_TIMEOUT = 30.0  # seconds a fork or a reap may take before the zygote is given up
 _decode: Callable[[bytes], Reply] = msgspec.json.Decoder(Reply).decode
 _encode = msgspec.json.Encoder().encode
+T = TypeVar("T")
 
 
 class ZygoteError(Exception):
-    """The zygote refused a fork, or is gone (the message says which)."""
+    """The zygote is gone, or its link broke (a timeout, a closed socket, a reply out of
+    turn): it is to be replaced."""
+
+
+class ZygoteRefused(ZygoteError):
+    """The zygote lives and refused a fork (a thread started in it): spares are started as
+    processes from then on."""
 
 
 class PipeStdin:
     """The write end of a forked process's stdin, written at ``close`` (its boot, a few
-    KiB: a pipe holds 64 KiB, and the process reads it as soon as it comes)."""
+    KiB) without blocking: what the pipe does not take at once (a pipe holds 64 KiB, but
+    4 KiB once this user has used ``/proc/sys/fs/pipe-user-pages-soft``, and a chat
+    template can be long) is written as the process reads it, from the event loop, so a
+    process that does not read (stuck after its fork) cannot stop the router."""
 
     def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
@@ -44,15 +55,42 @@ class PipeStdin:
         self._data += data
 
     def close(self) -> None:
+        """Raises ``BrokenPipeError`` where the process is gone already."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
+        view = memoryview(bytes(self._data))
+        self._data.clear()
         try:
-            view = memoryview(self._data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
+            os.set_blocking(fd, False)
+            view = _write(fd, view)
+        except BaseException:
             os.close(fd)
+            raise
+        if not view:
+            os.close(fd)
+            return
+        loop = asyncio.get_running_loop()
+
+        def more() -> None:
+            nonlocal view
+            try:
+                view = _write(fd, view)
+            except OSError:  # it exited: nobody reads it now
+                view = view[:0]
+            if not view:
+                loop.remove_writer(fd)
+                os.close(fd)
+
+        loop.add_writer(fd, more)
+
+
+def _write(fd: int, view: memoryview) -> memoryview:
+    """What is left of ``view`` once the pipe took what it could now."""
+    with contextlib.suppress(BlockingIOError):
+        while view:
+            view = view[os.write(fd, view):]
+    return view
 
 
 class ForkedProcess:
@@ -73,7 +111,8 @@ class ForkedProcess:
     def _on_exit(self) -> None:
         self._loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
-        self.stdin.close()  # nobody will read it now (BrokenPipe if a boot was left)
+        with contextlib.suppress(OSError):  # a boot left unwritten: nobody reads it now
+            self.stdin.close()  # (raised here, it would leave ``wait`` waiting for good)
         self._reaping = self._loop.create_task(self._reap())
 
     async def _reap(self) -> None:
@@ -89,56 +128,103 @@ class ForkedProcess:
 
 class ZygoteLink:
     """The router's end of a zygote's socket: once the zygote's imports are done, each
-    ``fork`` makes a spare of it, ready at once."""
+    ``fork`` makes a spare of it, ready at once.
+
+    An exchange, once sent, runs to its end whoever waits for it: a caller cancelled
+    meanwhile (a load unloaded) must neither let the next request go out before this one's
+    reply came back (it would take that reply) nor drop a ``Forked`` (the child would stay
+    a zombie in the zygote, never reaped). One that failed closes the link: a reply that
+    came late would answer the next request."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(EXCHANGE_TIMEOUT)
-        self._sock = sock
+        self._sock: socket.socket | None = sock
         self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[Any]] = set()  # exchanges whose caller left
+
+    @property
+    def broken(self) -> bool:
+        """An exchange failed (or ``close``): no more go out."""
+        return self._sock is None
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _ask(self, request: Request, fds: list[int]) -> Reply:
         data = _encode(request)
-
-        def exchange() -> bytes:
-            socket.send_fds(self._sock, [data], fds)
-            return self._sock.recv(MAX_MESSAGE)
-
         async with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise ZygoteError("the link to the zygote is closed")
+
+            def exchange() -> bytes:
+                socket.send_fds(sock, [data], fds)
+                return sock.recv(MAX_MESSAGE)
+
             try:
                 reply = await asyncio.to_thread(exchange)
             except OSError as err:  # a timeout too
+                self.close()
                 raise ZygoteError(f"{type(err).__name__}: {err}") from None
-        if not reply:
-            raise ZygoteError("the zygote closed its socket")
+            if not reply:
+                self.close()
+                raise ZygoteError("the zygote closed its socket")
         return _decode(reply)
 
     async def fork(self) -> ForkedProcess:
-        """A new spare, or ``ZygoteError``."""
+        """A new spare; ``ZygoteRefused``, or ``ZygoteError`` (the zygote is gone or its
+        link broke). A caller cancelled meanwhile leaves the fork to end: the spare it
+        made gets no boot (EOF), exits, and is reaped."""
+        task = self._run(self._fork())
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(_abandon)
+            raise
+
+    async def _fork(self) -> ForkedProcess:
         read, write = os.pipe()
         try:
-            reply = await self._ask(Fork(), [read])
+            try:
+                reply = await self._ask(Fork(), [read])
+            finally:
+                os.close(read)  # (only once the exchange has sent it)
+            if isinstance(reply, Refused):
+                raise ZygoteRefused(reply.reason)
+            if not isinstance(reply, Forked):
+                self.close()
+                raise ZygoteError(f"a reply out of turn: {reply!r}")
+            try:
+                return ForkedProcess(reply.pid, write, self)
+            except OSError as err:  # pidfd_open: it cannot have been reaped, so this is odd
+                self.close()
+                raise ZygoteError(f"{type(err).__name__}: {err}") from None
         except BaseException:
             os.close(write)
             raise
-        finally:
-            os.close(read)
-        if not isinstance(reply, Forked):
-            os.close(write)
-            raise ZygoteError(reply.reason if isinstance(reply, Refused) else repr(reply))
-        try:
-            return ForkedProcess(reply.pid, write, self)
-        except OSError as err:  # pidfd_open: it cannot have been reaped, so this is odd
-            os.close(write)
-            raise ZygoteError(f"{type(err).__name__}: {err}") from None
 
     async def reap(self, pid: int) -> int | None:
         """``pid``'s exit code (it exited); ``None`` where the zygote cannot tell."""
         try:  # (a zygote gone: its children were reparented and reaped by another)
-            reply = await self._ask(Reap(pid=pid), [])
+            reply = await asyncio.shield(self._run(self._ask(Reap(pid=pid), [])))
         except ZygoteError:
             return None
         return reply.code if isinstance(reply, Reaped) else None
 
     def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def _abandon(task: asyncio.Task[ForkedProcess]) -> None:
+    """A fork whose caller was cancelled: its spare gets EOF for a boot and exits (its
+    pidfd then has the zygote reap it)."""
+    if not task.cancelled() and task.exception() is None:
+        stdin = task.result().stdin
         with contextlib.suppress(OSError):
-            self._sock.close()
+            stdin.close()
