@@ -304,7 +304,8 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ttl: float | None = None
     """Idle seconds before the model is stopped; default: the server's ``ttl``; 0 = never."""
     idle_action: Literal["stop", "sleep"] = "stop"
-    """``sleep`` keeps a GPU model in vLLM sleep mode (level 1) when idle; CPU: stop."""
+    """``sleep`` keeps a GPU model in vLLM sleep mode (level 1) when idle; CPU, or a GPU
+    engine without sleep mode (``sleep_mode``): stop."""
     memory_gib: float | None = None
     """Footprint counted against ``memory_budget_gib``; default: CPU ``kv_cache_gib`` + 1,
     GPU ``gpu_memory_utilization`` × the device's memory (NVML)."""

@@ -265,11 +265,15 @@ def test_only_a_ready_idle_unpinned_model_expires() -> None:
 
 
 def test_idle_action_sleep_sleeps_a_gpu_model_and_stops_a_cpu_one() -> None:
+    """And a GPU model whose engine has no sleep mode (``enable_sleep_mode: false``) stops:
+    on 1ed4268 it was sent a sleep its engine could not do, which failed at each idle."""
     m, server = models({"ttl": 1}, gpu={"device": "cuda", "gpus": [0], "idle_action": "sleep"},
-                       cpu={"idle_action": "sleep"}, plain={"device": "cuda", "gpus": [1]})
-    entries = [running(m["gpu"]), running(m["cpu"]), running(m["plain"])]
+                       cpu={"idle_action": "sleep"}, plain={"device": "cuda", "gpus": [1]},
+                       off={"device": "cuda", "gpus": [2], "idle_action": "sleep",
+                            "engine_args": {"enable_sleep_mode": False}})
+    entries = [running(m["gpu"]), running(m["cpu"]), running(m["plain"]), running(m["off"])]
     assert [(d.entry.id, d.action) for d in idle.due(entries, NOW, server)] == [
-        ("gpu", "sleep"), ("cpu", "stop"), ("plain", "stop")]
+        ("gpu", "sleep"), ("cpu", "stop"), ("plain", "stop"), ("off", "stop")]
 
 
 def test_the_policy_imports_nothing_of_the_supervisor() -> None:

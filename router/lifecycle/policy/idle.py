@@ -57,9 +57,11 @@ def due(models: Iterable[ModelEntry], now: float, server: ServerConfig) -> list[
     """The models idle past their limit, each with what to do: sleep on a GPU with
     ``idle_action: sleep``, else stop; and parked models past the parking limits (a
     reload lowered ``max_parked_models`` or ``park_memory_gib``): the least recently
-    used stop until the rest fit (only those with nothing in flight)."""
+    used stop until the rest fit (only those with nothing in flight). A GPU model whose
+    engine started without sleep mode (``shared.config.sleep_mode``) stops: a sleep would
+    fail at each idle time, then stop it anyway."""
     models = list(models)
-    out = [IdleDecision(e, "sleep" if e.spec.idle_action == "sleep" and e.spec.device == "cuda"
+    out = [IdleDecision(e, "sleep" if e.spec.idle_action == "sleep" and park.sleeps(e.spec)
                         and e.state == "ready" else "stop", now - e.last_used)
            for e in models if expired(e, now, server)]
     going = {d.entry.id for d in out}
