@@ -637,11 +637,14 @@ def _check_replicas(spec: ModelSpec, source: str) -> None:
             raise ConfigError(f"{where}: key 'replicas.max': {wanted.max} replicas need a "
                               f"core each, and cpu_cores \"{spec.cpu_cores}\" has {cores} "
                               "(replicas never share cores)")
-    if spec.device == "cuda" and wanted.max > 1:
+    if spec.device == "cuda" and wanted.max > 1 and spec.backend != "ray":  # Ray: its own
         gpus = len(spec.gpus or [0])
-        if gpus < wanted.max or gpus % wanted.max:
+        if (gpus < wanted.max or gpus % wanted.max
+                or gpus // wanted.max < spec.tensor_parallel_size):
             raise ConfigError(f"{where}: key 'replicas.max': {wanted.max} replicas need "
-                              f"their own GPUs, the same number each, and gpus lists {gpus}")
+                              "their own GPUs, the same number each and at least "
+                              f"tensor_parallel_size ({spec.tensor_parallel_size}), and "
+                              f"gpus lists {gpus}")
     if wanted.max > REPLICAS_SERVED:
         raise ConfigError(f"{where}: key 'replicas.max': replicas > {REPLICAS_SERVED} are "
                           f"not served yet (asked for {wanted.max}); set replicas to "

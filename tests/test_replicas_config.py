@@ -87,6 +87,8 @@ def test_a_number_is_min_and_max() -> None:
     ({"replicas": 3, "cpu_cores": "0-1"}, "replicas.max", "a core each"),
     ({"replicas": 2, "device": "cuda", "gpus": [0, 1, 2]}, "replicas.max", "own GPUs"),
     ({"replicas": 2, "device": "cuda"}, "replicas.max", "own GPUs"),
+    ({"replicas": 2, "device": "cuda", "gpus": [0, 1], "tensor_parallel_size": 2},
+     "replicas.max", "at least tensor_parallel_size (2)"),
     ({"routing": {"strategy": "random"}}, "routing.strategy", "Invalid enum value"),
     ({"routing": {"min_prefix_share": 1.5}}, "routing.min_prefix_share", "<= 1"),
     ({"routing": {"balance_rel": 0.9}}, "routing.balance_rel", ">= 1"),
@@ -106,6 +108,9 @@ def test_replicas_fit_their_cores_and_gpus() -> None:
     assert preset({"replicas": 2, "cpu_cores": "0-1"}).models["m"].replicas.max == 2
     spec = preset({"replicas": 2, "device": "cuda", "gpus": [0, 1, 2, 3]}).models["m"]
     assert spec.replicas.max == 2
+    # Ray gives each replica's actor its own GPUs: the preset names none
+    ray = preset({"replicas": 2, "device": "cuda", "backend": "ray"}).models["m"]
+    assert ray.replicas.max == 2
 
 
 def test_a_models_routing_goes_over_the_servers_key_by_key() -> None:
