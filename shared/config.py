@@ -89,6 +89,53 @@ class ConfigError(ValueError):
     """A preset file is unreadable or invalid; the message names file, model and key."""
 
 
+MAX_REPLICAS = 64
+"""The most replicas one model may ask for (``replicas.max``): a typo such as ``400``
+fails at load instead of filling the machine."""
+REPLICAS_SERVED = 1
+"""The most replicas of one model this version runs. Until replicas are wired into the
+lifecycle (issue 35, S2) a preset asking for more is refused at load: serving one replica
+where the preset asked for several would hide the mistake."""
+
+
+class Replicas(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """How many workers (replicas) one model runs and when that number moves
+    (``router.lifecycle.policy.scale``). ``replicas: N`` in a preset is ``min = max = N``."""
+
+    min: Annotated[int, msgspec.Meta(ge=0)] = 1
+    """Replicas kept while the model is loaded; 0: the last one stops after ``idle`` s, and
+    the next request loads the model as a cold one."""
+    max: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS)] = 1
+    """Replicas the model may run at once; each takes its own share of ``cpu_cores`` and
+    ``gpus`` (``router.workers.placement.replica_spec``)."""
+    idle: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """Seconds a replica serves nothing before it is removed (while more than ``min``)."""
+    up_wait: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """A replica is added when the model's oldest waiting request (batch lines aside) has
+    waited this long ..."""
+    up_after: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    """... and has kept doing so for this long (a burst that clears by itself adds none)."""
+    cooldown: Annotated[float, msgspec.Meta(ge=0)] = 10.0
+    """Seconds after one replica was added or removed before the next change: a start
+    takes seconds to relieve the queue, and counting again too soon would overshoot."""
+
+
+class Routing(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Which replica of a model serves a request (``router.lifecycle.policy.route``)."""
+
+    strategy: Literal["prefix", "round_robin", "least_loaded"] = "prefix"
+    """``prefix``: the replica that already holds the longest part of the prompt (or the
+    conversation's), unless it is overloaded against the least loaded one; the others
+    are kept to compare with and for loads without shared prefixes."""
+    min_prefix_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
+    """The share of a prompt a replica must hold for ``prefix`` to prefer it."""
+    balance_abs: Annotated[int, msgspec.Meta(ge=0)] = 4
+    """A replica is overloaded when it has at least this many requests more than the
+    least loaded one ..."""
+    balance_rel: Annotated[float, msgspec.Meta(ge=1)] = 1.5
+    """... and at least this many times its load (SGLang's gateway's two thresholds)."""
+
+
 class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8080
@@ -230,6 +277,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     batches_per_key: Annotated[int, msgspec.Meta(ge=1)] = 8
     """Batches one key may have in flight at once (not yet ended, both APIs together); a
     create past it is a 429 (``too_many_batches``) until one ends or is cancelled."""
+    routing: Routing = msgspec.field(default_factory=Routing)
+    """How every model picks among its replicas; a model's own ``routing`` keys win, key
+    by key (filled in at load)."""
 
 
 class SamplingDefaults(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,
@@ -367,6 +417,12 @@ class ModelSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ranks that holds every declared adapter, at least 16. What lies in ``adapters_dir``
     never changes it (nor restarts the base at a reload): a folder of a higher rank is
     refused, naming this key."""
+    replicas: Replicas = msgspec.field(default_factory=Replicas)
+    """How many workers serve the model (``Replicas``): ``N`` or ``{min, max, idle,
+    up_wait, up_after, cooldown}``; INI: ``replicas = 2`` or ``replicas.max = 2``."""
+    routing: Routing = msgspec.field(default_factory=Routing)
+    """How a request picks one of the model's replicas (``Routing``); default: the
+    server's ``routing``, with the keys given here over it."""
     engine_args: dict[str, Any] = {}
     """Extra ``AsyncEngineArgs`` keyword arguments, passed through unchanged."""
     env: dict[str, str] = {}
@@ -408,7 +464,8 @@ def serves_adapters(spec: ModelSpec) -> bool:
 
 ROUTER_ONLY_FIELDS = frozenset({"aliases", "ttl", "pinned", "priority", "min_resident",
                                 "idle_action", "owned_by", "load_on_startup",
-                                "max_tokens_overflow", "loading_progress"})
+                                "max_tokens_overflow", "loading_progress", "replicas",
+                                "routing"})
 """``ModelSpec`` fields only the router reads: a reload changes them in a running model
 without restarting its worker."""
 
@@ -469,6 +526,7 @@ class Preset(msgspec.Struct, kw_only=True):
 
 _LIST_KEYS = ("aliases", "gpus", "trusted_proxies", "preload", "api_keys",  # comma-separated
               "admin_api_keys", "adapter_roots")                         # in INI
+_INI_TABLES = ("sampling_defaults", "replicas", "routing")  # INI: "replicas.max = 2"
 _ENV_RE = re.compile(r"\$(\$)?\{env:([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _AT_RE = re.compile(r"\s*- at `\$((?:\.\w+|\[\d+\])*)`")
 
@@ -521,8 +579,10 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
         if "base" in body:  # an adapter model: made from its base's spec below
             adapters[name] = body
             continue
-        merged = _off_word({**defaults, **body, "id": name}, f"{source}: model '{name}'")
-        models[name] = _convert(merged, ModelSpec, f"{source}: model '{name}'")
+        where = f"{source}: model '{name}'"
+        merged = _off_word({**defaults, **body, "id": name}, where)
+        merged = _replicas_and_routing(merged, server, where)
+        models[name] = _convert(merged, ModelSpec, where)
         if models[name].backend is None:
             models[name].backend = server.backend
         template = _read_template(models[name], source)
@@ -531,6 +591,65 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
     _add_adapters(models, adapters, source)
     _check_names(models, server, source)
     return Preset(server=server, models=models, source=source, read_files=read_files)
+
+
+def _replicas_and_routing(body: dict[str, Any], server: ServerConfig,
+                          where: str) -> dict[str, Any]:
+    """``body`` with ``replicas: N`` written out as ``{min: N, max: N}`` and its
+    ``routing`` keys laid over the server's (a model that names only ``strategy`` keeps
+    the server's thresholds)."""
+    out = dict(body)
+    count = out.get("replicas")
+    if isinstance(count, bool):  # YAML's yes/no: a number was meant, or a typo
+        raise ConfigError(f"{where}: key 'replicas': expected a number or "
+                          "{min, max, idle, up_wait, up_after, cooldown}")
+    if isinstance(count, str):  # INI's values are text; YAML's "2" is taken as well
+        try:
+            count = int(count.strip())
+        except ValueError:
+            raise ConfigError(f"{where}: key 'replicas': expected a number or "
+                              f"{{min, max, ...}}, got \"{count}\"") from None
+    if isinstance(count, int):
+        if count < 1:  # "replicas: 0" would be a model that can never serve
+            raise ConfigError(f"{where}: key 'replicas': expected at least 1 (scale to "
+                              "zero with replicas.min: 0)")
+        out["replicas"] = {"min": count, "max": count}
+    routing = out.get("routing")
+    if routing is None or isinstance(routing, dict):
+        out["routing"] = {**msgspec.to_builtins(server.routing), **(routing or {})}
+    return out
+
+
+def _check_replicas(spec: ModelSpec, source: str) -> None:
+    """``replicas`` that can be served: ``min <= max``, a core and a GPU per replica
+    where the model names them, no scale to zero for a pinned model, and no more than
+    ``REPLICAS_SERVED`` (until the lifecycle runs replicas: never one silently)."""
+    where = f"{source}: model '{spec.id}'"
+    wanted = spec.replicas
+    if wanted.min > wanted.max:
+        raise ConfigError(f"{where}: key 'replicas.min': {wanted.min} is above "
+                          f"replicas.max ({wanted.max})")
+    if wanted.min == 0 and spec.pinned:
+        raise ConfigError(f"{where}: key 'replicas.min': 0 stops the model when idle, "
+                          "which a pinned model never is; set min to 1 or drop 'pinned'")
+    if spec.cpu_cores is not None and spec.device == "cpu":
+        cores = len(parse_cores(spec.cpu_cores))  # checked by _check_names before
+        if cores < wanted.max:
+            raise ConfigError(f"{where}: key 'replicas.max': {wanted.max} replicas need a "
+                              f"core each, and cpu_cores \"{spec.cpu_cores}\" has {cores} "
+                              "(replicas never share cores)")
+    if spec.device == "cuda" and wanted.max > 1 and spec.backend != "ray":  # Ray: its own
+        gpus = len(spec.gpus or [0])
+        if (gpus < wanted.max or gpus % wanted.max
+                or gpus // wanted.max < spec.tensor_parallel_size):
+            raise ConfigError(f"{where}: key 'replicas.max': {wanted.max} replicas need "
+                              "their own GPUs, the same number each and at least "
+                              f"tensor_parallel_size ({spec.tensor_parallel_size}), and "
+                              f"gpus lists {gpus}")
+    if wanted.max > REPLICAS_SERVED:
+        raise ConfigError(f"{where}: key 'replicas.max': replicas > {REPLICAS_SERVED} are "
+                          f"not served yet (asked for {wanted.max}); set replicas to "
+                          f"{REPLICAS_SERVED}")
 
 
 def _preset_path(value: str, source: str) -> Path:
@@ -673,6 +792,7 @@ def _check_names(models: dict[str, ModelSpec], server: ServerConfig, source: str
                 raise ConfigError(f"{source}: model '{spec.id}': key 'cpu_cores': expected core "
                                   f"numbers and ranges such as \"0-3,6\", got "
                                   f"\"{spec.cpu_cores}\"")
+        _check_replicas(spec, source)
     if server.default_model and server.default_model.lower() not in owner:
         raise ConfigError(f"{source}: [server]: key 'default_model': no model or alias "
                           f"named '{server.default_model}'")
@@ -741,8 +861,14 @@ def _ini_section(section: configparser.SectionProxy, where: str,
             out.setdefault("env", {})[key[4:].upper()] = value
         elif key.startswith("engine_args."):
             out.setdefault("engine_args", {})[key[12:]] = _ini_scalar(value)
-        elif key.startswith("sampling_defaults."):
-            out.setdefault("sampling_defaults", {})[key[18:]] = value
+        elif key.partition(".")[0] in _INI_TABLES and "." in key:
+            table, _, inner = key.partition(".")
+            given = out.setdefault(table, {})
+            if not isinstance(given, dict):  # "replicas = 2" and "replicas.max = 3"
+                raise ConfigError(f"{where}: key '{key}': not beside '{table} = {given}'")
+            given[inner] = value
+        elif key in _INI_TABLES and key in out:
+            raise ConfigError(f"{where}: key '{key}': not beside '{key}.' keys")
         else:
             out[key] = value
     return out

@@ -56,8 +56,9 @@ RUNTIME_KEYS = frozenset({"ttl", "default_model", "max_loaded_models", "memory_b
                           "max_queue_depth", "drain_timeout", "load_timeout", "send_timeout",
                           "swap_wait", "preload", "keep_alive_max",
                           "max_parked_models", "park_memory_gib", "park_quantum",
-                          "loading_progress", "adapter_roots"})
-"""Server keys a reload applies: everything that reads them reads the live value."""
+                          "loading_progress", "adapter_roots", "routing"})
+"""Server keys a reload applies: everything that reads them reads the live value (the
+server's ``routing`` is copied into each model's at load, which a reload swaps in)."""
 KEY_KEYS = frozenset({"api_keys", "admin_api_keys", "api_key_file"})
 WATCH_SECONDS = 1.0
 

@@ -1,7 +1,8 @@
 """Where a worker runs and whether it fits: CPU core sets, GPUs, memory budgets.
 
 Pure bookkeeping (no processes): ``Placer.place`` picks cores for a CPU model and returns
-the variables vLLM reads; ``release`` frees them when the worker stops. ``footprint`` and
+the variables vLLM reads; ``release`` frees them when the worker stops. ``replica_spec``
+gives each replica of a model its own share of the model's cores or GPUs. ``footprint`` and
 ``fits`` decide whether one more model may load; GPU memory comes from NVML when the
 ``nvidia-ml-py`` package and a driver are present (``read_gpus``, re-exported from
 ``router.workers.nvml``), else from nothing.
@@ -13,6 +14,8 @@ import asyncio
 import os
 from collections.abc import Callable, Iterable
 
+import msgspec
+
 from router.workers.nvml import (
     ASLEEP_GIB,
     GIB,
@@ -23,7 +26,8 @@ from router.workers.nvml import (
 from shared.config import ConfigError, ModelSpec, ServerConfig, format_cores, parse_cores
 
 __all__ = ["ASLEEP_GIB", "GIB", "GpuMemory", "Placer", "check_budgets", "devices", "fits",
-           "footprint", "nvml_process_memory", "read_gpus", "runs_beside", "within_budgets"]
+           "footprint", "nvml_process_memory", "read_gpus", "replica_spec", "runs_beside",
+           "shares", "within_budgets"]
 
 
 def devices(spec: ModelSpec) -> list[str]:
@@ -93,6 +97,66 @@ def check_budgets(models: Iterable[ModelSpec], server: ServerConfig,
             if budget is not None and gib > budget + 1e-9:
                 raise ConfigError(f"model '{spec.id}': needs {gib:g} GiB on {key}, more than "
                                   f"its whole memory_budget_gib of {budget:g}")
+
+
+def shares(items: list[int], count: int) -> list[list[int]]:
+    """``items`` cut into ``count`` contiguous slices, as even as may be, the first ones
+    longer by one where they do not divide (``[0..4]`` over 2: ``[0, 1, 2]``, ``[3, 4]``).
+    Contiguous, so a replica's cores are neighbours (one cache, one NUMA node)."""
+    if count < 1 or len(items) < count:
+        raise ValueError(f"{len(items)} cannot be shared by {count}")
+    size, extra = divmod(len(items), count)
+    out: list[list[int]] = []
+    start = 0
+    for n in range(count):
+        end = start + size + (n < extra)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def replica_spec(spec: ModelSpec, n: int, count: int,
+                 host_cores: set[int] | None = None) -> ModelSpec:
+    """Replica ``n`` (from 0) of ``count``'s own spec: its disjoint share of the model's
+    ``cpu_cores`` (``"0-3"`` over 2: ``"0-1"``, ``"2-3"``), or of ``host_cores`` where the
+    model names none (the ``Placer``'s cores: else the first replica would take every free
+    core), and its share of ``gpus`` (the same number each). Siblings never share a core
+    or a GPU; one replica is ``spec`` itself, so a model of one replica runs as before.
+    On Ray, GPUs (and cores the preset does not name) are Ray's to hand out per actor.
+
+    ``count`` is the model's ``replicas.max``, not how many run: a replica added later
+    then never needs a core a running sibling holds (cores are bound when a worker starts).
+    A share that cannot be cut (fewer cores or GPUs than replicas, GPUs that do not divide)
+    is a ``ConfigError`` naming the model and key; the preset's load refuses it first."""
+    if not 0 <= n < count:
+        raise ValueError(f"replica {n} of {count}")
+    if count == 1:
+        return spec
+    where = f"model '{spec.id}'"
+    ray = spec.backend == "ray"
+    if spec.device == "cuda":
+        if ray:  # Ray hands each actor its own GPUs (``num_gpus``): nothing to cut here
+            return spec
+        gpus = spec.gpus or [0]
+        if len(gpus) < count or len(gpus) % count:
+            raise ConfigError(f"{where}: key 'gpus': {len(gpus)} GPUs cannot be shared "
+                              f"equally by {count} replicas")
+        share = shares(gpus, count)[n]
+        if len(share) < spec.tensor_parallel_size:
+            raise ConfigError(f"{where}: key 'gpus': {len(share)} GPUs per replica, fewer "
+                              f"than tensor_parallel_size ({spec.tensor_parallel_size})")
+        return msgspec.structs.replace(spec, gpus=share)
+    if ray and not spec.cpu_cores:  # Ray pins no cores it was not told of (``num_cpus``)
+        return spec
+    named = parse_cores(spec.cpu_cores) if spec.cpu_cores else host_cores
+    if not named:  # nothing to cut: siblings would be placed on the same cores
+        raise ConfigError(f"{where}: key 'cpu_cores': {count} replicas need cores to share "
+                          "and none are known")
+    if len(named) < count:
+        raise ConfigError(f"{where}: key 'cpu_cores': {len(named)} cores "
+                          f"(\"{format_cores(named)}\") cannot give {count} replicas one each")
+    return msgspec.structs.replace(
+        spec, cpu_cores=format_cores(set(shares(sorted(named), count)[n])))
 
 
 class Placer:
