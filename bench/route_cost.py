@@ -11,7 +11,9 @@ are routed first, so the index holds their prefixes; then ``DECISIONS`` requests
 conversation, half with a session (``user``), with random loads. Over 2 and 8 replicas.
 Wall time and the thread's CPU time per decision: on a shared machine the wall p99 holds
 the other processes' turns on the cores (``load_average_1m`` says how busy it was).
-Also what ``forget`` (a replica's crash) costs at that size and the index's memory per block.
+Also what ``forget`` (a replica's crash: its slot marked dead) and ``sweep`` (the pass that
+clears dead slots' bits, once slots run out) cost at that size, and the index's memory
+per block.
 """
 
 from __future__ import annotations
@@ -134,7 +136,10 @@ def run(count: int, rng: random.Random, systems: list[str]) -> dict[str, Any]:
     blocks_held = len(index)
     started = time.perf_counter_ns()
     index.forget(0)
-    forget_ms = (time.perf_counter_ns() - started) / 1e6
+    forget_us = (time.perf_counter_ns() - started) / 1e3
+    started = time.perf_counter_ns()
+    index.sweep()
+    sweep_ms = (time.perf_counter_ns() - started) / 1e6
     return {
         "decision_us_p50": round(statistics.median(decision_us), 1),
         "decision_us_p99": round(pct(decision_us, 99), 1),
@@ -144,7 +149,8 @@ def run(count: int, rng: random.Random, systems: list[str]) -> dict[str, Any]:
         "match_choose_record_us_p50": round(
             statistics.median(d - h for d, h in zip(decision_us, hash_us, strict=True)), 1),
         "indexed_blocks": blocks_held,
-        "forget_one_replica_ms": round(forget_ms, 1),
+        "forget_one_replica_us": round(forget_us, 1),
+        "sweep_ms": round(sweep_ms, 1),
         "chosen_by": dict(sorted(why.items())),
         "prompt_bytes_p50": int(statistics.median(sizes)),
     }
@@ -171,13 +177,13 @@ def main() -> None:
                               "systems": SYSTEMS,
                               "load_average_1m": round(os.getloadavg()[0], 2)}
     rows: list[tuple[Any, ...]] = [("replicas", "decision p50 µs", "p99 µs", "CPU p50 µs",
-                                    "CPU p99 µs", "hashing p50 µs", "blocks", "forget ms")]
+                                    "CPU p99 µs", "hashing p50 µs", "blocks", "sweep ms")]
     for count in REPLICAS:
         r = run(count, rng, systems)
         result[f"replicas_{count}"] = r
         rows.append((count, r["decision_us_p50"], r["decision_us_p99"],
                      r["decision_cpu_us_p50"], r["decision_cpu_us_p99"], r["hash_us_p50"],
-                     r["indexed_blocks"], r["forget_one_replica_ms"]))
+                     r["indexed_blocks"], r["sweep_ms"]))
     result["index_bytes_per_block"] = memory_per_block(rng)
     report("route_cost", result, rows)
 

@@ -256,18 +256,51 @@ def test_forget_drops_a_replicas_blocks_and_sessions_and_keeps_the_others() -> N
     index.routed(0, a, b"s0")
     index.routed(1, a, b"s1")
     index.routed(1, b, b"s2")
-    before = len(index)
     only_b = set(b.hashes) - set(a.hashes)
     assert index.match(b) == {0: len(b.hashes) - len(only_b), 1: len(b.hashes)}
     index.forget(1)
     assert index.match(a) == {0: len(a.hashes)}
     assert index.match(b) == {0: len(b.hashes) - len(only_b)}  # the system prompt's blocks
-    assert len(index) == before - len(only_b)
     assert index.session(b"s0") == 0
     assert index.session(b"s1") is None and index.session(b"s2") is None
-    assert index.sessions == 1
     index.forget(0)
-    assert len(index) == 0 and index.sessions == 0 and index.match(a) == {}
+    assert index.match(a) == {} and index.session(b"s0") is None
+    index.forget(5)  # never seen: nothing to forget
+
+
+def test_a_replica_restarted_under_its_number_starts_empty() -> None:
+    index = PrefixIndex()
+    a, b = blocks_of(chat("a" * 600)), blocks_of(chat("b" * 600))
+    index.routed(1, a, b"s")
+    index.forget(1)
+    index.routed(1, b)
+    assert index.match(a) == {1: len(a.hashes) - len(set(a.hashes) - set(b.hashes))}
+    assert index.match(b) == {1: len(b.hashes)}
+    assert index.session(b"s") is None
+
+
+def test_forgotten_replicas_bits_are_swept_before_their_slots_are_reused() -> None:
+    """A crash only marks its slot dead; once no slot is left a sweep clears them all,
+    blocks and sessions, and no restarted replica inherits another's blocks."""
+    index = PrefixIndex()
+    index.routed(0, PromptBlocks((1, 2), 2 * BLOCK), b"keep")
+    for crash in range(3 * PrefixIndex.SLOTS):
+        number = 1000 + crash  # replica numbers are any int
+        index.routed(number, PromptBlocks((1, 2, 3 + crash), 3 * BLOCK), bytes([crash % 256]) * 2)
+        assert index.match(PromptBlocks((1, 2, 3 + crash), 3 * BLOCK)) == {0: 2, number: 3}
+        index.forget(number)
+        assert index.match(PromptBlocks((1, 2, 3 + crash), 3 * BLOCK)) == {0: 2}
+    assert len(index) < 2 + PrefixIndex.SLOTS  # swept: the dead-only blocks are gone
+    assert index.sessions < 1 + PrefixIndex.SLOTS
+    assert index.session(b"keep") == 0
+
+
+def test_more_live_replicas_than_slots_are_refused() -> None:
+    index = PrefixIndex()
+    for number in range(PrefixIndex.SLOTS):
+        index.insert(number, PromptBlocks((number,), BLOCK))
+    with pytest.raises(ValueError):
+        index.insert(PrefixIndex.SLOTS, PromptBlocks((1,), BLOCK))
 
 
 def test_the_index_stays_within_its_bounds_under_100_000_inserts() -> None:

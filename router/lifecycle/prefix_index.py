@@ -125,24 +125,40 @@ def session_key(owner: str, header: str | None = None, previous_response_id: str
 
 
 class PrefixIndex:
-    """One model's record of the block hashes sent to each replica (replicas by number,
-    one bit each) and of the replica each session last went to. Both bounded, least
-    recently used out first.
+    """One model's record of the block hashes sent to each replica and of the replica each
+    session last went to. Both bounded, least recently used out first.
+
+    A replica is one bit of a block's mask: its *slot*, given at its first insert and
+    taken back by ``forget``. A forgotten slot's bits stay in the masks, ignored (``_live``),
+    until so many slots are dead that a new one would pass ``SLOTS``: then one pass clears
+    them all (``sweep``). So a crash costs the event loop nothing per block, and a restarted
+    replica of the same number starts empty in a fresh slot.
 
     The blocks live in an ``OrderedDict`` rather than a ``cachetools.LRUCache``: that keeps a
     dict and an ``OrderedDict`` beside it (twice the memory per block) behind Python-level
-    methods on every lookup, and ``forget`` rewrites values in place, which an
-    ``OrderedDict`` does without reordering. The session map is a plain ``LRUCache``: one
-    read and one write a request.
+    methods on every lookup, and a sweep rewrites values in place, which an ``OrderedDict``
+    does without reordering. The session map is a plain ``LRUCache``: one read and one
+    write a request.
     """
+
+    SLOTS = 60
+    """Bits a mask may use: below 2**60 a Python int is two machine digits at most."""
 
     def __init__(self, blocks: int = DEFAULT_BLOCKS, sessions: int = DEFAULT_SESSIONS) -> None:
         if blocks < 1 or sessions < 1:
             raise ValueError("a prefix index holds at least one block and one session")
         self._capacity = blocks
         self._owners: OrderedDict[int, int] = OrderedDict()
-        """Block hash -> bitmask of the replicas it was sent to."""
+        """Block hash -> bitmask of the slots it was sent to."""
         self._sessions: LRUCache[bytes, int] = LRUCache(maxsize=sessions)
+        """Session key -> the slot it last went to."""
+        self._slot: dict[int, int] = {}
+        """Replica number -> its slot's bit."""
+        self._replica: dict[int, int] = {}
+        """A live slot's bit -> its replica's number."""
+        self._live = 0
+        self._dead = 0
+        """Slots forgotten whose bits may still be in masks and sessions."""
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -151,11 +167,26 @@ class PrefixIndex:
     def sessions(self) -> int:
         return len(self._sessions)
 
+    def _bit(self, replica: int) -> int:
+        bit = self._slot.get(replica)
+        if bit is not None:
+            return bit
+        taken = self._live | self._dead
+        free = ~taken & (taken + 1)  # the lowest clear bit
+        if free >> self.SLOTS:
+            self.sweep()
+            free = ~self._live & (self._live + 1)
+            if free >> self.SLOTS:
+                raise ValueError(f"a prefix index tells at most {self.SLOTS} replicas apart")
+        self._slot[replica], self._replica[free] = free, replica
+        self._live |= free
+        return free
+
     def insert(self, replica: int, blocks: PromptBlocks) -> None:
         """``blocks`` were sent to ``replica``. The deepest block is touched first and the
         first last, so aging drops a prefix's tail before its head (a tree's leaves before
         its root) and a lookup's walk from the head finds what is left."""
-        bit = 1 << replica
+        bit = self._bit(replica)
         owners = self._owners
         for h in reversed(blocks.hashes):
             mask = owners.get(h)
@@ -171,40 +202,55 @@ class PrefixIndex:
         """Per replica that was sent a prompt beginning as this one does: how many of its
         blocks, from the first, it was sent. Reads only: a match that routes elsewhere does
         not keep its blocks young."""
-        get = self._owners.get
+        get, live = self._owners.get, self._live
         found: dict[int, int] = {}
-        alive = 0
+        alive = live
         for depth, h in enumerate(blocks.hashes):
-            mask = get(h, 0)
-            if depth:
-                mask &= alive
-                if gone := alive & ~mask:
-                    _record(found, gone, depth)
+            mask = get(h, 0) & alive
+            if depth and (gone := alive & ~mask):  # at the first block: never matched
+                self._record(found, gone, depth)
             if not mask:
                 return found
             alive = mask
-        _record(found, alive, len(blocks.hashes))
+        self._record(found, alive, len(blocks.hashes))
         return found
 
+    def _record(self, found: dict[int, int], mask: int, depth: int) -> None:
+        """Each replica whose slot is in ``mask`` matched ``depth`` blocks."""
+        while mask:
+            low = mask & -mask
+            found[self._replica[low]] = depth
+            mask ^= low
+
     def forget(self, replica: int) -> None:
-        """``replica`` crashed or stopped: its engine's cache is gone, and so are its blocks
-        and sessions here (one pass over the index: a crash's cost, not a request's)."""
-        bit = 1 << replica
-        owners = self._owners
-        for h in [h for h, mask in owners.items() if mask & bit]:
-            if mask := owners[h] & ~bit:
+        """``replica`` crashed or stopped: its engine's cache is gone, and so is what this
+        index knew of it (its blocks and sessions, ignored from now on)."""
+        bit = self._slot.pop(replica, None)
+        if bit is not None:
+            del self._replica[bit]
+            self._live &= ~bit
+            self._dead |= bit
+
+    def sweep(self) -> None:
+        """One pass clearing the forgotten slots' bits from every block and session (done
+        when slots run out; a caller with an idle moment may do it sooner)."""
+        keep, owners = ~self._dead, self._owners
+        for h in [h for h, mask in owners.items() if mask & self._dead]:
+            if mask := owners[h] & keep:
                 owners[h] = mask  # an existing key keeps its place in the order
             else:
                 del owners[h]
-        for key in [k for k, r in self._sessions.items() if r == replica]:
+        for key in [k for k, bit in self._sessions.items() if bit & self._dead]:
             del self._sessions[key]
+        self._dead = 0
 
     def session(self, key: bytes) -> int | None:
         """The replica ``key``'s session last went to, if still remembered."""
-        return self._sessions.get(key)
+        bit = self._sessions.get(key)
+        return self._replica.get(bit) if bit is not None else None
 
     def stick(self, key: bytes, replica: int) -> None:
-        self._sessions[key] = replica
+        self._sessions[key] = self._bit(replica)
 
     def hint(self, blocks: PromptBlocks, session: bytes | None = None) -> RouteHint:
         """What ``route.choose`` reads: per replica the bytes of this prompt it was sent as a
@@ -218,11 +264,3 @@ class PrefixIndex:
         self.insert(replica, blocks)
         if session is not None:
             self.stick(session, replica)
-
-
-def _record(found: dict[int, int], mask: int, depth: int) -> None:
-    """Each replica whose bit is in ``mask`` matched ``depth`` blocks."""
-    while mask:
-        low = mask & -mask
-        found[low.bit_length() - 1] = depth
-        mask ^= low
