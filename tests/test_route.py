@@ -117,6 +117,9 @@ def test_an_overloaded_sessions_replica_escapes_to_the_least_loaded() -> None:
     assert got == Choice(0, "least_loaded", escaped=True)
     # one request fewer and it is not overloaded: the session holds
     assert choose(loads(0, 3, 2), PREFIX, hint) == Choice(1, "session")
+    # its prefix is no way back in while it is overloaded
+    hint = RouteHint(session=1, matched={1: 900}, size=1000)
+    assert choose(loads(0, 4), PREFIX, hint) == Choice(0, "least_loaded", escaped=True)
 
 
 def test_a_sessions_replica_that_is_gone_is_no_escape() -> None:
