@@ -28,7 +28,7 @@ from typing import Any
 
 from bench.common import pct, report
 from router.cli import GC_THRESHOLD
-from router.lifecycle.policy.route import ReplicaLoad, Routing, choose
+from router.lifecycle.policy.route import ReplicaLoad, choose
 from router.lifecycle.prefix_index import (
     PrefixIndex,
     PromptBlocks,
@@ -37,6 +37,7 @@ from router.lifecycle.prefix_index import (
     seed_of,
     session_key,
 )
+from shared.config import Routing
 from shared.protocol import ChatMessage, Generate, SamplingSpec
 
 PROMPTS = 10_000

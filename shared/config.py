@@ -127,9 +127,9 @@ class Routing(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``prefix``: the replica that already holds the longest part of the prompt (or the
     conversation's), unless it is overloaded against the least loaded one; the others
     are kept to compare with and for loads without shared prefixes."""
-    min_prefix_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.3
+    min_prefix_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.3
     """The share of a prompt a replica must hold for ``prefix`` to prefer it."""
-    balance_abs: Annotated[int, msgspec.Meta(ge=0)] = 4
+    balance_abs: Annotated[int, msgspec.Meta(ge=1)] = 4
     """A replica is overloaded when it has at least this many requests more than the
     least loaded one ..."""
     balance_rel: Annotated[float, msgspec.Meta(ge=1)] = 1.5

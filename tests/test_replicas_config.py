@@ -92,7 +92,8 @@ def test_a_number_is_min_and_max() -> None:
     ({"routing": {"strategy": "random"}}, "routing.strategy", "Invalid enum value"),
     ({"routing": {"min_prefix_share": 1.5}}, "routing.min_prefix_share", "<= 1"),
     ({"routing": {"balance_rel": 0.9}}, "routing.balance_rel", ">= 1"),
-    ({"routing": {"balance_abs": -1}}, "routing.balance_abs", ">= 0"),
+    ({"routing": {"balance_abs": 0}}, "routing.balance_abs", ">= 1"),
+    ({"routing": {"min_prefix_share": 0}}, "routing.min_prefix_share", "> 0"),
     ({"routing": "prefix"}, "routing", "Expected `object`"),
 ])
 def test_a_bad_value_names_the_model_and_key(model: dict[str, Any], key: str,

@@ -9,13 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from router.lifecycle.policy.route import (
     Choice,
     ReplicaLoad,
     RouteHint,
-    Routing,
     choose,
     overloaded,
 )
@@ -28,6 +28,7 @@ from router.lifecycle.prefix_index import (
     seed_of,
     session_key,
 )
+from shared.config import Routing
 from shared.protocol import ChatMessage, ContentPart, Generate, LoraRef, SamplingSpec, Tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,8 +72,8 @@ def test_overloaded_needs_both_the_absolute_and_the_relative_gap(
 def test_routing_knobs_are_checked() -> None:
     for bad in ({"strategy": "random"}, {"min_prefix_share": 0.0}, {"min_prefix_share": 1.5},
                 {"balance_abs": 0}, {"balance_rel": 0.5}):
-        with pytest.raises(ValueError):
-            Routing(**bad)
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(bad, Routing)
 
 
 # -- choose -----------------------------------------------------------------------------

@@ -18,28 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-Strategy = Literal["prefix", "least_loaded", "round_robin"]
-STRATEGIES: tuple[Strategy, ...] = ("prefix", "least_loaded", "round_robin")
+from shared.config import Routing  # the preset's knobs, checked where the preset loads
+
 Why = Literal["only", "session", "prefix", "least_loaded", "round_robin"]
-
-
-@dataclass(frozen=True, slots=True)
-class Routing:
-    """A model's routing knobs."""
-
-    strategy: Strategy = "prefix"
-    min_prefix_share: float = 0.3
-    """The share of the prompt a replica must have been sent as a prefix to draw it."""
-    balance_abs: int = 4
-    balance_rel: float = 1.5
-
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"routing strategy {self.strategy!r}: one of {', '.join(STRATEGIES)}")
-        if not 0.0 < self.min_prefix_share <= 1.0:
-            raise ValueError("min_prefix_share is a share of the prompt: above 0, at most 1")
-        if self.balance_abs < 1 or self.balance_rel < 1.0:
-            raise ValueError("balance_abs is at least 1 request, balance_rel at least 1.0")
 
 
 @dataclass(frozen=True, slots=True)
