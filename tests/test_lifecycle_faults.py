@@ -130,7 +130,7 @@ def test_a_start_that_hangs_fails_at_the_load_deadline(tmp_path: Path) -> None:
         await until(lambda: entry.state == "failed", 3, "the hung start fails")
         assert time.monotonic() - started < 4
         assert "did not become ready within 1 s" in (entry.error or ""), entry.error
-        assert entry.pid is None and sup._workers == {} and sup.placer._held == {}
+        assert entry.pid is None and sup.running() == {} and sup.placer._held == {}
 
     run(sup, scenario)
 

@@ -48,7 +48,7 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
         await asyncio.sleep(0.01)
         pid = 1000 + len(loads)
         sup.add_worker(entry, SimpleNamespace(  # type: ignore[arg-type]
-            handle=SimpleNamespace(pids=lambda: {pid})))
+            number=0, handle=SimpleNamespace(pids=lambda: {pid})))
         entry.state, entry.link = "ready", FakeLink()  # type: ignore[assignment]
         entry.loaded_at, entry.last_used, entry.load_seconds = time.time(), time.monotonic(), 5
         return entry.link

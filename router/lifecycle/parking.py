@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from router.errors import APIError
-from router.lifecycle.worker_record import WorkerRecord
+from router.lifecycle.replica import Replica
 from router.observe.events import EventBus
 from router.registry import ModelEntry
 
@@ -71,7 +71,7 @@ class Parker:
     says the wake is still wanted."""
 
     def __init__(self, events: EventBus,
-                 worker_of: Callable[[ModelEntry], WorkerRecord | None],
+                 worker_of: Callable[[ModelEntry], Replica | None],
                  publish_state: Callable[[ModelEntry, str | None], None],
                  stopping: Callable[[ModelEntry], asyncio.Task[None]],
                  make_room: Callable[[ModelEntry, Callable[[], bool]],
@@ -166,7 +166,7 @@ class Parker:
             entry.batch_load = entry.leases == entry.batch_leases
             self.wake(entry, since=began, asked=False)  # they wait since the park began
 
-    async def _measure(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+    async def _measure(self, entry: ModelEntry, worker: Replica) -> None:
         """What ``entry``'s parked worker holds (``policy.park.may_park`` reads it)."""
         held = await asyncio.to_thread(worker.handle.resident_bytes)
         if held and self.worker_of(entry) is worker:
@@ -269,7 +269,7 @@ class Parker:
                             waited=round(now - since, 4),
                             parked_seconds=round(began - entry.parked_at, 3))
 
-    async def thaw(self, entry: ModelEntry, worker: WorkerRecord) -> bool:
+    async def thaw(self, entry: ModelEntry, worker: Replica) -> bool:
         """Before a stop: a parked worker's processes continue and its engine resumes, so
         its requests in flight drain and ``Shutdown`` is read. False: it is left asleep,
         a GPU engine (module docstring), or did not resume; its requests will not drain."""

@@ -13,8 +13,9 @@ code and log tail kept) after a crash or a failed start. A request to a
 
 Who gets room and who idles is policy (``router.lifecycle.policy``: plain functions, no awaits);
 the supervisor owns the executors that act on it, ``RoomMaker`` (park, evict, yield),
-``Parker`` (park, wake) and ``IdleReaper`` (stop, sleep, wake), and its own worker
-records (``worker_of``).
+``Parker`` (park, wake) and ``IdleReaper`` (stop, sleep, wake), and each model's running
+workers, its ``ReplicaSet`` (``replicas_of``, ``worker_of``: one replica per model for
+now).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from router.errors import (
 from router.lifecycle.idle_reaper import IdleReaper
 from router.lifecycle.parking import Parker
 from router.lifecycle.policy.park import RESIDENT_STATES
+from router.lifecycle.replica import Replica, ReplicaSet
 from router.lifecycle.room_maker import RoomMaker
-from router.lifecycle.worker_record import WorkerRecord
 from router.observe.events import EventBus
 from router.registry import Lease, ModelEntry, ModelRegistry
 from router.workers.backends import Backend, SpawnError
@@ -81,8 +82,9 @@ class Supervisor:
         self.runtime_dir = runtime_dir
         self.placer = placer or Placer()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._workers: dict[str, WorkerRecord] = {}
-        """Each model's running worker (``worker_of``), by model id."""
+        self._replicas: dict[str, ReplicaSet] = {}
+        """Each model's running replicas (``replicas_of``), by model id: a model with
+        none has no set here."""
         self._loads: dict[str, asyncio.Task[WorkerLink]] = {}
         self._stops: dict[str, asyncio.Task[None]] = {}
         """Each model's one stop under way (``stopping``)."""
@@ -118,18 +120,28 @@ class Supervisor:
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
 
-    # -- workers: one per model for now; replicas make these a list per model ------------
-    def worker_of(self, entry: ModelEntry) -> WorkerRecord | None:
-        """``entry``'s running worker, if it has one."""
-        return self._workers.get(entry.id)
+    # -- workers: a model's replicas (at most one each for now: ``ReplicaSet``) ---------
+    def replicas_of(self, entry: ModelEntry) -> ReplicaSet:
+        """``entry``'s running replicas (an empty set if it runs none)."""
+        return self._replicas.get(entry.id) or ReplicaSet(entry.id)
 
-    def add_worker(self, entry: ModelEntry, worker: WorkerRecord) -> None:
-        self._workers[entry.id] = worker
+    def worker_of(self, entry: ModelEntry) -> Replica | None:
+        """``entry``'s running worker, if it has one (its first replica)."""
+        replicas = self._replicas.get(entry.id)
+        return replicas.first() if replicas is not None else None
 
-    def remove_worker(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+    def running(self) -> dict[str, Replica]:
+        """Every running replica, by its key (replica 0's: its model's id)."""
+        return {r.key: r for replicas in self._replicas.values() for r in replicas}
+
+    def add_worker(self, entry: ModelEntry, worker: Replica) -> None:
+        self._replicas.setdefault(entry.id, ReplicaSet(entry.id)).add(worker)
+
+    def remove_worker(self, entry: ModelEntry, worker: Replica) -> None:
         """Forget ``worker`` (a newer one of ``entry``'s stays)."""
-        if self._workers.get(entry.id) is worker:
-            del self._workers[entry.id]
+        replicas = self._replicas.get(entry.id)
+        if replicas is not None and replicas.remove(worker) and not replicas:
+            del self._replicas[entry.id]
 
     def _publish_state(self, entry: ModelEntry, reason: str | None = None) -> None:
         """Tell the event bus of ``entry``'s state, if it changed since last told."""
@@ -385,7 +397,7 @@ class Supervisor:
         log.info("model %s: worker pid %d on %s starting%s (%s)", entry.id, handle.pid,
                  handle.node, " from a spare" if spare else "",
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
-        worker = WorkerRecord(handle, link, spec=spec)
+        worker = Replica(handle, link, spec=spec)
         self.add_worker(entry, worker)
         entry.pid, entry.node = handle.pid, handle.node
         self._publish_state(entry)
@@ -469,7 +481,7 @@ class Supervisor:
                 log.warning("model %s: adapter %s not restored: %s", entry.id, adapter.id,
                             err.message)
 
-    def _log_ready(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+    def _log_ready(self, entry: ModelEntry, worker: Replica) -> None:
         """Publish and log a finished load with its phases."""
         self.events.publish("load", entry.id, load_seconds=entry.load_seconds,
                             load_phases=entry.load_phases, pid=worker.handle.pid)
@@ -489,7 +501,7 @@ class Supervisor:
         entry.error = f"{reason}\n{tail}".strip()
         self._publish_state(entry, reason)
 
-    async def _watch(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+    async def _watch(self, entry: ModelEntry, worker: Replica) -> None:
         code = await worker.gone()
         if self.worker_of(entry) is not worker:
             return
@@ -512,7 +524,7 @@ class Supervisor:
             entry.error = f"{reason}\n{tail}".strip()
         self._keep_up(entry)
 
-    async def _reap(self, entry: ModelEntry, worker: WorkerRecord, reason: str) -> None:
+    async def _reap(self, entry: ModelEntry, worker: Replica, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""
         await worker.handle.kill()
         worker.link.close(reason)
@@ -584,7 +596,7 @@ class Supervisor:
             entry.state = "stopping"
             self._publish_state(entry)
 
-    async def _finish_stop(self, entry: ModelEntry, worker: WorkerRecord, force: bool = False,
+    async def _finish_stop(self, entry: ModelEntry, worker: Replica, force: bool = False,
                            grace: float = 1.0) -> None:
         """The rest of a stop, once ``entry`` is marked ``stopping``: drain (unless
         ``force``), then ``Shutdown`` (the worker kills its own process group at once),
