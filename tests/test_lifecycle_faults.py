@@ -79,7 +79,7 @@ def test_a_crash_is_recorded_before_any_await(tmp_path: Path) -> None:
         assert old_pid is not None
         os.kill(old_pid, signal.SIGKILL)
         await until(lambda: link._failure is not None, 5, "the link hears of the crash")
-        assert entry.state == "failed" and entry.link is None  # at once, not after the reap
+        assert entry.state == "failed" and entry.replica is None  # at once, not after the reap
         lease, again = await sup.acquire("m")  # restarts it: a new worker, not the dead one
         lease.release()
         assert again is not link and entry.state == "ready" and entry.pid != old_pid

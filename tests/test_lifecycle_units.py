@@ -209,8 +209,9 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", "import time; time.sleep(60)", start_new_session=True)
         entry = sup.registry.entries["m"]
-        sup.add_worker(entry, Replica(proc, link, tmp_path / "m.log"))
-        entry.state, entry.link = "ready", link
+        worker = Replica(proc, link, tmp_path / "m.log")
+        sup.add_worker(entry, worker)
+        entry.state, entry.replica = "ready", worker
         stream = link.submit([Generate(id="g1", sampling=SamplingSpec())])  # in flight
         stop = asyncio.create_task(sup.stop(entry, force=True, grace=0.5))
         received: list[object] = []

@@ -16,12 +16,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from router.workers.backends import WorkerHandle
 from router.workers.backends.local import LocalHandle
 from router.workers.link import WorkerLink
 from shared.config import ModelSpec
+
+if TYPE_CHECKING:
+    from router.registry import ModelEntry
 
 LINK_GRACE = 0.3
 """Seconds a dropped remote link waits for its backend's own word on the worker's end."""
@@ -31,6 +34,13 @@ def replica_key(model_id: str, number: int) -> str:
     """The name replica ``number`` of ``model_id`` goes by (placer keys, logs): replica 0
     is the model's id itself, replica ``n`` is ``<id>#<n>``."""
     return model_id if number == 0 else f"{model_id}#{number}"
+
+
+def link_of(entry: ModelEntry) -> WorkerLink | None:
+    """The link of the replica that serves ``entry``'s requests (``ModelEntry.replica``:
+    from ready until reaped or crashed); None while none does."""
+    replica = entry.replica
+    return cast("Replica", replica).link if replica is not None else None
 
 
 class Replica:
@@ -60,6 +70,11 @@ class Replica:
         self.paused = False
         """Its engine was paused for the park (``Sleep(level=0)`` answered): it had
         requests in flight, which a ``Wake`` resumes."""
+
+    @property
+    def busy(self) -> bool:
+        """Generations or calls (but pings) in flight on its link."""
+        return self.link.busy
 
     async def gone(self) -> int | None:
         """Until the worker is gone: its exit code, or ``None``. A remote worker whose link
@@ -108,11 +123,6 @@ class ReplicaSet:
             return False
         self._replicas = [r for r in self._replicas if r is not replica]
         return True
-
-    @property
-    def busy(self) -> bool:
-        """Generations or calls in flight on any of its replicas' links."""
-        return any(r.link.busy for r in self._replicas)
 
     def __len__(self) -> int:
         return len(self._replicas)

@@ -43,7 +43,7 @@ from router.errors import (
 from router.lifecycle.idle_reaper import IdleReaper
 from router.lifecycle.parking import Parker
 from router.lifecycle.policy.park import RESIDENT_STATES
-from router.lifecycle.replica import Replica, ReplicaSet
+from router.lifecycle.replica import Replica, ReplicaSet, link_of
 from router.lifecycle.room_maker import RoomMaker
 from router.observe.events import EventBus
 from router.registry import Lease, ModelEntry, ModelRegistry
@@ -113,7 +113,7 @@ class Supervisor:
     def _spares_may_import(self) -> bool:
         """A spare imports while no model streams, or while a load waits (for it)."""
         return bool(self._loads) or not any(
-            e.link is not None and e.link.busy for e in self.registry)
+            e.busy for e in self.registry)
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -220,12 +220,12 @@ class Supervisor:
                 what = f"a LoRA adapter of '{entry.id}', {what}"
             raise BadRequest(f"model '{named.id}' is {what}; it cannot serve this endpoint",
                              param="model", code="wrong_model_task")
-        slots = entry.slots
-        if (entry.state == "ready" and entry.link is not None and entry.yield_to is None
+        slots, link = entry.slots, link_of(entry)
+        if (entry.state == "ready" and link is not None and entry.yield_to is None
                 and (slots is None or slots.try_take(batch))):
             lease = Lease(entry, named if named is not entry else None, batch)
             lease.slot = slots
-            return lease, entry.link
+            return lease, link
         return entry
 
     async def _take_slot(self, lease: Lease) -> None:
@@ -254,8 +254,9 @@ class Supervisor:
     async def ensure_ready(self, entry: ModelEntry, batch: bool = False) -> WorkerLink:
         """Wait (bounded) until ``entry`` serves: load it, wake it, or find it room
         (``batch``: for a batch line, ``start_loading``)."""
-        if entry.state == "ready" and entry.link is not None:
-            return entry.link
+        link = link_of(entry)
+        if entry.state == "ready" and link is not None:
+            return link
         if entry.queued >= self.server.max_queue_depth:
             raise TooManyRequests(f"{entry.queued} requests already wait for model "
                                   f"'{entry.id}'; retry later")
@@ -266,8 +267,9 @@ class Supervisor:
             async with asyncio.timeout(self.server.load_timeout):
                 if entry.state == "sleeping":
                     await asyncio.shield(self.idler.wake(entry))
-                    if entry.state == "ready" and entry.link is not None:
-                        return entry.link
+                    link = link_of(entry)
+                    if entry.state == "ready" and link is not None:
+                        return link
                 task = self.start_loading(entry, batch)
                 try:
                     return await asyncio.shield(task)
@@ -330,14 +332,16 @@ class Supervisor:
                     raise
                 # The wake was ended (a crash, a stop, a reload's restart), not this load:
                 # its waiters wait for that to finish, then start the model again.
-            if entry.state == "ready" and entry.link is not None:
-                return entry.link
+            link = link_of(entry)
+            if entry.state == "ready" and link is not None:
+                return link
         # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
         while entry.state == "stopping" or (entry.state != "ready"
                                             and self.worker_of(entry) is not None):
             await asyncio.sleep(POLL)
-        if entry.state == "ready" and entry.link is not None:
-            return entry.link
+        link = link_of(entry)
+        if entry.state == "ready" and link is not None:
+            return link
         delay = backoff_seconds(entry.failures) - (time.monotonic() - entry.failed_at)
         if delay > 0:
             log.info("model %s: restart backoff %.1f s after %d failure(s)", entry.id,
@@ -422,7 +426,7 @@ class Supervisor:
         if started_ok:
             exited.cancel()
             info = ready.result()
-            entry.state, entry.link = "ready", link
+            entry.state, entry.replica = "ready", worker
             for served in (entry, *self.registry.adapters_of(entry)):
                 served.max_model_len = info.max_model_len
                 served.max_prompt_chars = info.max_prompt_chars
@@ -517,7 +521,7 @@ class Supervisor:
         # Recorded before any await: a request arriving meanwhile sees 'failed' and starts
         # a reload, which waits for this reap and is not overwritten by it.
         self._failed(entry, reason, "", code, served=worker.link.completed > 0)
-        entry.link = None
+        entry.replica = None
         await self._reap(entry, worker, reason)
         tail = await asyncio.to_thread(log_tail, worker.log_path)
         if entry.state == "failed" and entry.exit_code == code:
@@ -530,8 +534,8 @@ class Supervisor:
         worker.link.close(reason)
         self.remove_worker(entry, worker)
         self.placer.release(entry.id)
-        if entry.link is worker.link:
-            entry.link = None
+        if entry.replica is worker:
+            entry.replica = None
         if entry.pid == worker.handle.pid:
             entry.pid = entry.node = None
 

@@ -84,6 +84,7 @@ from router.api.relay import BATCH_PRIORITY, Relay
 from router.batches.runner import WAIT_FOR_ROOM
 from router.errors import APIError
 from router.lifecycle import room_maker
+from router.lifecycle.replica import link_of
 from router.lifecycle.supervisor import Supervisor
 from router.registry import Lease, ModelEntry, ModelRegistry
 from router.workers.link import Usage, WorkerLink
@@ -580,8 +581,9 @@ class Simulation:
         entry = self.sup.registry.named(op.model)
         if entry.lora is not None:
             base = self.sup.registry.serving(entry)
-            if base.state == "ready" and base.link is not None:
-                base.adapters_loaded = await base.link.adapters(unload=[entry.lora.number])
+            link = link_of(base)
+            if base.state == "ready" and link is not None:
+                base.adapters_loaded = await link.adapters(unload=[entry.lora.number])
             return f"ok {base.id} {base.state}"
         if op.args["force"]:
             self.forced.add(entry.id)

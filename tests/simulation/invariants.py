@@ -146,9 +146,9 @@ def adapter_violations(sup: Supervisor, adapters: Iterable[ModelEntry]) -> list[
     kept = lifecycle_ids(sup)
     for a in adapters:
         base = a.spec.base
-        if a.link is not None or a.pid is not None or a.node is not None:
+        if a.replica is not None or a.pid is not None or a.node is not None:
             out.append(f"{a.id} (an adapter of {base}): a worker of its own "
-                       f"(pid {a.pid}, link {a.link is not None})")
+                       f"(pid {a.pid}, replica {a.replica is not None})")
         if a.state != "unloaded":
             out.append(f"{a.id} (an adapter of {base}): state '{a.state}' of its own")
         if a.leases or a.queued:
