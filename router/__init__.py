@@ -16,7 +16,8 @@ holds them to it, and to no import circle):
     api/                    HTTP: the protocols, the relay, SSE, the uvicorn protocol
     app.py, cli.py          the factory that wires them, and the command
 
-``registry`` names ``workers.link.WorkerLink`` as the type of ``ModelEntry.link`` (under
-``TYPE_CHECKING``; nothing of ``workers`` runs in it). The worker (``worker/``) is another
+``registry`` imports nothing of ``workers`` or ``lifecycle``: a model's running workers
+are the lifecycle's (``lifecycle.replica``), and its ``ModelEntry`` sees the one serving
+it only as a ``Serving`` (whether it is busy). The worker (``worker/``) is another
 process: only ``shared/`` is common to both.
 """

@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Self
+from typing import Protocol, Self
 
 import msgspec
 
@@ -26,9 +26,6 @@ from router.errors import APIError, BadRequest, ModelNotFound
 from shared.adapters import AdapterError, folder_in, read_adapter, stamp
 from shared.config import ModelSpec, Preset, serves_adapters
 from shared.protocol import AdapterState, LoraRef
-
-if TYPE_CHECKING:
-    from router.workers.link import WorkerLink
 
 DEMAND_SECONDS = 300.0
 """The window of a model's recent request rate (its eviction cost)."""
@@ -95,13 +92,27 @@ class Slots:
         self.free += 1
 
 
+class Serving(Protocol):
+    """What the registry's readers (policy) see of the worker that serves a model's
+    requests (the lifecycle's ``router.lifecycle.replica.Replica``, which owns it)."""
+
+    @property
+    def busy(self) -> bool:
+        """Generations or calls in flight on it."""
+        ...
+
+
 @dataclass(eq=False)
 class ModelEntry:
-    """One declared model and what the router knows of its worker right now."""
+    """One declared model and what the router knows of its worker right now: a summary
+    the lifecycle writes (``state``, ``pid``, …); the running workers themselves are the
+    lifecycle's (``router.lifecycle.replica``)."""
 
     spec: ModelSpec
     state: str = "unloaded"
-    link: WorkerLink | None = None
+    replica: Serving | None = None
+    """The replica that serves its requests, from ready until it is reaped or crashes
+    (the lifecycle's ``Replica``, whose link requests go to: ``replica.link_of``)."""
     pid: int | None = None
     node: str | None = None
     """Where the worker runs: this host's name (``local``), or its Ray node's address."""
@@ -230,6 +241,11 @@ class ModelEntry:
     @property
     def id(self) -> str:
         return self.spec.id
+
+    @property
+    def busy(self) -> bool:
+        """Work in flight on the replica that serves it."""
+        return self.replica is not None and self.replica.busy
 
     def note_request(self, now: float) -> None:
         """Count a request in the model's decaying demand (``request_rate``)."""

@@ -35,7 +35,7 @@ def entries(server: dict[str, Any] | None = None, **specs: dict[str, Any]
 def ready(entry: ModelEntry, weights_gib: float = 0, resident_gib: float = 1) -> ModelEntry:
     """``entry`` loaded 100 s ago, idle 10 s, its weights on disk and its worker's host
     memory measured."""
-    entry.state, entry.link = "ready", SimpleNamespace(busy=False)  # type: ignore[assignment]
+    entry.state, entry.replica = "ready", SimpleNamespace(busy=False)
     entry.loaded_at, entry.last_used, entry.load_seconds = WALL - 100, NOW - 10, 5.0
     entry.weights_bytes, entry.resident_bytes = int(weights_gib * GIB), int(resident_gib * GIB)
     return entry

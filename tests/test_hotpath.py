@@ -266,6 +266,17 @@ def test_a_late_body_is_the_same_408_either_way(tmp_path: Path) -> None:
 Scenario = Callable[[Starlette, WorkerLink, Any], Awaitable[None]]
 
 
+class LinkOnly:
+    """A replica that is its link alone (no process): what ``link_of`` and policy read."""
+
+    def __init__(self, link: WorkerLink) -> None:
+        self.link = link
+
+    @property
+    def busy(self) -> bool:
+        return self.link.busy
+
+
 def with_worker_end(tmp_path: Path, hot: bool, scenario: Scenario) -> None:
     """``scenario(app, link, peer)`` with ``chat-a`` ready on a link whose worker's end
     (``peer``, a socket in this process) answers nothing unless told to."""
@@ -277,7 +288,7 @@ def with_worker_end(tmp_path: Path, hot: bool, scenario: Scenario) -> None:
         link = WorkerLink(sup._ctx, endpoint, "chat-a")
         peer = await connected_peer(sup._ctx, link, endpoint)
         entry = app.state.registry.entries["chat-a"]
-        entry.state, entry.link = "ready", link
+        entry.state, entry.replica = "ready", LinkOnly(link)
         try:
             await scenario(app, link, peer)
         finally:

@@ -79,7 +79,7 @@ def test_a_crash_is_recorded_before_any_await(tmp_path: Path) -> None:
         assert old_pid is not None
         os.kill(old_pid, signal.SIGKILL)
         await until(lambda: link._failure is not None, 5, "the link hears of the crash")
-        assert entry.state == "failed" and entry.link is None  # at once, not after the reap
+        assert entry.state == "failed" and entry.replica is None  # at once, not after the reap
         lease, again = await sup.acquire("m")  # restarts it: a new worker, not the dead one
         lease.release()
         assert again is not link and entry.state == "ready" and entry.pid != old_pid
@@ -130,7 +130,7 @@ def test_a_start_that_hangs_fails_at_the_load_deadline(tmp_path: Path) -> None:
         await until(lambda: entry.state == "failed", 3, "the hung start fails")
         assert time.monotonic() - started < 4
         assert "did not become ready within 1 s" in (entry.error or ""), entry.error
-        assert entry.pid is None and sup._workers == {} and sup.placer._held == {}
+        assert entry.pid is None and sup.running() == {} and sup.placer._held == {}
 
     run(sup, scenario)
 

@@ -90,7 +90,7 @@ def test_unloading_a_model_that_makes_room_lets_its_victims_stop_finish(
         with pytest.raises(ModelUnavailable):
             await waiter
         await until(lambda: victim.state == "unloaded", 2, "the victim's stop ends")
-        assert "victim" not in sup._workers and newcomer.state == "unloaded"
+        assert "victim" not in sup.running() and newcomer.state == "unloaded"
         async with asyncio.timeout(2):  # the victim serves again, and unloads again
             lease, _ = await sup.acquire("victim")
             lease.release()
@@ -117,7 +117,7 @@ def test_every_caller_of_a_stop_shares_it_and_none_cancels_it(tmp_path: Path) ->
         await asyncio.wait({first})
         async with asyncio.timeout(1):
             await second
-        assert entry.state == "unloaded" and "m" not in sup._workers
+        assert entry.state == "unloaded" and "m" not in sup.running()
 
     run(go())
 

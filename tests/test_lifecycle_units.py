@@ -195,7 +195,7 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
     import zmq
 
     from router.errors import ModelUnavailable
-    from router.lifecycle.worker_record import WorkerRecord
+    from router.lifecycle.replica import Replica
     from router.workers.link import WorkerLink
     from shared.protocol import Generate, SamplingSpec, Shutdown
 
@@ -209,8 +209,9 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", "import time; time.sleep(60)", start_new_session=True)
         entry = sup.registry.entries["m"]
-        sup.add_worker(entry, WorkerRecord(proc, link, tmp_path / "m.log"))
-        entry.state, entry.link = "ready", link
+        worker = Replica(proc, link, tmp_path / "m.log")
+        sup.add_worker(entry, worker)
+        entry.state, entry.replica = "ready", worker
         stream = link.submit([Generate(id="g1", sampling=SamplingSpec())])  # in flight
         stop = asyncio.create_task(sup.stop(entry, force=True, grace=0.5))
         received: list[object] = []
@@ -231,3 +232,68 @@ def test_force_unload_reaches_the_worker(tmp_path: Path) -> None:
     received = asyncio.run(scenario())
     sup._ctx.term()
     assert [type(m).__name__ for m in received] == ["Generate", "Shutdown"]
+
+
+# -- replicas (issue 35, S0: one replica per model) ------------------------------------
+def test_replica_zero_goes_by_its_models_id_and_the_set_keeps_the_newest(
+        tmp_path: Path) -> None:
+    """Replica 0's key is the model's id (logs, placer keys, events and simulation traces
+    read as before replicas); a worker reaped after its successor started (a restart
+    after a crash) leaves the successor in the set, as the one map by model id did."""
+    from types import SimpleNamespace
+
+    from router.lifecycle.replica import Replica, ReplicaSet, replica_key
+
+    assert replica_key("m", 0) == "m" and replica_key("m", 2) == "m#2"
+    preset = build_preset({"models": {"m": {"model": "/m"}, "n": {"model": "/n"}}})
+    sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path, Placer(cores={0}, gpus={}))
+    m, n = sup.registry.entries["m"], sup.registry.entries["n"]
+
+    def worker(model: str) -> Replica:
+        link = SimpleNamespace(model=model, busy=False)
+        handle = SimpleNamespace(log_path=tmp_path / f"{model}.log")
+        return Replica(handle, link)  # type: ignore[arg-type]
+
+    old, new, other = worker("m"), worker("m"), worker("n")
+    assert (old.number, old.key) == (0, "m")
+    assert sup.worker_of(m) is None and not sup.replicas_of(m) and sup.running() == {}
+    sup.add_worker(m, old)
+    sup.add_worker(m, new)  # a restart: the new worker in replica 0's place
+    sup.add_worker(n, other)
+    assert sup.worker_of(m) is new and list(sup.replicas_of(m)) == [new]
+    assert sup.running() == {"m": new, "n": other}
+    sup.remove_worker(m, old)  # the old one's reap comes late: the new one stays
+    assert sup.worker_of(m) is new
+    sup.remove_worker(m, new)
+    assert sup.worker_of(m) is None and sup.running() == {"n": other}
+    assert isinstance(sup.replicas_of(m), ReplicaSet) and len(sup.replicas_of(m)) == 0
+    sup._ctx.term()
+
+
+def test_a_model_entry_sees_its_serving_replica_only_as_busy_or_not(tmp_path: Path) -> None:
+    """The registry holds no link of a worker (the lifecycle's ``Replica`` owns it):
+    ``ModelEntry.busy`` is what policy reads, ``link_of`` what requests are sent on."""
+    from types import SimpleNamespace
+
+    from router.lifecycle.replica import Replica, link_of
+
+    entry = ModelRegistry(build_preset({"models": {"m": {"model": "/m"}}})).entries["m"]
+    assert not hasattr(entry, "link")
+    assert entry.replica is None and not entry.busy and link_of(entry) is None
+    link = SimpleNamespace(model="m", busy=True)
+    replica = Replica(SimpleNamespace(log_path=tmp_path / "m.log"), link)  # type: ignore[arg-type]
+    entry.replica = replica
+    assert entry.busy and link_of(entry) is link
+    link.busy = False
+    assert not entry.busy
+
+
+def test_the_registry_imports_nothing_of_the_workers_or_the_lifecycle() -> None:
+    """A model's running workers are the lifecycle's: ``router.registry`` (names, specs,
+    resolution) imports nothing of ``router.workers`` or ``router.lifecycle``, not even
+    under ``TYPE_CHECKING`` (it named ``WorkerLink`` as ``ModelEntry.link``'s type)."""
+    from tests.test_layers import import_graph, source_files
+
+    imported = import_graph(source_files())["router.registry"]
+    assert not {m for m in imported
+                if m.startswith(("router.workers", "router.lifecycle"))}, imported

@@ -94,7 +94,7 @@ def test_a_paused_request_cancelled_while_parked_wakes_no_one(tmp_path: Path) ->
             assert a.leases == 1 and not paused.done()
             paused.cancel()  # its client goes
             await asyncio.gather(paused, return_exceptions=True)
-            assert a.leases == 0 and a.link is not None and not a.link.busy
+            assert a.leases == 0 and a.replica is not None and not a.busy
             wakes, parks = a.wakes, b.parks
             await asyncio.sleep(3.0)  # three of b's turns: on 0483ec7 a woke after one
             assert (a.state, a.wakes, b.state, b.parks) == ("parked", wakes, "ready", parks)

@@ -200,7 +200,7 @@ def test_host_memory_pressure_stops_a_stale_parked_model_before_the_running_one(
     new.room_since = now - 1
     for entry, state, idle_for in ((a, "ready", 60.0), (stale, "parked", 3600.0)):
         entry.state, entry.leases = state, 0
-        entry.link = SimpleNamespace(busy=False)  # type: ignore[assignment]
+        entry.replica = SimpleNamespace(busy=False)
         entry.loaded_at, entry.last_used, entry.load_seconds = wall - 7200, now - idle_for, 5.0
         entry.resident_bytes = 10 * gib
     # 64 GiB, 12 GiB available: parking ``a`` for ``new`` (never measured: 1 GiB of KV

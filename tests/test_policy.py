@@ -31,7 +31,7 @@ def running(entry: ModelEntry, state: str = "ready", idle_for: float = 10.0,
             leases: int = 0, busy: bool = False) -> ModelEntry:
     """``entry`` loaded 100 s ago, used ``idle_for`` seconds ago."""
     entry.state, entry.leases = state, leases
-    entry.link = SimpleNamespace(busy=busy)  # type: ignore[assignment]
+    entry.replica = SimpleNamespace(busy=busy)
     entry.loaded_at, entry.last_used, entry.load_seconds = WALL - 100, NOW - idle_for, 5.0
     return entry
 

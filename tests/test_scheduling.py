@@ -47,17 +47,18 @@ def supervisor(tmp_path: Path, models: dict[str, dict[str, Any]], placer: Placer
         loads.append(entry.id)
         await asyncio.sleep(0.01)
         pid = 1000 + len(loads)
-        sup.add_worker(entry, SimpleNamespace(  # type: ignore[arg-type]
-            handle=SimpleNamespace(pids=lambda: {pid})))
-        entry.state, entry.link = "ready", FakeLink()  # type: ignore[assignment]
+        worker = SimpleNamespace(number=0, handle=SimpleNamespace(pids=lambda: {pid}),
+                                 link=FakeLink(), busy=False)
+        sup.add_worker(entry, worker)  # type: ignore[arg-type]
+        entry.state, entry.replica = "ready", worker
         entry.loaded_at, entry.last_used, entry.load_seconds = time.time(), time.monotonic(), 5
-        return entry.link
+        return worker.link
 
     async def finish_stop(entry: ModelEntry, worker: Any, force: bool = False,
                           grace: float = 1.0) -> None:
         await asyncio.sleep(stop_seconds)
         sup.remove_worker(entry, worker)
-        entry.state, entry.link, entry.yield_to = "unloaded", None, None
+        entry.state, entry.replica, entry.yield_to = "unloaded", None, None
 
     sup._spawn = spawn  # type: ignore[method-assign]
     sup._finish_stop = finish_stop  # type: ignore[method-assign]

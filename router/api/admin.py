@@ -22,6 +22,7 @@ from router.api.wire import JSONResponse, read_body
 from router.errors import APIError, ModelNotFound, ModelUnavailable
 from router.lifecycle.policy import idle
 from router.lifecycle.reload import Reloader
+from router.lifecycle.replica import link_of
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry
 from shared.config import auto_tool_calls, serves_adapters
@@ -128,10 +129,11 @@ class AdminAPI:
     async def _refresh_adapters(self, bases: list[ModelEntry]) -> None:
         """Ask each running base which adapters its engine holds (at most 2 s)."""
         async def ask(base: ModelEntry) -> None:
-            if base.link is None:
+            link = link_of(base)
+            if link is None:
                 return
             try:
-                base.adapters_loaded = await asyncio.wait_for(base.link.adapters(), 2)
+                base.adapters_loaded = await asyncio.wait_for(link.adapters(), 2)
             except (APIError, TimeoutError):
                 pass  # busy or gone: the last answer stands
 
@@ -169,9 +171,10 @@ class AdminAPI:
             await self._refresh_adapters([self.registry.serving(entry)])
             return JSONResponse(self.model_object(entry, principal))
         body = self.model_object(entry, principal)
-        if entry.state == "ready" and entry.link is not None:
+        link = link_of(entry)
+        if entry.state == "ready" and link is not None:
             try:  # the engine's own count: shows that cancelled requests really ended
-                pong = await asyncio.wait_for(entry.link.ping(), 2)
+                pong = await asyncio.wait_for(link.ping(), 2)
                 body["worker_in_flight"] = pong.in_flight
             except (APIError, TimeoutError):
                 pass  # worker busy or gone; the state field tells the rest
@@ -223,8 +226,9 @@ class AdminAPI:
 
     async def _unload_adapter(self, adapter: ModelEntry) -> None:
         base = self.registry.serving(adapter)
-        if base.state == "ready" and base.link is not None and adapter.lora is not None:
-            base.adapters_loaded = await base.link.adapters(unload=[adapter.lora.number])
+        link = link_of(base)
+        if base.state == "ready" and link is not None and adapter.lora is not None:
+            base.adapters_loaded = await link.adapters(unload=[adapter.lora.number])
 
     async def reload(self, request: Request) -> Response:
         """Read the preset file again and apply it (``router/lifecycle/reload.py``); a file that does

@@ -18,6 +18,7 @@ from starlette.routing import Route
 from router.access.admission import Principal, principal_of
 from router.api.wire import JSONResponse
 from router.errors import APIError
+from router.lifecycle.replica import link_of
 from router.observe.metrics import UNKNOWN_MODEL, Metrics, RequestMark, current_request, snapshot
 from router.registry import ModelEntry
 from router.workers.link import WorkerLink
@@ -100,8 +101,8 @@ class MetricsAPI:
             except (APIError, TimeoutError):
                 entry.engine_in_flight = None
 
-        await asyncio.gather(*(ask(e, e.link) for e in self.metrics.models
-                               if e.state == "ready" and e.link is not None))
+        await asyncio.gather(*(ask(e, link) for e in self.metrics.models
+                               if e.state == "ready" and (link := link_of(e)) is not None))
 
     def counted(self, routes: list[Route]) -> list[Route]:
         """``routes`` whose refusals before the relay (a body that does not decode, a bad

@@ -16,6 +16,7 @@ from typing import Any
 
 from router.errors import APIError
 from router.lifecycle.policy import idle
+from router.lifecycle.replica import link_of
 from router.registry import ModelEntry
 from shared.config import ServerConfig
 
@@ -67,7 +68,7 @@ class IdleReaper:
                 self._stopping(entry)  # the model's one stop: a later unload waits for it
 
     async def _sleep(self, entry: ModelEntry) -> None:
-        link = entry.link
+        link = link_of(entry)
         if link is None:
             return
         try:
@@ -86,7 +87,7 @@ class IdleReaper:
         return task
 
     async def _wake(self, entry: ModelEntry) -> None:
-        link = entry.link
+        link = link_of(entry)
         if entry.state != "sleeping" or link is None:
             return
         try:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from router.errors import APIError
-from router.lifecycle.worker_record import WorkerRecord
+from router.lifecycle.replica import Replica, link_of
 from router.observe.events import EventBus
 from router.registry import ModelEntry
 
@@ -71,7 +71,7 @@ class Parker:
     says the wake is still wanted."""
 
     def __init__(self, events: EventBus,
-                 worker_of: Callable[[ModelEntry], WorkerRecord | None],
+                 worker_of: Callable[[ModelEntry], Replica | None],
                  publish_state: Callable[[ModelEntry, str | None], None],
                  stopping: Callable[[ModelEntry], asyncio.Task[None]],
                  make_room: Callable[[ModelEntry, Callable[[], bool]],
@@ -100,7 +100,7 @@ class Parker:
         whoever waits for it (a load making room that is itself unloaded): it runs as a
         task of its own, awaited shielded. False: it could not begin (no worker to
         park), and the caller stops it instead."""
-        if entry.state != "ready" or self.worker_of(entry) is None or entry.link is None:
+        if entry.state != "ready" or self.worker_of(entry) is None or entry.replica is None:
             return False
         task = asyncio.create_task(self._park(entry, reason, level), name=f"park-{entry.id}")
         self._parks.add(task)  # held until done: the loop keeps only weak references
@@ -109,7 +109,7 @@ class Parker:
         return True
 
     async def _park(self, entry: ModelEntry, reason: str, level: int) -> None:
-        worker, link = self.worker_of(entry), entry.link
+        worker, link = self.worker_of(entry), link_of(entry)
         if entry.state != "ready" or worker is None or link is None:
             return
         began = time.monotonic()
@@ -166,7 +166,7 @@ class Parker:
             entry.batch_load = entry.leases == entry.batch_leases
             self.wake(entry, since=began, asked=False)  # they wait since the park began
 
-    async def _measure(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+    async def _measure(self, entry: ModelEntry, worker: Replica) -> None:
         """What ``entry``'s parked worker holds (``policy.park.may_park`` reads it)."""
         held = await asyncio.to_thread(worker.handle.resident_bytes)
         if held and self.worker_of(entry) is worker:
@@ -210,7 +210,7 @@ class Parker:
         read. A paused request whose client left holds nothing: a wake for it alone would
         take the running model's turn for no one."""
         return (entry.id in self._asked or entry.leases > 0 or entry.queued > 0
-                or (entry.link is not None and entry.link.busy))
+                or entry.busy)
 
     def _wake_done(self, entry: ModelEntry, task: asyncio.Task[None], since: float) -> None:
         if self._wakes.get(entry.id) is task:
@@ -220,7 +220,7 @@ class Parker:
             return
         if task.exception() is not None:
             log.warning("model %s: wake failed: %s", entry.id, task.exception())
-            if entry.state == "parked" and entry.link is not None and entry.link.busy:
+            if entry.state == "parked" and entry.busy:
                 # Its paused requests must not wait for ever, and room may never come (a
                 # pinned model holds it): it stops, draining them where room allows.
                 self._stopping(entry)
@@ -236,7 +236,7 @@ class Parker:
         # asked for, whose clients have all gone, parks no one (it stays parked).
         if not await self._make_room(entry, lambda: self.wanted(entry)):
             return
-        worker, link = self.worker_of(entry), entry.link
+        worker, link = self.worker_of(entry), link_of(entry)
         if entry.state != "parked" or worker is None or link is None:
             return  # it died or stopped while it waited: a request loads it again
         # No await between finding room and claiming it (``waking`` runs, for room).
@@ -269,7 +269,7 @@ class Parker:
                             waited=round(now - since, 4),
                             parked_seconds=round(began - entry.parked_at, 3))
 
-    async def thaw(self, entry: ModelEntry, worker: WorkerRecord) -> bool:
+    async def thaw(self, entry: ModelEntry, worker: Replica) -> bool:
         """Before a stop: a parked worker's processes continue and its engine resumes, so
         its requests in flight drain and ``Shutdown`` is read. False: it is left asleep,
         a GPU engine (module docstring), or did not resume; its requests will not drain."""

@@ -23,7 +23,7 @@ import psutil
 
 from router.errors import ModelUnavailable
 from router.lifecycle.policy import park, room
-from router.lifecycle.worker_record import WorkerRecord
+from router.lifecycle.replica import Replica
 from router.observe.events import EventBus
 from router.registry import ModelEntry, ModelRegistry
 from router.workers.placement import Placer
@@ -57,7 +57,7 @@ class RoomMaker:
 
     def __init__(self, registry: ModelRegistry, removed: set[ModelEntry], server: ServerConfig,
                  placer: Placer, events: EventBus,
-                 worker_of: Callable[[ModelEntry], WorkerRecord | None],
+                 worker_of: Callable[[ModelEntry], Replica | None],
                  stop: Callable[[ModelEntry], Coroutine[Any, Any, None]], poll: float,
                  park_victim: Callable[[ModelEntry, str, int], Coroutine[Any, Any, bool]]
                  | None = None) -> None:

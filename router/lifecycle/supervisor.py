@@ -13,8 +13,9 @@ code and log tail kept) after a crash or a failed start. A request to a
 
 Who gets room and who idles is policy (``router.lifecycle.policy``: plain functions, no awaits);
 the supervisor owns the executors that act on it, ``RoomMaker`` (park, evict, yield),
-``Parker`` (park, wake) and ``IdleReaper`` (stop, sleep, wake), and its own worker
-records (``worker_of``).
+``Parker`` (park, wake) and ``IdleReaper`` (stop, sleep, wake), and each model's running
+workers, its ``ReplicaSet`` (``replicas_of``, ``worker_of``: one replica per model for
+now).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ from router.errors import (
 from router.lifecycle.idle_reaper import IdleReaper
 from router.lifecycle.parking import Parker
 from router.lifecycle.policy.park import RESIDENT_STATES
+from router.lifecycle.replica import Replica, ReplicaSet, link_of
 from router.lifecycle.room_maker import RoomMaker
-from router.lifecycle.worker_record import WorkerRecord
 from router.observe.events import EventBus
 from router.registry import Lease, ModelEntry, ModelRegistry
 from router.workers.backends import Backend, SpawnError
@@ -81,8 +82,9 @@ class Supervisor:
         self.runtime_dir = runtime_dir
         self.placer = placer or Placer()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._workers: dict[str, WorkerRecord] = {}
-        """Each model's running worker (``worker_of``), by model id."""
+        self._replicas: dict[str, ReplicaSet] = {}
+        """Each model's running replicas (``replicas_of``), by model id: a model with
+        none has no set here."""
         self._loads: dict[str, asyncio.Task[WorkerLink]] = {}
         self._stops: dict[str, asyncio.Task[None]] = {}
         """Each model's one stop under way (``stopping``)."""
@@ -111,25 +113,35 @@ class Supervisor:
     def _spares_may_import(self) -> bool:
         """A spare imports while no model streams, or while a load waits (for it)."""
         return bool(self._loads) or not any(
-            e.link is not None and e.link.busy for e in self.registry)
+            e.busy for e in self.registry)
 
     def _spawn_task(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
 
-    # -- workers: one per model for now; replicas make these a list per model ------------
-    def worker_of(self, entry: ModelEntry) -> WorkerRecord | None:
-        """``entry``'s running worker, if it has one."""
-        return self._workers.get(entry.id)
+    # -- workers: a model's replicas (at most one each for now: ``ReplicaSet``) ---------
+    def replicas_of(self, entry: ModelEntry) -> ReplicaSet:
+        """``entry``'s running replicas (an empty set if it runs none)."""
+        return self._replicas.get(entry.id) or ReplicaSet(entry.id)
 
-    def add_worker(self, entry: ModelEntry, worker: WorkerRecord) -> None:
-        self._workers[entry.id] = worker
+    def worker_of(self, entry: ModelEntry) -> Replica | None:
+        """``entry``'s running worker, if it has one (its first replica)."""
+        replicas = self._replicas.get(entry.id)
+        return replicas.first() if replicas is not None else None
 
-    def remove_worker(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+    def running(self) -> dict[str, Replica]:
+        """Every running replica, by its key (replica 0's: its model's id)."""
+        return {r.key: r for replicas in self._replicas.values() for r in replicas}
+
+    def add_worker(self, entry: ModelEntry, worker: Replica) -> None:
+        self._replicas.setdefault(entry.id, ReplicaSet(entry.id)).add(worker)
+
+    def remove_worker(self, entry: ModelEntry, worker: Replica) -> None:
         """Forget ``worker`` (a newer one of ``entry``'s stays)."""
-        if self._workers.get(entry.id) is worker:
-            del self._workers[entry.id]
+        replicas = self._replicas.get(entry.id)
+        if replicas is not None and replicas.remove(worker) and not replicas:
+            del self._replicas[entry.id]
 
     def _publish_state(self, entry: ModelEntry, reason: str | None = None) -> None:
         """Tell the event bus of ``entry``'s state, if it changed since last told."""
@@ -208,12 +220,12 @@ class Supervisor:
                 what = f"a LoRA adapter of '{entry.id}', {what}"
             raise BadRequest(f"model '{named.id}' is {what}; it cannot serve this endpoint",
                              param="model", code="wrong_model_task")
-        slots = entry.slots
-        if (entry.state == "ready" and entry.link is not None and entry.yield_to is None
+        slots, link = entry.slots, link_of(entry)
+        if (entry.state == "ready" and link is not None and entry.yield_to is None
                 and (slots is None or slots.try_take(batch))):
             lease = Lease(entry, named if named is not entry else None, batch)
             lease.slot = slots
-            return lease, entry.link
+            return lease, link
         return entry
 
     async def _take_slot(self, lease: Lease) -> None:
@@ -242,8 +254,9 @@ class Supervisor:
     async def ensure_ready(self, entry: ModelEntry, batch: bool = False) -> WorkerLink:
         """Wait (bounded) until ``entry`` serves: load it, wake it, or find it room
         (``batch``: for a batch line, ``start_loading``)."""
-        if entry.state == "ready" and entry.link is not None:
-            return entry.link
+        link = link_of(entry)
+        if entry.state == "ready" and link is not None:
+            return link
         if entry.queued >= self.server.max_queue_depth:
             raise TooManyRequests(f"{entry.queued} requests already wait for model "
                                   f"'{entry.id}'; retry later")
@@ -254,8 +267,9 @@ class Supervisor:
             async with asyncio.timeout(self.server.load_timeout):
                 if entry.state == "sleeping":
                     await asyncio.shield(self.idler.wake(entry))
-                    if entry.state == "ready" and entry.link is not None:
-                        return entry.link
+                    link = link_of(entry)
+                    if entry.state == "ready" and link is not None:
+                        return link
                 task = self.start_loading(entry, batch)
                 try:
                     return await asyncio.shield(task)
@@ -318,14 +332,16 @@ class Supervisor:
                     raise
                 # The wake was ended (a crash, a stop, a reload's restart), not this load:
                 # its waiters wait for that to finish, then start the model again.
-            if entry.state == "ready" and entry.link is not None:
-                return entry.link
+            link = link_of(entry)
+            if entry.state == "ready" and link is not None:
+                return link
         # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
         while entry.state == "stopping" or (entry.state != "ready"
                                             and self.worker_of(entry) is not None):
             await asyncio.sleep(POLL)
-        if entry.state == "ready" and entry.link is not None:
-            return entry.link
+        link = link_of(entry)
+        if entry.state == "ready" and link is not None:
+            return link
         delay = backoff_seconds(entry.failures) - (time.monotonic() - entry.failed_at)
         if delay > 0:
             log.info("model %s: restart backoff %.1f s after %d failure(s)", entry.id,
@@ -385,7 +401,7 @@ class Supervisor:
         log.info("model %s: worker pid %d on %s starting%s (%s)", entry.id, handle.pid,
                  handle.node, " from a spare" if spare else "",
                  " ".join(f"{k}={v}" for k, v in entry.placement.items()))
-        worker = WorkerRecord(handle, link, spec=spec)
+        worker = Replica(handle, link, spec=spec)
         self.add_worker(entry, worker)
         entry.pid, entry.node = handle.pid, handle.node
         self._publish_state(entry)
@@ -410,7 +426,7 @@ class Supervisor:
         if started_ok:
             exited.cancel()
             info = ready.result()
-            entry.state, entry.link = "ready", link
+            entry.state, entry.replica = "ready", worker
             for served in (entry, *self.registry.adapters_of(entry)):
                 served.max_model_len = info.max_model_len
                 served.max_prompt_chars = info.max_prompt_chars
@@ -469,7 +485,7 @@ class Supervisor:
                 log.warning("model %s: adapter %s not restored: %s", entry.id, adapter.id,
                             err.message)
 
-    def _log_ready(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+    def _log_ready(self, entry: ModelEntry, worker: Replica) -> None:
         """Publish and log a finished load with its phases."""
         self.events.publish("load", entry.id, load_seconds=entry.load_seconds,
                             load_phases=entry.load_phases, pid=worker.handle.pid)
@@ -489,7 +505,7 @@ class Supervisor:
         entry.error = f"{reason}\n{tail}".strip()
         self._publish_state(entry, reason)
 
-    async def _watch(self, entry: ModelEntry, worker: WorkerRecord) -> None:
+    async def _watch(self, entry: ModelEntry, worker: Replica) -> None:
         code = await worker.gone()
         if self.worker_of(entry) is not worker:
             return
@@ -505,21 +521,21 @@ class Supervisor:
         # Recorded before any await: a request arriving meanwhile sees 'failed' and starts
         # a reload, which waits for this reap and is not overwritten by it.
         self._failed(entry, reason, "", code, served=worker.link.completed > 0)
-        entry.link = None
+        entry.replica = None
         await self._reap(entry, worker, reason)
         tail = await asyncio.to_thread(log_tail, worker.log_path)
         if entry.state == "failed" and entry.exit_code == code:
             entry.error = f"{reason}\n{tail}".strip()
         self._keep_up(entry)
 
-    async def _reap(self, entry: ModelEntry, worker: WorkerRecord, reason: str) -> None:
+    async def _reap(self, entry: ModelEntry, worker: Replica, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""
         await worker.handle.kill()
         worker.link.close(reason)
         self.remove_worker(entry, worker)
         self.placer.release(entry.id)
-        if entry.link is worker.link:
-            entry.link = None
+        if entry.replica is worker:
+            entry.replica = None
         if entry.pid == worker.handle.pid:
             entry.pid = entry.node = None
 
@@ -584,7 +600,7 @@ class Supervisor:
             entry.state = "stopping"
             self._publish_state(entry)
 
-    async def _finish_stop(self, entry: ModelEntry, worker: WorkerRecord, force: bool = False,
+    async def _finish_stop(self, entry: ModelEntry, worker: Replica, force: bool = False,
                            grace: float = 1.0) -> None:
         """The rest of a stop, once ``entry`` is marked ``stopping``: drain (unless
         ``force``), then ``Shutdown`` (the worker kills its own process group at once),

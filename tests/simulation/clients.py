@@ -58,8 +58,10 @@ class Client:
     task: asyncio.Task[str]
     left: bool = False
     """The harness made it leave (cancelled its task)."""
-    lines: set[asyncio.Task[None]] = field(default_factory=set)
-    """A batch's lines in flight."""
+    lines: dict[asyncio.Task[None], None] = field(default_factory=dict)
+    """A batch's lines in flight, in the order they began (a set's order would follow
+    the tasks' addresses, which differ from one process to the next: a seed would not
+    replay the same way)."""
 
     def outcome(self) -> str:
         if not self.task.done():

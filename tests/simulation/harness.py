@@ -84,6 +84,7 @@ from router.api.relay import BATCH_PRIORITY, Relay
 from router.batches.runner import WAIT_FOR_ROOM
 from router.errors import APIError
 from router.lifecycle import room_maker
+from router.lifecycle.replica import link_of
 from router.lifecycle.supervisor import Supervisor
 from router.registry import Lease, ModelEntry, ModelRegistry
 from router.workers.link import Usage, WorkerLink
@@ -389,7 +390,7 @@ class Simulation:
         if op.kind == "request":
             coro = self.request(op, request)
         elif op.kind == "batch":
-            lines: set[asyncio.Task[None]] = set()
+            lines: dict[asyncio.Task[None], None] = {}
             coro = self.batch(op, lines)
         elif op.kind == "load":
             coro = self.load(op)
@@ -416,7 +417,7 @@ class Simulation:
         if client.op.kind == "batch" and "leave_on" in client.op.args:
             # as ``BatchRunner`` stops a batch: each line in flight cancelled, then (its
             # ``finally``, or the batch's own task) once more
-            for line in client.lines:
+            for line in list(client.lines):
                 line.cancel()
             after_turns(self.loop, client.op.args["again"], self._cancel, client)
         elif (client.op.args["via"] == "direct" or request.streaming is not None
@@ -514,7 +515,7 @@ class Simulation:
             return now
         return await self.sup.acquire(model, "generate", batch=True)
 
-    async def batch(self, op: Op, in_flight: set[asyncio.Task[None]]) -> str:
+    async def batch(self, op: Op, in_flight: dict[asyncio.Task[None], None]) -> str:
         """A batch's lines for one model, as ``router.batches.runner`` runs a group: each
         line starts once ``RoomMaker.batch_may_run`` says yes (looking every
         ``WAIT_FOR_ROOM`` s; after ``patience`` s the batch gives up, as one expires),
@@ -535,8 +536,8 @@ class Simulation:
                 await at_once.acquire()
                 line = lines.create_task(self._line(op, outcomes))
                 line.add_done_callback(lambda _: at_once.release())
-                in_flight.add(line)
-                line.add_done_callback(in_flight.discard)
+                in_flight[line] = None
+                line.add_done_callback(lambda done: in_flight.pop(done, None))
                 started += 1
         return (f"ok {started} of {op.args['lines']} line(s) run: "
                 + ", ".join(sorted(outcomes)))
@@ -580,8 +581,9 @@ class Simulation:
         entry = self.sup.registry.named(op.model)
         if entry.lora is not None:
             base = self.sup.registry.serving(entry)
-            if base.state == "ready" and base.link is not None:
-                base.adapters_loaded = await base.link.adapters(unload=[entry.lora.number])
+            link = link_of(base)
+            if base.state == "ready" and link is not None:
+                base.adapters_loaded = await link.adapters(unload=[entry.lora.number])
             return f"ok {base.id} {base.state}"
         if op.args["force"]:
             self.forced.add(entry.id)

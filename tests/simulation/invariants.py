@@ -72,7 +72,7 @@ def gpu_start_locks(placer: Placer) -> dict[int, asyncio.Lock]:
 
 def lifecycle_ids(sup: Supervisor) -> set[str]:
     """The models the supervisor keeps a worker, a load or a stop of."""
-    return {*sup._workers, *sup._loads, *sup._stops}
+    return {*sup.running(), *sup._loads, *sup._stops}
 
 
 def wakes_under_way(sup: Supervisor) -> set[str]:
@@ -113,7 +113,7 @@ def quiescent_violations(sup: Supervisor, entries: Iterable[ModelEntry],
     for gpu, lock in gpu_start_locks(sup.placer).items():
         if lock.locked():
             out.append(f"start lock of GPU {gpu} held at quiescence")
-    running = dict(sup._workers)
+    running = sup.running()
     for model_id, worker in running.items():
         if worker.handle.returncode is not None:
             out.append(f"{model_id}: the supervisor keeps worker {worker.handle.pid}, "
@@ -146,9 +146,9 @@ def adapter_violations(sup: Supervisor, adapters: Iterable[ModelEntry]) -> list[
     kept = lifecycle_ids(sup)
     for a in adapters:
         base = a.spec.base
-        if a.link is not None or a.pid is not None or a.node is not None:
+        if a.replica is not None or a.pid is not None or a.node is not None:
             out.append(f"{a.id} (an adapter of {base}): a worker of its own "
-                       f"(pid {a.pid}, link {a.link is not None})")
+                       f"(pid {a.pid}, replica {a.replica is not None})")
         if a.state != "unloaded":
             out.append(f"{a.id} (an adapter of {base}): state '{a.state}' of its own")
         if a.leases or a.queued:
@@ -207,8 +207,8 @@ def stopped_violations(sup: Supervisor, entries: Iterable[ModelEntry], net: SimN
                        ) -> list[str]:
     """After ``stop_all``: no worker process runs or is kept, every model is down."""
     out = [f"{w.model}: worker {w.pid} still runs" for w in net.alive()]
-    if sup._workers:
-        out.append(f"the supervisor still keeps workers of {sorted(sup._workers)}")
+    if sup.running():
+        out.append(f"the supervisor still keeps workers of {sorted(sup.running())}")
     out += [f"{e.id}: '{e.state}'" for e in entries if e.state not in ("unloaded", "failed")]
     return out
 

@@ -49,7 +49,7 @@ def expired(entry: ModelEntry, now: float, server: ServerConfig) -> bool:
     by its ttl as a running one's: it stops then (it never sleeps)."""
     limit = idle_limit(entry, server)
     return (entry.state in ("ready", "parked") and limit is not None and entry.leases == 0
-            and entry.link is not None and not entry.link.busy
+            and entry.replica is not None and not entry.busy
             and now - entry.last_used >= limit and now >= entry.kept_until)
 
 

@@ -191,4 +191,4 @@ def stoppable(entry: ModelEntry) -> bool:
     """A parked model with nothing in flight and no request waiting: stopping it loses
     no one's work (memory pressure stops these first)."""
     return (entry.state == "parked" and entry.leases == 0 and entry.queued == 0
-            and not (entry.link is not None and entry.link.busy))
+            and not entry.busy)

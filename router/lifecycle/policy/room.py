@@ -70,7 +70,7 @@ def expected_cost(entry: ModelEntry, now: float) -> float:
 
 def is_idle(entry: ModelEntry) -> bool:
     """No lease held and nothing in flight on its link."""
-    return entry.leases == 0 and not (entry.link is not None and entry.link.busy)
+    return entry.leases == 0 and not entry.busy
 
 
 def batch_only(entry: ModelEntry) -> bool:
@@ -294,7 +294,7 @@ def _park(entry: ModelEntry, chosen: ModelEntry, level: int, server: ServerConfi
 
 def paused_work(entry: ModelEntry) -> bool:
     """``entry`` is parked with requests in flight (paused mid-answer)."""
-    return entry.state == "parked" and entry.link is not None and entry.link.busy
+    return entry.state == "parked" and entry.busy
 
 
 def _stop_for(entry: ModelEntry, chosen: ModelEntry | None, server: ServerConfig,
