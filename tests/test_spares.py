@@ -307,6 +307,17 @@ def test_a_load_cancelled_mid_fork_leaves_no_zombie(tmp_path: Path) -> None:
     run(go())
 
 
+async def importing_zygote(pool: SparePool) -> int:
+    """Start ``pool``'s zygote alone (no spares to fork) and wait for its imports at nice
+    19 (the fake zygote's ``NICE``); its pid."""
+    pool.size = 0
+    await pool._start_process(zygote=True)
+    assert pool.zygote is not None
+    pid = pool.zygote.proc.pid
+    await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, 10, "nice 19")
+    return pid
+
+
 def test_a_load_cancelled_while_the_zygote_imports_leaves_it_at_its_priority(
         tmp_path: Path) -> None:
     """A load that hurries the zygote's imports (its priority raised to the router's) and
@@ -316,12 +327,8 @@ def test_a_load_cancelled_while_the_zygote_imports_leaves_it_at_its_priority(
 
     async def go() -> None:
         pool = zygote_pool(tmp_path, spawn_task, "NICE")
-        pool.size = 0
         try:
-            await pool._start_process(zygote=True)
-            assert pool.zygote is not None
-            pid = pool.zygote.proc.pid
-            await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, 10, "nice 19")
+            pid = await importing_zygote(pool)
             load = asyncio.create_task(pool.take(entry))
             mine = os.getpriority(os.PRIO_PROCESS, 0)
             await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) in (mine, 19) and
@@ -380,12 +387,8 @@ def test_two_loads_cancelled_while_the_zygote_imports_leave_it_at_its_priority(
 
     async def go() -> None:
         pool = zygote_pool(tmp_path, spawn_task, "NICE")
-        pool.size = 0
         try:
-            await pool._start_process(zygote=True)
-            assert pool.zygote is not None
-            pid = pool.zygote.proc.pid
-            await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == 19, 10, "nice 19")
+            pid = await importing_zygote(pool)
             mine = os.getpriority(os.PRIO_PROCESS, 0)
             first = asyncio.create_task(pool.take(entry))
             await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == mine, 10, "hurried")
