@@ -23,7 +23,7 @@ import pytest
 from router.registry import ModelRegistry
 from router.workers.spares import SparePool
 from router.workers.zygote import UNKNOWN_EXIT, PipeStdin
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 from tests.test_lifecycle_races import run, until
 
 F_SETPIPE_SZ = 1031  # fcntl's, Linux (Python 3.10+ names it only on some builds)
@@ -122,6 +122,10 @@ import os, sys, threading, time
 from worker.zygote import serve
 out = sys.argv[1]
 ready = int(sys.argv[sys.argv.index("--ready-fd") + 1])
+if "--zygote-fd" not in sys.argv:  # a spare started afresh (forks refused): one that waits
+    os.write(ready, b"1")
+    sys.stdin.read()
+    sys.exit(0)
 control = int(sys.argv[sys.argv.index("--zygote-fd") + 1])
 if "THREAD" in sys.argv:
     threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
@@ -213,6 +217,7 @@ def test_a_zygote_that_refuses_a_fork_gives_way_to_started_spares(tmp_path: Path
             await until(lambda: not pool.fork and bool(pool._spares), 30,
                         "a spare started afresh after the refusal")
             assert pool.zygote is None and not pool._spares[0].forked
+            await until(pool._spares[0].poll_ready, 30, "the started spare is ready")
         finally:
             await pool.close()
             await asyncio.gather(*tasks, return_exceptions=True)
