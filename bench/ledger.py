@@ -38,7 +38,8 @@ from router.access.ledger import INSERT, SCHEMA, Ledger
 from router.access.limits import RateLimit
 from router.access.rules import AccessRules
 from router.registry import ModelRegistry
-from shared.config import ServerConfig, build_preset
+from shared.config import ServerConfig
+from shared.preset_loader import build_preset
 from shared.protocol import ChatMessage, Generate, SamplingSpec
 
 KEY = "k-bench-ledger"

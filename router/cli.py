@@ -24,7 +24,8 @@ from router.access.key_store import SCHEMA as KEY_TABLES
 from router.access.key_store import KeyExists, KeySpec, KeyStore, LastAdmin
 from router.api.http_protocol import http_protocol, uvicorn_backstop
 from router.app import build_app
-from shared.config import ConfigError, ServerConfig, load_preset
+from shared.config import ConfigError, ServerConfig
+from shared.preset_loader import load_preset
 
 GC_THRESHOLD = 50_000
 """Container allocations (less frees) between the router's youngest collections."""

@@ -39,7 +39,7 @@ from router.access.key_store import SCHEMA as KEY_TABLES
 from router.access.key_store import KeySpec, KeyStore
 from router.access.rules import ROLES, TABLE, AccessRules, markdown
 from router.app import build_app
-from shared.config import load_preset
+from shared.preset_loader import load_preset
 from tests.conftest import running_router
 
 PRESET_USER, PRESET_ADMIN = "k-preset-user-51c", "k-preset-admin-9ad"

@@ -263,7 +263,7 @@ def test_a_reload_keeps_a_registered_name_that_a_new_folder_would_alias(tmp_path
     """Registered adapters are kept before found ones are looked up again: a folder that
     appeared in an ``adapters_dir`` under a registered name takes no alias from it."""
     from router.registry import ModelRegistry
-    from shared.config import build_preset
+    from shared.preset_loader import build_preset
 
     folder = tmp_path / "adapters"
     folder.mkdir()

@@ -22,7 +22,8 @@ from router.workers.backends.ray_cluster import RayBackend
 from router.workers.link import WorkerLink
 from router.workers.placement import Placer
 from router.workers.spares import SparePool
-from shared.config import ConfigError, build_preset
+from shared.config import ConfigError
+from shared.preset_loader import build_preset
 from tests.conftest import ROOT
 
 

@@ -28,7 +28,7 @@ from router.access.database import Conn
 from router.app import build_app
 from router.batches.runner import BatchRunner
 from router.batches.store import BatchStore
-from shared.config import load_preset
+from shared.preset_loader import load_preset
 
 ADMIN = "k-admin-runner-7f3"
 PRESET = """

@@ -28,7 +28,7 @@ from router.access.database import Database
 from router.access.key_store import Budget
 from router.access.ledger import INSERT, SCHEMA, Ledger
 from router.registry import ModelRegistry
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 from shared.protocol import (
     ChatMessage,
     ContentPart,

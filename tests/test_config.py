@@ -7,7 +7,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.config import ConfigError, build_preset, load_preset, parse_ini, parse_yaml
+from shared.config import ConfigError
+from shared.preset_loader import build_preset, load_preset, parse_ini, parse_yaml
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from router.cli import build_parser
-from shared.config import build_preset, load_preset
+from shared.preset_loader import build_preset, load_preset
 from tests.conftest import RouterProcess, free_port, running_router
 
 ROOT = Path(__file__).resolve().parents[1]

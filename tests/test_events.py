@@ -27,7 +27,7 @@ from starlette.testclient import TestClient
 from router.api.events import LogFollower, last_lines
 from router.app import build_app
 from router.observe.events import EventBus
-from shared.config import build_preset, parse_yaml
+from shared.preset_loader import build_preset, parse_yaml
 from tests.conftest import RouterProcess, router_with_runtime
 
 # -- the bus -----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from router.access.rules import AccessRules
 from router.api.openapi import build_document
 from router.app import build_app
 from router.errors import ANTHROPIC_PREFIX
-from shared.config import build_preset, parse_yaml
+from shared.preset_loader import build_preset, parse_yaml
 from tests.conformance import validate, validate_responses
 from tests.conftest import RouterProcess, running_router
 from tests.test_anthropic_units import check_grammar

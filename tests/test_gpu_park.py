@@ -16,7 +16,8 @@ import pytest
 from router.lifecycle.policy import gpu_park, idle, park, room
 from router.registry import ModelEntry
 from router.workers.placement import ASLEEP_GIB, GpuMemory
-from shared.config import ServerConfig, build_preset
+from shared.config import ServerConfig
+from shared.preset_loader import build_preset
 from worker.engine_args import engine_args_for
 
 GIB = 1024 ** 3

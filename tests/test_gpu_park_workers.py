@@ -19,7 +19,7 @@ from router.errors import ModelUnavailable
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelRegistry
 from router.workers.placement import GIB, GpuMemory, Placer
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 from shared.protocol import Generate, SamplingSpec
 from tests.test_parking import run, statuses, until, use
 

@@ -26,7 +26,7 @@ from router.api.relay import WATCH_AFTER, Relay
 from router.api.wire import JSONResponse
 from router.app import build_app
 from router.workers.link import WorkerLink
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 from shared.protocol import Cancel, Generate, worker_codec
 from tests.conftest import connected_peer, from_router
 from tests.test_limits import serve

@@ -28,7 +28,7 @@ from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelRegistry
 from router.workers.link import WorkerLink
 from router.workers.placement import Placer
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 from shared.protocol import Codec, Generate, Ready, SamplingSpec, ToRouter
 from tests.conftest import RouterProcess, connected_peer, from_router, running_router
 

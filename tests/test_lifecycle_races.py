@@ -30,7 +30,7 @@ from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry, ModelRegistry
 from router.workers.link import Usage, WorkerLink
 from router.workers.placement import GIB, GpuMemory, Placer
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 from tests.conftest import connected_peer
 from tests.test_scheduling import supervisor as scheduling_supervisor
 

@@ -12,7 +12,8 @@ from router.lifecycle.supervisor import Supervisor, backoff_seconds
 from router.registry import ModelRegistry
 from router.workers.placement import GIB, GpuMemory, Placer, fits, footprint
 from router.workers.worker_start import base_env, model_env, worker_command
-from shared.config import ModelSpec, ServerConfig, build_preset
+from shared.config import ModelSpec, ServerConfig
+from shared.preset_loader import build_preset
 from tests.conftest import connected_peer, from_router
 
 H100 = {i: GpuMemory(i, 80 * GIB, 79 * GIB) for i in range(4)}

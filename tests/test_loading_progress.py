@@ -24,7 +24,8 @@ import pytest
 
 from router.api import progress
 from router.registry import ModelEntry
-from shared.config import ConfigError, build_preset, parse_ini, parse_yaml
+from shared.config import ConfigError
+from shared.preset_loader import build_preset, parse_ini, parse_yaml
 from tests.conformance import validate, validate_responses
 from tests.conftest import RouterProcess, running_router
 

@@ -11,7 +11,7 @@ import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 from shared.protocol import Delta, Generate, LoraRef, SamplingSpec
 from worker.synthetic import SyntheticEngine
 

@@ -14,7 +14,8 @@ import torch
 from router.errors import ModelNotFound
 from router.registry import ModelRegistry
 from shared.adapters import AdapterError, folder_in, rank_cap, read_adapter
-from shared.config import ConfigError, build_preset, parse_ini
+from shared.config import ConfigError
+from shared.preset_loader import build_preset, parse_ini
 from shared.protocol import LoraRef
 from worker import lora_ops
 from worker.adapters import AdapterPool, ModelShape, check_adapter

@@ -21,7 +21,7 @@ from router.observe.metrics import Metrics, quantile, snapshot
 from router.registry import ModelRegistry
 from router.workers.link import Usage
 from router.workers.placement import Placer
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

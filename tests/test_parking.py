@@ -25,7 +25,7 @@ from router.lifecycle.supervisor import Supervisor
 from router.observe.metrics import Metrics
 from router.registry import ModelEntry, ModelRegistry
 from router.workers.placement import Placer
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 from shared.protocol import Generate, SamplingSpec
 
 

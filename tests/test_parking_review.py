@@ -190,7 +190,7 @@ def test_host_memory_pressure_stops_a_stale_parked_model_before_the_running_one(
 
     from router.lifecycle.policy import park, room
     from router.registry import ModelEntry
-    from shared.config import build_preset
+    from shared.preset_loader import build_preset
 
     preset = build_preset({"server": {"max_loaded_models": 1},
                            "models": {k: {"model": f"/{k}"} for k in ("new", "a", "stale")}})
@@ -277,7 +277,7 @@ def test_a_model_never_measured_is_not_expected_to_take_only_2_gib(tmp_path: Pat
     from router.lifecycle.policy import park
     from router.lifecycle.room_maker import weights_on_disk
     from router.registry import ModelEntry
-    from shared.config import build_preset
+    from shared.preset_loader import build_preset
 
     weights = tmp_path / "b"
     weights.mkdir()

@@ -16,7 +16,7 @@ import pytest
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry, ModelRegistry
 from router.workers.placement import Placer
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 from shared.protocol import Generate, SamplingSpec
 from tests.test_parking import run
 

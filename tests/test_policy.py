@@ -14,7 +14,8 @@ from typing import Any
 
 from router.lifecycle.policy import idle, room
 from router.registry import ModelEntry
-from shared.config import ServerConfig, build_preset
+from shared.config import ServerConfig
+from shared.preset_loader import build_preset
 
 NOW = 10_000.0  # time.monotonic()
 WALL = 2e9  # time.time()

@@ -6,7 +6,7 @@ import pytest
 
 from router.errors import ModelNotFound
 from router.registry import Lease, ModelRegistry
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 
 
 def registry(default: str | None = None) -> ModelRegistry:

@@ -30,7 +30,8 @@ from router.lifecycle.reload import Reloader, diff_presets, fingerprint
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelRegistry
 from router.workers.placement import Placer
-from shared.config import build_preset, load_preset, restart_needed
+from shared.config import restart_needed
+from shared.preset_loader import build_preset, load_preset
 from tests.conftest import ROOT, RouterProcess, running_router
 
 # -- the diff ------------------------------------------------------------------------

@@ -11,16 +11,9 @@ import msgspec
 import pytest
 
 from router.lifecycle.reload import diff_presets
-from shared import config
-from shared.config import (
-    ConfigError,
-    Preset,
-    Replicas,
-    Routing,
-    build_preset,
-    load_preset,
-    restart_needed,
-)
+from shared import preset_loader
+from shared.config import ConfigError, Preset, Replicas, Routing, restart_needed
+from shared.preset_loader import build_preset, load_preset
 
 
 def preset(model: dict[str, Any], server: dict[str, Any] | None = None) -> Preset:
@@ -31,7 +24,7 @@ def preset(model: dict[str, Any], server: dict[str, Any] | None = None) -> Prese
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> None:
     """As after replicas are wired: up to 8 per model served."""
-    monkeypatch.setattr(config, "REPLICAS_SERVED", 8)
+    monkeypatch.setattr(preset_loader, "REPLICAS_SERVED", 8)
 
 
 def test_a_model_runs_one_replica_routed_by_prefix_unless_told() -> None:

@@ -366,7 +366,7 @@ def test_routes_through_the_app_without_a_worker() -> None:
     from starlette.testclient import TestClient
 
     from router.app import build_app
-    from shared.config import build_preset
+    from shared.preset_loader import build_preset
 
     preset = build_preset({"models": {"chat-a": {"model": "/a"}}})
     with TestClient(build_app(preset)) as client:

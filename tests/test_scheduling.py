@@ -24,7 +24,7 @@ from router.lifecycle.policy.idle import idle_limit
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry, ModelRegistry
 from router.workers.placement import GIB, GpuMemory, Placer
-from shared.config import build_preset
+from shared.preset_loader import build_preset
 
 
 class FakeLink:

@@ -243,7 +243,7 @@ def reranker_reference(query: str, documents: list[str]) -> tuple[list[float], i
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from shared.config import TEMPLATES
+    from shared.preset_loader import TEMPLATES
     from worker.materialize import resolve_model_path
 
     folder = resolve_model_path("builtin:smollm2", None)

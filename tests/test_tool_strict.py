@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from shared.config import STRUCTURAL_TAG_PARSERS, ConfigError, auto_tool_calls, load_preset
+from shared.config import STRUCTURAL_TAG_PARSERS, ConfigError, auto_tool_calls
+from shared.preset_loader import load_preset
 from shared.protocol import Delta
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}},

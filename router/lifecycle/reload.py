@@ -48,7 +48,8 @@ from router.errors import BadRequest, ModelNotFound
 from router.lifecycle.supervisor import Supervisor
 from router.workers.placement import check_budgets
 from shared.adapters import folder_in
-from shared.config import ConfigError, ModelSpec, Preset, ServerConfig, load_preset
+from shared.config import ConfigError, ModelSpec, Preset, ServerConfig
+from shared.preset_loader import load_preset
 
 log = logging.getLogger("modelyard.router")
 

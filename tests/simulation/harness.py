@@ -89,7 +89,8 @@ from router.lifecycle.supervisor import Supervisor
 from router.registry import Lease, ModelEntry, ModelRegistry
 from router.workers.link import Usage, WorkerLink
 from router.workers.placement import Placer
-from shared.config import ConfigError, Preset, build_preset
+from shared.config import ConfigError, Preset
+from shared.preset_loader import build_preset
 from shared.protocol import Generate, SamplingSpec
 from tests.simulation import invariants
 from tests.simulation.batch_watch import BATCH_LINE, BatchWatch
