@@ -529,18 +529,34 @@ class Simulation:
             entry = None  # its lines fail as any request would
         at_once = asyncio.Semaphore(op.args["at_once"])
         outcomes: list[str] = []
-        started = 0
-        async with asyncio.TaskGroup() as lines:
+        # Every line begun, in order: they end as a ``TaskGroup``'s tasks would, but a
+        # cancel reaches them in this order, where a ``TaskGroup`` cancels in a set's
+        # (the tasks' addresses: seed 102 ran two ways as the garbage collector ran
+        # earlier or later and the memory it freed went to the next tasks).
+        begun: dict[asyncio.Task[None], None] = {}
+
+        def failed() -> list[Exception]:
+            """What lines raised (a ``TaskGroup`` ends the rest at the first)."""
+            return [err for line in begun if line.done() and not line.cancelled()
+                    and isinstance(err := line.exception(), Exception)]
+
+        try:
             for _ in range(op.args["lines"]):
-                if not await self._batch_may_run(entry, op.args["patience"]):
+                if failed() or not await self._batch_may_run(entry, op.args["patience"]):
                     break
                 await at_once.acquire()
-                line = lines.create_task(self._line(op, outcomes))
+                line = self.loop.create_task(self._line(op, outcomes))
                 line.add_done_callback(lambda _: at_once.release())
+                begun[line] = None
                 in_flight[line] = None
                 line.add_done_callback(lambda done: in_flight.pop(done, None))
-                started += 1
-        return (f"ok {started} of {op.args['lines']} line(s) run: "
+            while not all(line.done() for line in begun) and not failed():
+                await asyncio.wait(begun, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            await _end_in_order(begun)
+        if failed():
+            raise ExceptionGroup("batch lines failed", failed())
+        return (f"ok {len(begun)} of {op.args['lines']} line(s) run: "
                 + ", ".join(sorted(outcomes)))
 
     async def _batch_may_run(self, entry: ModelEntry | None, patience: float) -> bool:
@@ -783,6 +799,21 @@ def run_seed(seed: int) -> Result:
                        *(f"  {line}" for line in sim.net.log)])
     digest = hashlib.sha256("\n".join(sim.net.log).encode()).hexdigest()[:16]
     return Result(seed, violations, trace, digest)
+
+
+async def _end_in_order(tasks: dict[asyncio.Task[None], None]) -> None:
+    """Cancel ``tasks`` not done yet, in their order, and wait until each has ended; a
+    cancel of this wait is raised once they have (as a ``TaskGroup`` ends its tasks)."""
+    for task in tasks:
+        task.cancel()
+    cancelled = False
+    while not all(task.done() for task in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
