@@ -153,7 +153,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
         try:
             await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            await _cancel_and_wait(task, watch)
+            await cancel_and_wait(task, watch)
     except BaseException:
         if (undo is not None and task.done() and not task.cancelled()
                 and task.exception() is None):
@@ -164,10 +164,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
     return task.result()
 
 
-async def _cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
-    """Cancel ``tasks`` (those not done yet) and wait until each has ended. A cancel of
-    this wait is raised once they have (as ``TaskGroup`` does): a task left running by
-    a second cancel could still hand over a lease that nobody would give back."""
+async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
+    """Cancel ``tasks`` (those not done yet, in their order) and wait until each has ended.
+    A cancel of this wait is raised once they have (as ``TaskGroup`` does): a task left
+    running by a second cancel could still hand over a lease that nobody would give back."""
     for task in tasks:
         task.cancel()
     cancelled = False

@@ -81,6 +81,7 @@ from typing import Any
 
 from router.access.admission import BATCH_SCOPE_KEY
 from router.api.relay import BATCH_PRIORITY, Relay
+from router.api.wire import cancel_and_wait
 from router.batches.runner import WAIT_FOR_ROOM
 from router.errors import APIError
 from router.lifecycle import room_maker
@@ -553,7 +554,7 @@ class Simulation:
             while not all(line.done() for line in begun) and not failed():
                 await asyncio.wait(begun, return_when=asyncio.FIRST_EXCEPTION)
         finally:
-            await _end_in_order(begun)
+            await cancel_and_wait(*begun)  # in the order they began
         if failed():
             raise ExceptionGroup("batch lines failed", failed())
         return (f"ok {len(begun)} of {op.args['lines']} line(s) run: "
@@ -799,21 +800,6 @@ def run_seed(seed: int) -> Result:
                        *(f"  {line}" for line in sim.net.log)])
     digest = hashlib.sha256("\n".join(sim.net.log).encode()).hexdigest()[:16]
     return Result(seed, violations, trace, digest)
-
-
-async def _end_in_order(tasks: dict[asyncio.Task[None], None]) -> None:
-    """Cancel ``tasks`` not done yet, in their order, and wait until each has ended; a
-    cancel of this wait is raised once they have (as a ``TaskGroup`` ends its tasks)."""
-    for task in tasks:
-        task.cancel()
-    cancelled = False
-    while not all(task.done() for task in tasks):
-        try:
-            await asyncio.wait(tasks)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
