@@ -43,6 +43,12 @@ def link_of(entry: ModelEntry) -> WorkerLink | None:
     return cast("Replica", replica).link if replica is not None else None
 
 
+
+def ready_link(entry: ModelEntry) -> WorkerLink | None:
+    """The link a request may use now: ``link_of`` while ``entry`` is ready, else None."""
+    return link_of(entry) if entry.state == "ready" else None
+
+
 class Replica:
     """One running worker of a model: its ``number`` and ``key`` among the model's
     replicas, its backend's ``handle``, its ``link``, the ``spec`` it was started with,

@@ -43,7 +43,7 @@ from router.errors import (
 from router.lifecycle.idle_reaper import IdleReaper
 from router.lifecycle.parking import Parker
 from router.lifecycle.policy.park import RESIDENT_STATES
-from router.lifecycle.replica import Replica, ReplicaSet, link_of
+from router.lifecycle.replica import Replica, ReplicaSet, link_of, ready_link
 from router.lifecycle.room_maker import RoomMaker
 from router.observe.events import EventBus
 from router.registry import Lease, ModelEntry, ModelRegistry
@@ -254,8 +254,7 @@ class Supervisor:
     async def ensure_ready(self, entry: ModelEntry, batch: bool = False) -> WorkerLink:
         """Wait (bounded) until ``entry`` serves: load it, wake it, or find it room
         (``batch``: for a batch line, ``start_loading``)."""
-        link = link_of(entry)
-        if entry.state == "ready" and link is not None:
+        if (link := ready_link(entry)) is not None:
             return link
         if entry.queued >= self.server.max_queue_depth:
             raise TooManyRequests(f"{entry.queued} requests already wait for model "
@@ -267,8 +266,7 @@ class Supervisor:
             async with asyncio.timeout(self.server.load_timeout):
                 if entry.state == "sleeping":
                     await asyncio.shield(self.idler.wake(entry))
-                    link = link_of(entry)
-                    if entry.state == "ready" and link is not None:
+                    if (link := ready_link(entry)) is not None:
                         return link
                 task = self.start_loading(entry, batch)
                 try:
@@ -332,15 +330,13 @@ class Supervisor:
                     raise
                 # The wake was ended (a crash, a stop, a reload's restart), not this load:
                 # its waiters wait for that to finish, then start the model again.
-            link = link_of(entry)
-            if entry.state == "ready" and link is not None:
+            if (link := ready_link(entry)) is not None:
                 return link
         # A request during a stop, or while a crashed worker is reaped, waits, then restarts.
         while entry.state == "stopping" or (entry.state != "ready"
                                             and self.worker_of(entry) is not None):
             await asyncio.sleep(POLL)
-        link = link_of(entry)
-        if entry.state == "ready" and link is not None:
+        if (link := ready_link(entry)) is not None:
             return link
         delay = backoff_seconds(entry.failures) - (time.monotonic() - entry.failed_at)
         if delay > 0:
