@@ -42,13 +42,16 @@ class Slots:
     the first: a batch takes a slot only when no interactive request waits for it.
     """
 
-    __slots__ = ("_later", "_waiters", "free", "size")
+    __slots__ = ("_later", "_since", "_waiters", "free", "size")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.free = size
+        """Slots no one holds; below 0 after a ``resize`` down, until enough come back."""
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._later: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._since: dict[asyncio.Future[None], float] = {}
+        """When (``time.monotonic``) each waiter began to wait (the scaler's queue wait)."""
 
     @property
     def waiting(self) -> int:
@@ -71,6 +74,7 @@ class Slots:
         waiter = asyncio.get_running_loop().create_future()
         line = self._later if later else self._waiters
         line.append(waiter)
+        self._since[waiter] = time.monotonic()
         try:
             await waiter
         except asyncio.CancelledError:
@@ -79,10 +83,32 @@ class Slots:
             elif waiter in line:  # (``give`` may have dropped it already)
                 line.remove(waiter)
             raise
+        finally:
+            del self._since[waiter]
+
+    def waiting_since(self) -> list[tuple[float, bool]]:
+        """Each waiter still without a slot: since when it waits, and whether it is a
+        batch line (``later``)."""
+        return [(self._since[w], line is self._later)
+                for line in (self._waiters, self._later) for w in line
+                if not w.done() and w in self._since]
+
+    def resize(self, size: int) -> None:
+        """Hold ``size`` slots from now on (a model's replicas came or went): slots added
+        go to waiters first; slots taken away are taken from the free ones, or from those
+        given back later (``free`` below 0 meanwhile), never from a request that holds one."""
+        grown, self.size = size - self.size, size
+        if grown < 0:
+            self.free += grown
+        for _ in range(grown):
+            self.give()
 
     def give(self) -> None:
         """Return a slot: to the first waiter, else to the first batch line, else to the
-        free ones."""
+        free ones (first to make up for a ``resize`` down)."""
+        if self.free < 0:
+            self.free += 1
+            return
         for line in (self._waiters, self._later):
             while line:
                 waiter = line.popleft()
@@ -138,6 +164,8 @@ class ModelEntry:
     """Requests vLLM itself still holds, as the worker last reported (``Pong``)."""
     restarts: int = 0
     """Starts after a crash or a failed start."""
+    replica_failures: int = 0
+    """Replicas that failed to start or crashed while another served (the model did not)."""
     evictions: int = 0
     """Stops to make room for another model."""
     loads: int = 0

@@ -67,9 +67,10 @@ class ConfigError(ValueError):
     """A preset file is unreadable or invalid; the message names file, model and key."""
 
 
-MAX_REPLICAS = 64
+MAX_REPLICAS = 32
 """The most replicas one model may ask for (``replicas.max``): a typo such as ``400``
-fails at load instead of filling the machine."""
+fails at load instead of filling the machine (and a prefix index tells 60 apart, restarts
+included: ``PrefixIndex.SLOTS``)."""
 
 
 class Replicas(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -48,11 +48,6 @@ from shared.config import (
     parse_cores,
 )
 
-REPLICAS_SERVED = 1
-"""The most replicas of one model this version runs. Until replicas are wired into the
-lifecycle (issue 35, S2) a preset asking for more is refused at load: serving one replica
-where the preset asked for several would hide the mistake."""
-
 _LIST_KEYS = ("aliases", "gpus", "trusted_proxies", "preload", "api_keys",  # comma-separated
               "admin_api_keys", "adapter_roots")                         # in INI
 _INI_TABLES = ("sampling_defaults", "replicas", "routing")  # INI: "replicas.max = 2"
@@ -151,8 +146,8 @@ def _replicas_and_routing(body: dict[str, Any], server: ServerConfig,
 
 def _check_replicas(spec: ModelSpec, source: str) -> None:
     """``replicas`` that can be served: ``min <= max``, a core and a GPU per replica
-    where the model names them, no scale to zero for a pinned model, and no more than
-    ``REPLICAS_SERVED`` (until the lifecycle runs replicas: never one silently)."""
+    where the model names them (else a core each among this host's: a local CPU model's
+    replicas share the router's cores), no scale to zero for a pinned model."""
     where = f"{source}: model '{spec.id}'"
     wanted = spec.replicas
     if wanted.min > wanted.max:
@@ -175,10 +170,11 @@ def _check_replicas(spec: ModelSpec, source: str) -> None:
                               "their own GPUs, the same number each and at least "
                               f"tensor_parallel_size ({spec.tensor_parallel_size}), and "
                               f"gpus lists {gpus}")
-    if wanted.max > REPLICAS_SERVED:
-        raise ConfigError(f"{where}: key 'replicas.max': replicas > {REPLICAS_SERVED} are "
-                          f"not served yet (asked for {wanted.max}); set replicas to "
-                          f"{REPLICAS_SERVED}")
+    if (spec.cpu_cores is None and spec.device == "cpu" and spec.backend in (None, "local")
+            and wanted.max > (host := len(os.sched_getaffinity(0)))):
+        raise ConfigError(f"{where}: key 'replicas.max': {wanted.max} replicas need a core "
+                          f"each, and this host gives the router {host} (replicas never "
+                          "share cores)")
 
 
 def _preset_path(value: str, source: str) -> Path:

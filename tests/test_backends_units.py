@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from router.lifecycle.supervisor import Supervisor
-from router.registry import ModelEntry, ModelRegistry
+from router.registry import ModelRegistry
 from router.workers.backends.local import LocalBackend
 from router.workers.backends.ray_cluster import RayBackend
 from router.workers.link import WorkerLink
@@ -53,7 +53,7 @@ def test_ray_actor_options_follow_the_preset() -> None:
                wide={"model": "x", "device": "cuda", "tensor_parallel_size": 2},
                custom={"model": "x", "num_cpus": 4, "num_gpus": 0.5,
                        "resources": {"a100": 1}, "label_selector": {"zone": "eu"}})
-    options = {name: RayBackend.actor_options(ModelEntry(spec))
+    options = {name: RayBackend.actor_options(spec)
                for name, spec in p.models.items()}
     assert options["cpu"] == {"num_cpus": 1.0, "num_gpus": 0.0, "resources": {}}
     assert options["gpu"]["num_gpus"] == 1.0
@@ -67,18 +67,18 @@ def test_ray_placement_sizes_the_kv_cache_and_pins_only_named_cores() -> None:
                b={"model": "x", "cpu_cores": "2-3"}, g={"model": "x", "device": "cuda"})
     ray = RayBackend(None, [], 10)
     placer = Placer(cores={0, 1}, gpus={})
-    assert ray.place(ModelEntry(p.models["a"]), placer) == {"VLLM_CPU_KVCACHE_SPACE": "2"}
-    assert ray.place(ModelEntry(p.models["b"]), placer) == {
+    assert ray.place(p.models["a"], placer, "a") == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert ray.place(p.models["b"], placer, "b") == {
         "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "2-3"}
-    assert ray.place(ModelEntry(p.models["g"]), placer) == {}
+    assert ray.place(p.models["g"], placer, "g") == {}
     assert ray.endpoint(Path("/x"), 1).startswith("tcp://")
 
 
 def test_spares_serve_local_models_only_and_ray_is_joined_only_when_used(
         tmp_path: Path) -> None:
     p = preset({"backend": "ray"}, a={"model": "x"}, b={"model": "x", "backend": "local"})
-    assert not SparePool.fits(ModelEntry(p.models["a"]))
-    assert SparePool.fits(ModelEntry(p.models["b"]))
+    assert not SparePool.fits(p.models["a"])
+    assert SparePool.fits(p.models["b"])
     sup = Supervisor(ModelRegistry(p), p.server, tmp_path, Placer(cores={0}, gpus={}))
     assert isinstance(sup.backends["ray"], RayBackend)
     assert isinstance(sup.backends["local"], LocalBackend)

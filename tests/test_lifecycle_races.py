@@ -459,7 +459,7 @@ def test_a_worker_whose_boot_cannot_be_written_is_not_left_running(tmp_path: Pat
         backend = LocalBackend(spares, lambda: command, dict)
         before = {p.pid for p in psutil.Process().children()}
         with pytest.raises(ValueError):
-            await backend.spawn(registry.entries["m"], boot_for, tmp_path / "m.log", {})
+            await backend.spawn(registry.entries["m"].spec, boot_for, tmp_path / "m.log", {})
         born = [p for p in psutil.Process().children() if p.pid not in before]
         await asyncio.sleep(0.2)
         alive = [p for p in born if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -589,7 +589,7 @@ def test_spares_start_again_after_one_came_up_ready(tmp_path: Path) -> None:
             pool.replenish()  # two die, the third comes up ready
             await until(lambda: started() == 3 and bool(pool._spares)
                         and pool._spares[0].poll_ready(), 10, "a spare is ready")
-            spare = await pool.take(registry.entries["m"])
+            spare = await pool.take(registry.entries["m"].spec)
             assert spare is not None and spare.ready
             spare.proc.kill()
             await spare.proc.wait()

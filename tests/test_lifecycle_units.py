@@ -77,10 +77,10 @@ def test_worker_env_for_cpu_and_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     for entry in sup.registry:  # as a load does, before the worker's environment
         entry.placement = sup.placer.place(entry.spec)
     assert base_env()["HF_HUB_OFFLINE"] == "1"
-    cpu_env = model_env(sup.registry.entries["cpu-a"])
+    cpu_env = model_env(sup.registry.entries["cpu-a"].spec, sup.registry.entries["cpu-a"].placement)
     assert cpu_env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert cpu_env["VLLM_CPU_KVCACHE_SPACE"] == "2"
-    gpu_env = model_env(sup.registry.entries["gpu-b"])
+    gpu_env = model_env(sup.registry.entries["gpu-b"].spec, sup.registry.entries["gpu-b"].placement)
     assert gpu_env["CUDA_VISIBLE_DEVICES"] == "2,3" and gpu_env["NCCL_DEBUG"] == "WARN"
     assert "VLLM_CPU_KVCACHE_SPACE" not in gpu_env
     cmd = worker_command(preset.server)

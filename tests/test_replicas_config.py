@@ -1,9 +1,9 @@
 """Preset keys ``replicas`` and ``routing``: defaults, shorthand, YAML = INI, and every
-refusal names the file, the model and the key. Replicas above one are refused until the
-lifecycle runs them (``REPLICAS_SERVED``); tests of what comes after lift that gate."""
+refusal names the file, the model and the key."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +11,6 @@ import msgspec
 import pytest
 
 from router.lifecycle.reload import diff_presets
-from shared import preset_loader
 from shared.config import ConfigError, Preset, Replicas, Routing, restart_needed
 from shared.preset_loader import build_preset, load_preset
 
@@ -19,12 +18,6 @@ from shared.preset_loader import build_preset, load_preset
 def preset(model: dict[str, Any], server: dict[str, Any] | None = None) -> Preset:
     return build_preset({"server": server or {}, "models": {"m": {"model": "/m", **model}}},
                         "p.yaml")
-
-
-@pytest.fixture
-def served(monkeypatch: pytest.MonkeyPatch) -> None:
-    """As after replicas are wired: up to 8 per model served."""
-    monkeypatch.setattr(preset_loader, "REPLICAS_SERVED", 8)
 
 
 def test_a_model_runs_one_replica_routed_by_prefix_unless_told() -> None:
@@ -35,19 +28,13 @@ def test_a_model_runs_one_replica_routed_by_prefix_unless_told() -> None:
                                    balance_rel=1.5)
 
 
-@pytest.mark.parametrize("asked", [2, {"max": 3}, {"min": 2, "max": 2}, "2"])
-def test_more_than_one_replica_is_refused_until_served(asked: Any) -> None:
-    with pytest.raises(ConfigError) as err:
-        preset({"replicas": asked})
-    assert str(err.value).startswith("p.yaml: model 'm': key 'replicas.max': replicas > 1 "
-                                     "are not served yet")
-
-
-def test_the_refusal_comes_from_an_ini_preset_too(tmp_path: Path) -> None:
-    (tmp_path / "p.ini").write_text("[m]\nmodel = /m\nreplicas = 2\n")
-    with pytest.raises(ConfigError, match=r"model 'm': key 'replicas.max': replicas > 1 are "
-                                          "not served yet"):
-        load_preset(tmp_path / "p.ini")
+def test_more_replicas_than_the_host_has_cores_are_refused() -> None:
+    host = len(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match=rf"model 'm': key 'replicas.max': {host + 1} "
+                                          rf"replicas need a core each, and this host gives "
+                                          rf"the router {host}"):
+        preset({"replicas": {"max": host + 1}})
+    assert preset({"replicas": host}).models["m"].replicas.max == host
 
 
 def test_one_replica_and_scale_to_zero_load() -> None:
@@ -56,17 +43,17 @@ def test_one_replica_and_scale_to_zero_load() -> None:
     assert (zero.min, zero.max, zero.idle) == (0, 1, 5.0)
 
 
-@pytest.mark.usefixtures("served")
 def test_a_number_is_min_and_max() -> None:
-    assert preset({"replicas": 3}).models["m"].replicas == Replicas(min=3, max=3)
-    assert preset({"replicas": {"max": 4}}).models["m"].replicas == Replicas(min=1, max=4)
+    cores = {"cpu_cores": "0-3"}  # a core each (else the host's: two on CI)
+    assert preset({"replicas": 3, **cores}).models["m"].replicas == Replicas(min=3, max=3)
+    assert preset({"replicas": {"max": 4}, **cores}).models["m"].replicas == Replicas(min=1,
+                                                                                     max=4)
 
 
-@pytest.mark.usefixtures("served")
 @pytest.mark.parametrize(("model", "key", "says"), [
     ({"replicas": {"min": 3, "max": 2}}, "replicas.min", "3 is above replicas.max (2)"),
     ({"replicas": {"min": 2}}, "replicas.min", "2 is above replicas.max (1)"),
-    ({"replicas": {"max": 65}}, "replicas.max", "<= 64"),
+    ({"replicas": {"max": 33}}, "replicas.max", "<= 32"),
     ({"replicas": {"max": 0}}, "replicas.max", ">= 1"),
     ({"replicas": {"min": -1}}, "replicas.min", ">= 0"),
     ({"replicas": {"idle": 0}}, "replicas.idle", "> 0"),
@@ -97,7 +84,6 @@ def test_a_bad_value_names_the_model_and_key(model: dict[str, Any], key: str,
     assert says in str(err.value)
 
 
-@pytest.mark.usefixtures("served")
 def test_replicas_fit_their_cores_and_gpus() -> None:
     assert preset({"replicas": 2, "cpu_cores": "0-1"}).models["m"].replicas.max == 2
     spec = preset({"replicas": 2, "device": "cuda", "gpus": [0, 1, 2, 3]}).models["m"]

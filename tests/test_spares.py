@@ -102,7 +102,7 @@ def test_a_load_that_takes_a_held_spare_lets_it_go_on_at_once(tmp_path: Path) ->
             pool.replenish()
             await until(lambda: bool(pool._spares) and pool._spares[0].held, 5,
                         "the spare is held")
-            spare = await pool.take(registry.entries["m"])
+            spare = await pool.take(registry.entries["m"].spec)
             assert spare is not None and not spare.held
             assert state(spare.proc.pid) != "T"
             spare.proc.kill()
@@ -183,9 +183,9 @@ def test_spares_are_forked_from_the_zygote_and_reaped_through_it(tmp_path: Path)
             await until(lambda: bool(pool._spares), 30, "a spare is forked from the zygote")
             assert pool.zygote is not None
             zygote = pool.zygote.proc.pid
-            first = await pool.take(registry_entry)
+            first = await pool.take(registry_entry.spec)
             assert first is not None and first.forked and first.ready
-            second = await pool.take(registry_entry)  # none left: forked on the spot
+            second = await pool.take(registry_entry.spec)  # none left: forked on the spot
             assert second is not None and second.forked and second.proc.pid != first.proc.pid
             for n, spare in enumerate((first, second)):
                 stdin = spare.proc.stdin
@@ -288,7 +288,7 @@ def test_a_load_cancelled_mid_fork_leaves_no_zombie(tmp_path: Path) -> None:
             assert pool.zygote is not None
             zygote = pool.zygote
             await until(zygote.poll_ready, 30, "the zygote imported")
-            load = asyncio.create_task(pool.take(entry))
+            load = asyncio.create_task(pool.take(entry.spec))
             await until(lambda: bool(psutil.Process(zygote.proc.pid).children()), 10,
                         "the fork under way")
             load.cancel()
@@ -298,7 +298,7 @@ def test_a_load_cancelled_mid_fork_leaves_no_zombie(tmp_path: Path) -> None:
             await until(lambda: (tmp_path / "out").exists(), 10, "the cancelled spare exited")
             await until(lambda: not psutil.Process(zygote.proc.pid).children(), 10,
                         "the cancelled spare reaped (no zombie left in the zygote)")
-            spare = await pool.take(entry)
+            spare = await pool.take(entry.spec)
             assert spare is not None and spare.proc.stdin is not None
             spare.proc.stdin.write(b"boot")
             spare.proc.stdin.close()
@@ -334,7 +334,7 @@ def test_a_load_cancelled_while_the_zygote_imports_leaves_it_at_its_priority(
         pool = zygote_pool(tmp_path, spawn_task, "NICE")
         try:
             pid = await importing_zygote(pool)
-            load = asyncio.create_task(pool.take(entry))
+            load = asyncio.create_task(pool.take(entry.spec))
             mine = os.getpriority(os.PRIO_PROCESS, 0)
             await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) in (mine, 19) and
                         load.done() is False, 10, "the load waits")
@@ -395,9 +395,9 @@ def test_two_loads_cancelled_while_the_zygote_imports_leave_it_at_its_priority(
         try:
             pid = await importing_zygote(pool)
             mine = os.getpriority(os.PRIO_PROCESS, 0)
-            first = asyncio.create_task(pool.take(entry))
+            first = asyncio.create_task(pool.take(entry.spec))
             await until(lambda: os.getpriority(os.PRIO_PROCESS, pid) == mine, 10, "hurried")
-            second = asyncio.create_task(pool.take(entry))
+            second = asyncio.create_task(pool.take(entry.spec))
             await asyncio.sleep(0.1)
             first.cancel()
             with contextlib.suppress(asyncio.CancelledError):

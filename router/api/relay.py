@@ -30,6 +30,7 @@ from router.api import progress
 from router.api.sse import EventStream
 from router.api.wire import JSONResponse, disconnected, error_response, unless_disconnected
 from router.errors import APIError, BadRequest, ClientGone, ClientTooSlow
+from router.lifecycle.prefix_index import session_key
 from router.lifecycle.supervisor import Supervisor
 from router.observe.metrics import Metrics
 from router.registry import Lease, ModelEntry
@@ -156,6 +157,8 @@ class Relay:
         """
         principal = principal_of(request.scope)
         usage = Usage(principal.name, request.scope.get(BATCH_SCOPE_KEY))
+        if session := _scope_header(request.scope, SESSION_HEADER):
+            usage.session = session_key(principal.name, session.decode("latin-1"))
         if principal.limits.models:  # first: nothing else may tell that a model exists
             model = self._visible(model, principal, endpoint, streaming, usage)
         self._refuse_known_oversized(model, gens, endpoint, streaming, usage)
@@ -270,6 +273,8 @@ class Relay:
                 for gen in gens:
                     gen.priority = BATCH_PRIORITY
             _refuse_oversized(lease.entry, gens)
+            # No await from the choice of replica to the submit: it is where they went.
+            link = self.supervisor.route(lease.entry, link, gens, usage.session)
             stream = link.submit(gens, usage)
             self._follow(stream, usage.key)
             first = await _first_batch(request, stream)
@@ -561,7 +566,7 @@ class Relay:
                 held = self._reserved.get(usage) if self._reserved else None
                 if count is not None and held is not None and self.budgets is not None:
                     self.budgets.recount(held, [], await count(link, lora))
-                result = await work(link, lora)
+                result = await work(self.supervisor.route(lease.entry, link), lora)
                 if prompt_tokens is not None:
                     usage.prompt[endpoint] = prompt_tokens(result)
                 return lease.adapter or lease.entry, result
@@ -573,6 +578,14 @@ class Relay:
             raise
         finally:
             self._log(endpoint, lease.name, False, status, usage)
+
+
+def _scope_header(scope: dict[str, Any], name: bytes) -> bytes | None:
+    """A request header's raw value from its ASGI scope (a batch line's scope has none)."""
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return bytes(value)
+    return None
 
 
 def _release(acquired: tuple[Lease, WorkerLink]) -> None:
@@ -668,6 +681,9 @@ def _clamped(gens: list[Generate], asked: list[int | None]) -> int:
 PROTOCOLS = {"messages": "anthropic", "responses": "responses"}
 """Endpoints by the protocol whose ``max_tokens_overflow`` applies (any other: openai)."""
 CLAMPED_HEADER = "x-modelyard-max-tokens-clamped"
+SESSION_HEADER = b"x-session-id"
+"""A client's name for its conversation: a model of several replicas serves its requests
+on one replica while it is not overloaded (its cache holds the conversation)."""
 """On a response whose ``max_tokens`` was clamped: what it became."""
 
 

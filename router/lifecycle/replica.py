@@ -5,10 +5,15 @@ handle (pid, node, exit, kill), its link, the spec it was started with, its log 
 task that watches for its end; ``gone`` tells when it ended. A model's replicas are its
 ``ReplicaSet``, which the supervisor keeps by model id (``Supervisor.replicas_of``).
 
-For now a model runs at most one replica (number 0, whose key is the model's id, so
-logs, placer keys, events and the simulation's traces read as they did before replicas).
-The set is the seam where a model may come to run several: what reads "the model's
-worker" asks the set (``ReplicaSet.first``), not the registry's ``ModelEntry``.
+A model runs up to its ``replicas.max`` replicas. Replica 0's key is the model's id, so
+a model of one replica has the logs, placer keys, events and simulation traces it had
+before replicas; replica ``n`` is ``<id>#<n>``. The model's load starts the first; the
+supervisor starts the others (``replicas.min``, and its scaler under a queue), each on its
+own share of the model's cores (``placement.replica_spec``). A replica is ``starting``
+until its engine is ready, ``ready`` while it takes requests, and ``draining`` once it is
+to stop (it takes no new request and ends when its last one does). ``ModelEntry.replica``
+names one ready replica (what one-shot calls and a model of one replica use); requests
+to a model of several are routed among the ready ones (``Supervisor.route``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from router.workers.backends import WorkerHandle
 from router.workers.backends.local import LocalHandle
@@ -76,6 +81,19 @@ class Replica:
         self.paused = False
         """Its engine was paused for the park (``Sleep(level=0)`` answered): it had
         requests in flight, which a ``Wake`` resumes."""
+        self.state: ReplicaState = "starting"
+        self.placement: dict[str, str] = {}
+        """The environment that put it where it runs (cores or GPUs: ``/v1/models``)."""
+        self.last_used = 0.0
+        """When (``time.monotonic``) it became ready or was last routed a request."""
+        self.routed_seq = 0
+        """The supervisor's count of routed requests when it was last routed one (0: never;
+        ties among equally loaded replicas go to the one routed least recently)."""
+
+    @property
+    def serving(self) -> bool:
+        """It takes new requests: ready, not draining, not parked."""
+        return self.state == "ready" and not self.parked
 
     @property
     def busy(self) -> bool:
@@ -100,8 +118,11 @@ class Replica:
         return None
 
 
+ReplicaState = Literal["starting", "ready", "draining"]
+
+
 class ReplicaSet:
-    """A model's running replicas, by number (for now at most one: module docstring).
+    """A model's running replicas, by number (module docstring).
 
     A replica is in its set from its spawn until its reap; an empty set is dropped by its
     keeper (``Supervisor.remove_worker``)."""
@@ -116,6 +137,13 @@ class ReplicaSet:
     def first(self) -> Replica | None:
         """The lowest-numbered replica, if any: the model's worker while it runs one."""
         return self._replicas[0] if self._replicas else None
+
+    def serving(self) -> list[Replica]:
+        """The replicas that take new requests, by number."""
+        return [r for r in self._replicas if r.serving]
+
+    def numbered(self, number: int) -> Replica | None:
+        return next((r for r in self._replicas if r.number == number), None)
 
     def add(self, replica: Replica) -> None:
         """Keep ``replica``; one in its place (a worker reaped later than its successor

@@ -30,6 +30,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import zmq
 
 from router.errors import (
@@ -43,20 +44,23 @@ from router.errors import (
 from router.lifecycle.idle_reaper import IdleReaper
 from router.lifecycle.parking import Parker
 from router.lifecycle.policy.park import RESIDENT_STATES
-from router.lifecycle.replica import Replica, ReplicaSet, link_of, ready_link
+from router.lifecycle.policy.route import ReplicaLoad, choose
+from router.lifecycle.prefix_index import PrefixIndex, prompt_blocks, prompt_bytes, seed_of
+from router.lifecycle.replica import Replica, ReplicaSet, link_of, ready_link, replica_key
 from router.lifecycle.room_maker import RoomMaker
+from router.lifecycle.scaler import Scaler
 from router.observe.events import EventBus
 from router.registry import Lease, ModelEntry, ModelRegistry
 from router.workers.backends import Backend, SpawnError
 from router.workers.backends.local import LocalBackend, LocalHandle
 from router.workers.backends.ray_cluster import RayBackend
 from router.workers.link import WorkerLink
-from router.workers.placement import Placer, runs_beside
+from router.workers.placement import Placer, replica_spec, runs_beside, within_budgets
 from router.workers.processes import engine_phases, log_tail
 from router.workers.spares import SparePool
 from router.workers.worker_start import base_env, model_env, worker_boot, worker_command
 from shared.config import SERVED_BY, TASK_NAMES, ServerConfig, restart_needed
-from shared.protocol import Ready
+from shared.protocol import Generate, Ready
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
@@ -101,6 +105,13 @@ class Supervisor:
                              self.rooms.make, self._spawn_task)
         self.idler = IdleReaper(registry, server, POLL, self._publish_state, self.stopping,
                                 self._spawn_task)
+        self.scaler = Scaler(registry, self.replicas_of, self.add_replica, self.retire_replica,
+                             self.replica_room, self.stopping)
+        self._scaling: asyncio.Task[None] | None = None
+        self._indexes: dict[str, PrefixIndex] = {}
+        """Each model of several replicas' record of the prompts it sent to each."""
+        self._routed = 0
+        """Requests routed among replicas so far (``Replica.routed_seq``)."""
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
                                 worker_command(server, spare=True), base_env, self._spawn_task,
                                 self._spares_may_import, server.fork_spares)
@@ -156,9 +167,11 @@ class Supervisor:
                             **({"error": entry.error, "exit_code": entry.exit_code}
                                if failed else {}))
 
-    def log_path(self, entry: ModelEntry) -> Path:
-        """The model's worker log (every start appends to it; it may not exist yet)."""
-        return self.runtime_dir / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', entry.id)[:100]}.log"
+    def log_path(self, entry: ModelEntry, number: int = 0) -> Path:
+        """The model's worker log, replica ``number``'s (every start appends to it; it may
+        not exist yet): ``<id>.log`` for the first, ``<id>.<n>.log`` for the others."""
+        name = re.sub(r'[^A-Za-z0-9_.-]', '_', entry.id)[:100]
+        return self.runtime_dir / (f"{name}.{number}.log" if number else f"{name}.log")
 
     def start(self) -> None:
         """Begin idle reaping and start the ``load_on_startup`` models."""
@@ -166,6 +179,8 @@ class Supervisor:
         if isinstance(ray, RayBackend):
             ray.connect()  # blocks ~2 s, once, before the router serves
         self._reaper = asyncio.create_task(self.idler.run(), name="reaper")
+        if any(e.spec.replicas.max > 1 for e in self.registry):
+            self._scaling = asyncio.create_task(self.scaler.run(), name="scaler")
         self.spares.replenish()  # first: a load_on_startup model takes it as it is
         for entry in self.startup_models():
             self.start_loading(entry)
@@ -364,43 +379,60 @@ class Supervisor:
                 self._publish_state(entry, "load cancelled")
             raise
 
-    async def _spawn(self, entry: ModelEntry) -> WorkerLink:
+    async def _spawn(self, entry: ModelEntry, number: int = 0, extra: bool = False
+                     ) -> WorkerLink:
+        """Start replica ``number`` of ``entry`` and wait until it serves. The model's load
+        starts its first (``extra`` false: the model's state, timings and failures are
+        this start's); an ``extra`` one joins a model that already serves (``add_replica``)
+        and touches only its own record: its failure is logged, not the model's."""
         started, started_wall = time.monotonic(), time.time()
-        entry.load_started = started
+        if not extra:
+            entry.load_started = started
         spec = entry.spec  # what this worker serves, whatever a reload makes of the entry
         backend = self.backends[spec.backend or "local"]
-        log_path = self.log_path(entry)
+        own = replica_spec(spec, number, spec.replicas.max, self.placer.cores)
+        key = replica_key(entry.id, number)
+        log_path = self.log_path(entry, number)
         offset = log_path.stat().st_size if log_path.exists() else 0
         link: WorkerLink | None = None
         try:
             link = WorkerLink(self._ctx, backend.endpoint(self.runtime_dir, next(_generation)),
                               entry.id)
-            entry.placement = backend.place(entry, self.placer)
+            placement = backend.place(own, self.placer, key)
+            if not extra:
+                entry.placement = placement
             bound = link
             handle = await backend.spawn(
-                entry, lambda own_log: worker_boot(entry, self.placer, bound, own_log),
-                log_path, model_env(entry))
+                own, lambda own_log: worker_boot(own, placement, self.placer, bound, own_log),
+                log_path, model_env(own, placement))
         except asyncio.CancelledError:  # an unload while the process started
             if link is not None:
                 link.close("load cancelled")
-            self.placer.release(entry.id)
+            self.placer.release(key)
             raise  # _load marks the model unloaded
         except (OSError, ValueError, zmq.ZMQError, SpawnError) as err:  # nothing started
             reason = f"could not start its worker: {type(err).__name__}: {err}"
             if link is not None:
                 link.close(reason)
-            self._failed(entry, reason, "", None)
-            self.placer.release(entry.id)
-            log.error("model %s: %s", entry.id, reason)
+            self.placer.release(key)
+            if extra:
+                self._replica_failed(entry, number, reason)
+            else:
+                self._failed(entry, reason, "", None)
+                log.error("model %s: %s", entry.id, reason)
             raise ModelUnavailable(f"model '{entry.id}' {reason}") from None
         spare = handle.from_spare
-        log.info("model %s: worker pid %d on %s starting%s (%s)", entry.id, handle.pid,
-                 handle.node, " from a spare" if spare else "",
-                 " ".join(f"{k}={v}" for k, v in entry.placement.items()))
-        worker = Replica(handle, link, spec=spec)
+        log.info("model %s: %sworker pid %d on %s starting%s (%s)", entry.id,
+                 f"replica {number}: " if number else "", handle.pid, handle.node,
+                 " from a spare" if spare else "",
+                 " ".join(f"{k}={v}" for k, v in placement.items()))
+        worker = Replica(handle, link, spec=spec, number=number)
+        worker.placement = placement
         self.add_worker(entry, worker)
-        entry.pid, entry.node = handle.pid, handle.node
-        self._publish_state(entry)
+        if not extra:
+            entry.pid, entry.node = handle.pid, handle.node
+            self._publish_state(entry)
+        self._publish_replica(entry, worker)
         exited = asyncio.create_task(handle.wait())
         ready = asyncio.create_task(self._serving(entry, link))
         try:
@@ -422,22 +454,33 @@ class Supervisor:
         if started_ok:
             exited.cancel()
             info = ready.result()
-            entry.state, entry.replica = "ready", worker
-            for served in (entry, *self.registry.adapters_of(entry)):
-                served.max_model_len = info.max_model_len
-                served.max_prompt_chars = info.max_prompt_chars
-            entry.loaded_at = time.time()
-            entry.last_used = entry.turn_at = time.monotonic()
-            entry.load_seconds = round(entry.last_used - started, 3)
-            entry.loads += 1
-            phases = {("spare" if spare else "spawn"):
-                      round(max(0.0, info.booted_at - started_wall), 3)} if info.booted_at else {}
-            entry.load_phases = {**phases, **info.phases, **found}
-            self._publish_state(entry)
+            worker.state, worker.last_used = "ready", time.monotonic()
+            if extra:
+                self._size_slots(entry)
+                self._publish_replica(entry, worker)
+                log.info("model %s: replica %d ready in %.1f s (pid %d)", entry.id, number,
+                         worker.last_used - started, handle.pid)
+            else:
+                entry.state, entry.replica = "ready", worker
+                for served in (entry, *self.registry.adapters_of(entry)):
+                    served.max_model_len = info.max_model_len
+                    served.max_prompt_chars = info.max_prompt_chars
+                entry.loaded_at = time.time()
+                entry.last_used = entry.turn_at = worker.last_used
+                entry.load_seconds = round(entry.last_used - started, 3)
+                entry.loads += 1
+                phases = ({("spare" if spare else "spawn"):
+                           round(max(0.0, info.booted_at - started_wall), 3)}
+                          if info.booted_at else {})
+                entry.load_phases = {**phases, **info.phases, **found}
+                self._publish_state(entry)
+                self._publish_replica(entry, worker)
             handle.note_children()
             worker.watcher = asyncio.create_task(self._watch(entry, worker))
-            self.parker.measure(entry)  # what a park of it would hold
-            self._log_ready(entry, worker)
+            if not extra:
+                self.parker.measure(entry)  # what a park of it would hold
+                self._log_ready(entry, worker)
+                self.scaler.fill(entry)  # the replicas its ``replicas.min`` asks for
             if isinstance(handle, LocalHandle):
                 self.spares.worker_ready()  # this host can start workers (again)
             self.spares.replenish()  # the spare's place, now the start no longer needs the CPU
@@ -452,6 +495,10 @@ class Supervisor:
                   else f"worker did not become ready within {self.server.load_timeout:g} s")
         await self._reap(entry, worker, reason)
         tail = await asyncio.to_thread(log_tail, log_path)
+        if extra:
+            self._replica_failed(entry, number, f"{reason}\n{tail}".strip())
+            raise ModelUnavailable(f"model '{entry.id}': replica {number} failed to start: "
+                                   f"{reason}")
         self._failed(entry, reason, tail, handle.returncode)  # after the reap: it has one
         log.error("model %s: failed to start: %s", entry.id, entry.error)
         raise ModelUnavailable(f"model '{entry.id}' failed to start: {reason}")
@@ -503,13 +550,24 @@ class Supervisor:
 
     async def _watch(self, entry: ModelEntry, worker: Replica) -> None:
         code = await worker.gone()
-        if self.worker_of(entry) is not worker:
+        if worker not in self.replicas_of(entry):
             return
         reason = (f"worker exited unexpectedly with code {code}" if code is not None
                   else f"worker exited unexpectedly: {worker.handle.lost}" if worker.handle.lost
                   else "worker exited unexpectedly: its link to the router dropped (no "
                        "heartbeat; its node may be gone)")
         worker.link.fail(WorkerLost(f"model '{entry.id}': {reason}"))  # streams end now
+        if worker.state == "draining":
+            return  # ``retire_replica`` owns the rest: its drain ends at once
+        others = [r for r in self.replicas_of(entry) if r is not worker and r.serving]
+        if entry.state == "ready" and others:
+            # One replica of several: the model serves on, its requests go to the others
+            # from now on (before any await), and the scaler starts it again.
+            log.error("model %s: replica %d: %s", entry.id, worker.number, reason)
+            worker.state = "draining"
+            self._replica_failed(entry, worker.number, reason, code)
+            await self._reap(entry, worker, reason)
+            return
         self.parker.cancel(entry)  # a wake under way parks no one for it any more
         if entry.state == "stopping":
             return  # stop() owns the rest; with its streams ended, its drain ends at once
@@ -518,6 +576,7 @@ class Supervisor:
         # a reload, which waits for this reap and is not overwritten by it.
         self._failed(entry, reason, "", code, served=worker.link.completed > 0)
         entry.replica = None
+        self.scaler.cancel(entry)  # replicas still starting go with it
         await self._reap(entry, worker, reason)
         tail = await asyncio.to_thread(log_tail, worker.log_path)
         if entry.state == "failed" and entry.exit_code == code:
@@ -526,14 +585,133 @@ class Supervisor:
 
     async def _reap(self, entry: ModelEntry, worker: Replica, reason: str) -> None:
         """Make sure the worker and its children are gone; forget them."""
+        if worker.state != "starting":
+            worker.state = "draining"  # routed nothing more, whatever follows
         await worker.handle.kill()
         worker.link.close(reason)
         self.remove_worker(entry, worker)
-        self.placer.release(entry.id)
+        self.placer.release(worker.key)
+        index = self._indexes.get(entry.id)
+        if index is not None:
+            index.forget(worker.number)  # its engine's cache is gone with it
         if entry.replica is worker:
-            entry.replica = None
+            entry.replica = self._next_serving(entry)
         if entry.pid == worker.handle.pid:
-            entry.pid = entry.node = None
+            first = entry.replica
+            if isinstance(first, Replica):
+                entry.pid, entry.node = first.handle.pid, first.handle.node
+                entry.placement = first.placement
+            else:
+                entry.pid = entry.node = None
+        self._size_slots(entry)
+        self._publish_replica(entry, worker, gone=True)
+
+    def _next_serving(self, entry: ModelEntry) -> Replica | None:
+        """A replica to name ``entry``'s worker (``ModelEntry.replica``) while another
+        stops: the lowest-numbered one that serves."""
+        serving = self.replicas_of(entry).serving()
+        return serving[0] if serving else None
+
+    def _size_slots(self, entry: ModelEntry) -> None:
+        """``max_concurrent`` is each replica's: the model's slots are that times the
+        replicas that serve (at least one's: a model loading has its first's)."""
+        if entry.slots is not None and entry.spec.max_concurrent:
+            serving = len(self.replicas_of(entry).serving())
+            entry.slots.resize(entry.spec.max_concurrent * max(1, serving))
+
+    def _replica_failed(self, entry: ModelEntry, number: int, reason: str,
+                        code: int | None = None) -> None:
+        """A replica that is not the model's last failed to start or crashed: the model
+        serves on; the event and the log say why."""
+        entry.replica_failures += 1
+        self.events.publish("replica", entry.id, replica=number, state="failed",
+                            error=reason, exit_code=code)
+        log.error("model %s: replica %d failed: %s", entry.id, number, reason)
+
+    def _publish_replica(self, entry: ModelEntry, worker: Replica, gone: bool = False) -> None:
+        """Tell the event bus of a replica's state (models of several replicas only: a
+        model of one has its ``state`` events, as before replicas)."""
+        if entry.spec.replicas.max > 1:
+            self.events.publish("replica", entry.id, replica=worker.number,
+                                state="stopped" if gone else worker.state,
+                                pid=worker.handle.pid, node=worker.handle.node,
+                                placement=worker.placement or None)
+
+    # -- replicas: more than one worker of a model --------------------------------------
+    async def add_replica(self, entry: ModelEntry, number: int) -> None:
+        """Start replica ``number`` of a model that serves (the scaler's ``add``), on its
+        own share of the model's cores or GPUs; returns once it serves."""
+        own = replica_spec(entry.spec, number, entry.spec.replicas.max, self.placer.cores)
+        async with contextlib.AsyncExitStack() as held:
+            for lock in self.placer.start_locks(own):
+                await held.enter_async_context(lock)
+            if entry.state == "ready":  # (not stopped or crashed while it waited)
+                await self._spawn(entry, number, extra=True)
+
+    async def retire_replica(self, entry: ModelEntry, worker: Replica) -> None:
+        """Drain ``worker`` (no new request goes to it from now: no await before) and
+        stop it once its last request is done (or ``drain_timeout`` passed)."""
+        if worker.state == "draining" or worker not in self.replicas_of(entry):
+            return
+        worker.state = "draining"
+        if entry.replica is worker:
+            entry.replica = self._next_serving(entry)
+            if isinstance(entry.replica, Replica):
+                entry.pid, entry.node = entry.replica.handle.pid, entry.replica.handle.node
+                entry.placement = entry.replica.placement
+        self._size_slots(entry)
+        self._publish_replica(entry, worker)
+        await self._stop_worker(entry, worker)
+
+    def replica_room(self, entry: ModelEntry) -> bool:
+        """One more replica of ``entry`` fits beside what runs, as the room policy counts
+        (each replica one of ``max_loaded_models``, its footprint in the budgets): free
+        room only, the scaler never stops or parks another model for a replica."""
+        running = len(self.replicas_of(entry))
+        others = self.rooms.loaded(entry)
+        if self.server.max_loaded_models:
+            count = sum(max(1, len(self.replicas_of(e))) for e in others) + running
+            if count + 1 > self.server.max_loaded_models:
+                return False
+        # Siblings under names of their own: the budget check leaves out the spec's own id.
+        siblings = [msgspec.structs.replace(entry.spec, id=replica_key(entry.id, n + 1))
+                    for n in range(running)]
+        resident = [*(e.spec for e in others), *(e.spec for e in self.rooms.parked(entry)),
+                    *siblings]
+        return within_budgets(entry.spec, resident, self.server, self.placer.gpus)
+
+    def route(self, entry: ModelEntry, link: WorkerLink, gens: list[Generate] | None = None,
+              session: bytes | None = None) -> WorkerLink:
+        """The link of the replica of ``entry`` that serves this request (``link``, the one
+        ``acquire`` gave, for a model of one replica: one ``len()`` decides that). Chosen
+        with no await before the caller submits (``policy.route``); the prompt's blocks
+        and session are recorded where it went."""
+        replicas = self._replicas.get(entry.id)
+        if replicas is None or len(replicas) < 2:
+            return link
+        serving = replicas.serving()
+        if len(serving) < 2:
+            return serving[0].link if serving else link
+        routing = entry.spec.routing
+        blocks = None
+        if routing.strategy == "prefix" and gens:
+            gen = gens[0]
+            blocks = prompt_blocks(prompt_bytes(gen),
+                                   seed_of(gen.lora, gen.tools, gen.template_kwargs))
+        index = self._indexes.get(entry.id)
+        if index is None:
+            index = self._indexes[entry.id] = PrefixIndex()
+        hint = index.hint(blocks, session) if blocks is not None else None
+        loads = [ReplicaLoad(r.number, r.link.in_flight, 0, True, False, r.routed_seq)
+                 for r in serving]
+        chosen = choose(loads, routing, hint)
+        assert chosen is not None  # some replica serves
+        replica = next(r for r in serving if r.number == chosen.replica)
+        self._routed += 1
+        replica.routed_seq, replica.last_used = self._routed, time.monotonic()
+        if blocks is not None:
+            index.routed(replica.number, blocks, session)
+        return replica.link
 
     # -- stopping ----------------------------------------------------------------------
     async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 1.0) -> None:
@@ -581,6 +759,8 @@ class Supervisor:
         if load is not None:  # loading, or still in its backoff or waiting for room
             load.cancel()
             await asyncio.wait({load})  # its own cleanup reaps what it started
+        self.scaler.cancel(entry)  # replicas still starting: reaped as they were cancelled
+        await self.scaler.wait_starts(entry)
         worker = self.worker_of(entry)
         if worker is None:
             entry.yield_to = None
@@ -589,6 +769,9 @@ class Supervisor:
                 self._publish_state(entry)
             return
         self._mark_stopping(entry)
+        others = [r for r in self.replicas_of(entry) if r is not worker]
+        if others:  # the others drain beside the first, which ends the model's stop
+            await asyncio.gather(*(self._stop_worker(entry, r, force, grace) for r in others))
         await self._finish_stop(entry, worker, force, grace)
 
     def _mark_stopping(self, entry: ModelEntry) -> None:
@@ -598,9 +781,19 @@ class Supervisor:
 
     async def _finish_stop(self, entry: ModelEntry, worker: Replica, force: bool = False,
                            grace: float = 1.0) -> None:
-        """The rest of a stop, once ``entry`` is marked ``stopping``: drain (unless
-        ``force``), then ``Shutdown`` (the worker kills its own process group at once),
-        and after ``grace`` seconds the group is killed from here."""
+        """The rest of a stop, once ``entry`` is marked ``stopping``: its (last) worker
+        stopped (``_stop_worker``), the model ``unloaded``."""
+        began = time.monotonic()
+        await self._stop_worker(entry, worker, force, grace)
+        entry.state, entry.yield_to = "unloaded", None
+        self._publish_state(entry)
+        log.info("model %s: stopped in %.2f s", entry.id, time.monotonic() - began)
+
+    async def _stop_worker(self, entry: ModelEntry, worker: Replica, force: bool = False,
+                           grace: float = 1.0) -> None:
+        """Stop one worker of ``entry``: drain (unless ``force``), then ``Shutdown`` (the
+        worker kills its own process group at once), and after ``grace`` seconds the
+        group is killed from here."""
         began = time.monotonic()
         deadline = began + self.server.drain_timeout
         # (A GPU engine asleep never drains: it is stopped asleep, its requests end now.)
@@ -634,9 +827,6 @@ class Supervisor:
             log.warning("model %s: worker did not exit within %g s of Shutdown; killing",
                         entry.id, grace)
         await self._reap(entry, worker, "model unloaded")  # kills the group if it lives
-        entry.state, entry.yield_to = "unloaded", None
-        self._publish_state(entry)
-        log.info("model %s: stopped in %.2f s", entry.id, time.monotonic() - began)
 
     # -- reloading ---------------------------------------------------------------------
     def retire(self, entry: ModelEntry) -> None:
@@ -688,6 +878,8 @@ class Supervisor:
         self._closing = True  # a reload's restart under way loads nothing more
         if self._reaper is not None:
             self._reaper.cancel()
+        if self._scaling is not None:
+            self._scaling.cancel()
         await self.spares.close(zygote=False)  # it reaps the workers it forked
         for task in list(self._loads.values()):
             task.cancel()

@@ -72,7 +72,7 @@ class Usage:
     """
 
     __slots__ = ("batch", "cached", "clamped", "completion", "finish", "first_at", "key",
-                 "prompt", "started")
+                 "prompt", "session", "started")
 
     def __init__(self, key: str = "", batch: str | None = None) -> None:
         self.key = key
@@ -87,6 +87,9 @@ class Usage:
         self.first_at = 0.0
         self.clamped = 0
         """What ``max_tokens`` was clamped to (``SamplingSpec.clamp_max_tokens``); 0: not."""
+        self.session: bytes | None = None
+        """The session the request said it belongs to (``prefix_index.session_key``): a
+        model of several replicas keeps a session's requests on one."""
 
     def add(self, delta: Delta) -> None:
         self.completion += delta.tokens
@@ -406,6 +409,12 @@ class WorkerLink:
     def busy(self) -> bool:
         """Generations or calls (but pings) in flight on this worker."""
         return bool(self._routes) or len(self._calls) > self._probes
+
+    @property
+    def in_flight(self) -> int:
+        """Generations and calls (but pings) in flight on this worker: its load, as
+        routing among a model's replicas weighs it."""
+        return len(self._routes) + len(self._calls) - self._probes
 
     def shutdown(self) -> None:
         """Ask the worker to exit cleanly (it aborts what it still runs)."""

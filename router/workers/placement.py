@@ -187,8 +187,9 @@ class Placer:
             return []
         return [self._gpu_locks.setdefault(g, asyncio.Lock()) for g in sorted(spec.gpus or [0])]
 
-    def place(self, spec: ModelSpec) -> dict[str, str]:
-        """The environment variables that put ``spec``'s worker where it belongs.
+    def place(self, spec: ModelSpec, key: str | None = None) -> dict[str, str]:
+        """The environment variables that put ``spec``'s worker where it belongs (held
+        under ``key``, the replica's: ``replica.replica_key``; default the model's id).
 
         Only placement: a model's ``env`` (tokens, credentials) is added by the supervisor
         and never shown, since this is what ``/v1/models`` and the logs show.
@@ -207,7 +208,7 @@ class Placer:
             used = [c for held in self._held.values() for c in held]
             free = self.cores - set(used)
             chosen = free or {min(self.cores, key=used.count)}
-        self._held[spec.id] = chosen
+        self._held[key or spec.id] = chosen
         env["VLLM_CPU_OMP_THREADS_BIND"] = format_cores(chosen)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.kv_cache_gib)
         return env
@@ -232,5 +233,6 @@ class Placer:
         return {key: measured.get(int(key.split(":")[1]), ASLEEP_GIB)
                 for key in devices(spec) if key.startswith("cuda:")}
 
-    def release(self, model_id: str) -> None:
-        self._held.pop(model_id, None)
+    def release(self, key: str) -> None:
+        """The worker placed under ``key`` is gone: its cores are free."""
+        self._held.pop(key, None)

@@ -37,9 +37,10 @@ from typing import Any, Protocol
 
 import psutil
 
-from router.registry import ModelEntry, ModelRegistry
+from router.registry import ModelRegistry
 from router.workers.processes import group_members, kill_tree, log_tail, signal_all
 from router.workers.zygote import ForkedProcess, ZygoteError, ZygoteLink, ZygoteRefused
+from shared.config import ModelSpec
 from shared.lifeline import dies_with
 
 log = logging.getLogger("modelyard.router")
@@ -139,20 +140,20 @@ class SparePool:
         self._count = 0
 
     @staticmethod
-    def fits(entry: ModelEntry) -> bool:
-        """A spare can become ``entry``'s worker: a vLLM model without an ``env`` of its
+    def fits(spec: ModelSpec) -> bool:
+        """A spare can become the worker of ``spec``: a vLLM model without an ``env`` of its
         own. Libraries read some variables at import (``HF_HOME``, ``HF_HUB_OFFLINE``),
         which a spare did before it knew its model, and a variable set afterwards is not
         in its process environment as ``/proc`` shows it; such a model gets a fresh
         process, which has its environment from the start."""
-        return entry.spec.engine == "vllm" and not entry.spec.env and entry.spec.backend != "ray"
+        return spec.engine == "vllm" and not spec.env and spec.backend != "ray"
 
     def replenish(self) -> None:
         """Keep ``size`` spares, started one at a time in the background (and a zygote,
         even with ``size`` spares kept: a load that takes them all forks another)."""
         if (self._starting or self._closing or not self.size
                 or self._failures >= FAILURES_MAX
-                or not any(self.fits(e) for e in self.registry)):
+                or not any(self.fits(e.spec) for e in self.registry)):
             return
         if self.fork and self.zygote is not None and not self.zygote.ready:
             return  # its pacing calls this once its imports are done
@@ -293,10 +294,10 @@ class SparePool:
             spare.proc.pid, spare.started_at, time.time()), signal.SIGKILL))
         self.replenish()
 
-    async def take(self, entry: ModelEntry) -> Spare | None:
-        """A live spare for ``entry``'s worker, if one fits it (one being started is
+    async def take(self, spec: ModelSpec) -> Spare | None:
+        """A live spare for the worker of ``spec``, if one fits it (one being started is
         waited for: its process exists within milliseconds); a ready one first."""
-        if not self.fits(entry):
+        if not self.fits(spec):
             return None
         while self._starting and not self._spares:
             await asyncio.sleep(0.01)

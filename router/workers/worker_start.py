@@ -8,10 +8,9 @@ import sys
 import msgspec
 
 from router.access.admission import KEYS_VARIABLE
-from router.registry import ModelEntry
 from router.workers.link import WorkerLink
 from router.workers.placement import Placer
-from shared.config import ServerConfig, WorkerBoot
+from shared.config import ModelSpec, ServerConfig, WorkerBoot
 
 
 def worker_command(server: ServerConfig, spare: bool = False) -> list[str]:
@@ -35,20 +34,21 @@ def base_env() -> dict[str, str]:
     return env
 
 
-def model_env(entry: ModelEntry) -> dict[str, str]:
+def model_env(spec: ModelSpec, placement: dict[str, str]) -> dict[str, str]:
     """What the model adds to its worker's environment: its ``env``, then its placement
     (the only part shown in ``/v1/models`` and logs)."""
-    return {**entry.spec.env, **entry.placement}
+    return {**spec.env, **placement}
 
 
-def worker_boot(entry: ModelEntry, placer: Placer, link: WorkerLink,
-                log_path: str = "") -> bytes:
+def worker_boot(spec: ModelSpec, placement: dict[str, str], placer: Placer,
+                link: WorkerLink, log_path: str = "") -> bytes:
     """What the worker reads from stdin: its spec (``env`` apart), its link's address and
     key, the environment its model adds, and for a spare, where its output goes now."""
-    spec = msgspec.structs.replace(entry.spec, env={})
+    env = model_env(spec, placement)
+    spec = msgspec.structs.replace(spec, env={})
     fraction = placer.gpu_memory_utilization(spec)
     if fraction != spec.gpu_memory_utilization:
         spec = msgspec.structs.replace(spec, gpu_memory_utilization=fraction)
     return msgspec.json.encode(WorkerBoot(
         spec=spec, router_key=link.key, endpoint=link.endpoint,
-        env=model_env(entry), log_path=log_path))
+        env=env, log_path=log_path))

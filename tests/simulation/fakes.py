@@ -38,7 +38,6 @@ from typing import Any
 import msgspec
 import zmq
 
-from router.registry import ModelEntry
 from router.workers.backends import Backend, SpawnError, WorkerHandle
 from router.workers.backends.base import BootFor
 from shared.config import ModelSpec, WorkerBoot, serves_adapters
@@ -693,17 +692,17 @@ class SimBackend(Backend):
     def endpoint(self, runtime_dir: Path, number: int) -> str:
         return f"ipc://{runtime_dir}/sim{number}.sock"
 
-    async def spawn(self, entry: ModelEntry, boot_for: BootFor, log_path: Path,
+    async def spawn(self, spec: ModelSpec, boot_for: BootFor, log_path: Path,
                     env: dict[str, str]) -> WorkerHandle:
         plan = draw_plan(self.net.rng, self.net.chaos)
         plan.resident_gib = self.net.memory_rng.choice([0.5, 1.0, 1.5, 2.0, 3.0])
         if plan.spawn_delay:
             await asyncio.sleep(plan.spawn_delay)
         if plan.spawn_error:
-            self.net.note(f"{entry.id}: spawn fails")
+            self.net.note(f"{spec.id}: spawn fails")
             raise SpawnError("simulated: the process could not start")
         boot = msgspec.json.decode(boot_for(""), type=WorkerBoot)
-        if serves_adapters(entry.spec):
+        if serves_adapters(spec):
             draw_adapter_faults(self.net.rng, self.net.chaos, plan)
-        worker = SimWorker(self.net, entry.id, boot.endpoint, plan, boot.spec)
+        worker = SimWorker(self.net, spec.id, boot.endpoint, plan, boot.spec)
         return SimHandle(worker, log_path, self.net.loop.time())

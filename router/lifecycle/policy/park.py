@@ -10,7 +10,8 @@ or (unset) this host's available memory, less what the model that needs room is
 expected to take, stays above ``PARK_MARGIN`` of its total. Otherwise it stops, as
 before. Under memory pressure a parked model with nothing in flight is the first to stop
 (``room.decide``). A CPU model whose processes cannot be stopped (``freezes``: a Ray
-worker's) stops instead of parking.
+worker's) stops instead of parking, and so does a model that may run several replicas
+(``replicas.max`` > 1: its load is spread, a park would hold every replica's memory).
 
 A model on a GPU parks through vLLM's sleep mode instead (``park_level``,
 ``policy.gpu_park``): level 1 (weights to pinned host memory) where host memory holds
@@ -110,8 +111,8 @@ def park_level(victim: ModelEntry, need: ModelEntry, models: Iterable[ModelEntry
     For a GPU victim, ``gpus`` are the GPUs' totals (the footprints), ``held`` what
     sleeping and parked models hold on them, ``gpus_now`` NVML's reading now (free
     memory; ``None``: the budgets alone decide)."""
-    if server.max_parked_models <= 0 or victim.removed:
-        return None
+    if server.max_parked_models <= 0 or victim.removed or victim.spec.replicas.max > 1:
+        return None  # a model of several replicas stops: one park would hold them all
     models = list(models)
     others = [e for e in parked(models) if e is not victim]
     if len(others) >= server.max_parked_models:

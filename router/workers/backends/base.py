@@ -7,8 +7,8 @@ import abc
 from collections.abc import Callable
 from pathlib import Path
 
-from router.registry import ModelEntry
 from router.workers.placement import Placer
+from shared.config import ModelSpec
 
 BootFor = Callable[[str], bytes]
 """The worker's ``WorkerBoot`` (JSON) given where it must send its own output ("": its
@@ -81,15 +81,15 @@ class Backend(abc.ABC):
     def endpoint(self, runtime_dir: Path, number: int) -> str:
         """The address the router's link for a new worker binds (``*`` port: any)."""
 
-    def place(self, entry: ModelEntry, placer: Placer) -> dict[str, str]:
+    def place(self, spec: ModelSpec, placer: Placer, key: str) -> dict[str, str]:
         """The environment that puts the worker where it belongs (shown in
         ``/v1/models``): by default this host's ``Placer`` pins its cores or GPUs."""
-        return placer.place(entry.spec)
+        return placer.place(spec, key)
 
     @abc.abstractmethod
-    async def spawn(self, entry: ModelEntry, boot_for: BootFor, log_path: Path,
+    async def spawn(self, spec: ModelSpec, boot_for: BootFor, log_path: Path,
                     env: dict[str, str]) -> WorkerHandle:
-        """Start ``entry``'s worker, its boot written; raises ``SpawnError`` (or
+        """Start the worker of ``spec``, its boot written; raises ``SpawnError`` (or
         ``OSError``) when none could start. ``env`` is what the model adds to the
         worker's environment (its ``env`` and placement)."""
 

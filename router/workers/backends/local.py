@@ -14,10 +14,10 @@ from pathlib import Path
 
 import psutil
 
-from router.registry import ModelEntry
 from router.workers.backends.base import Backend, BootFor, WorkerHandle
 from router.workers.processes import descendants, group_members, kill_tree, signal_all
 from router.workers.spares import Proc, SparePool
+from shared.config import ModelSpec
 from shared.lifeline import dies_with
 
 GUARD_NAME = "modelyard-guard"
@@ -110,9 +110,9 @@ class LocalBackend(Backend):
         # A socket path must fit in 107 bytes, so its name does not depend on the model's.
         return f"ipc://{runtime_dir}/w{number}.sock"
 
-    async def spawn(self, entry: ModelEntry, boot_for: BootFor, log_path: Path,
+    async def spawn(self, spec: ModelSpec, boot_for: BootFor, log_path: Path,
                     env: dict[str, str]) -> WorkerHandle:
-        spare = await self.spares.take(entry)
+        spare = await self.spares.take(spec)
         if spare is not None:  # already running, vLLM imported: give it the model
             if not spare.forked:  # (a forked one's is the zygote's)
                 spare.log_path.unlink(missing_ok=True)

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from router.access.admission import KEYS_VARIABLE
-from router.registry import ModelEntry
 from router.workers.backends.base import Backend, BootFor, SpawnError, WorkerHandle
 from router.workers.placement import Placer
+from shared.config import ModelSpec
 
 log = logging.getLogger("modelyard.router")
 EXIT_POLL = 0.05  # seconds between the actor's looks at its process
@@ -218,10 +218,9 @@ class RayBackend(Backend):
     def endpoint(self, runtime_dir: Path, number: int) -> str:
         return f"tcp://{self.node_ip}:*"
 
-    def place(self, entry: ModelEntry, placer: Placer) -> dict[str, str]:
+    def place(self, spec: ModelSpec, placer: Placer, key: str) -> dict[str, str]:
         """Ray picks the node and its GPUs (``CUDA_VISIBLE_DEVICES``, which the worker
         inherits from its actor); cores are pinned only where the preset names them."""
-        spec = entry.spec
         if spec.device == "cuda":
             return {}
         env = {"VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib)}  # else vLLM takes most RAM
@@ -230,9 +229,8 @@ class RayBackend(Backend):
         return env
 
     @staticmethod
-    def actor_options(entry: ModelEntry) -> dict[str, Any]:
+    def actor_options(spec: ModelSpec) -> dict[str, Any]:
         """The resources the worker's actor reserves on its node."""
-        spec = entry.spec
         ranks = spec.tensor_parallel_size * spec.pipeline_parallel_size
         gpus = spec.num_gpus
         if gpus is None:  # several ranks: vLLM's Ray executor reserves their GPUs itself
@@ -241,13 +239,13 @@ class RayBackend(Backend):
                 "num_gpus": gpus, "resources": dict(spec.resources),
                 **({"label_selector": dict(spec.label_selector)} if spec.label_selector else {})}
 
-    async def spawn(self, entry: ModelEntry, boot_for: BootFor, log_path: Path,
+    async def spawn(self, spec: ModelSpec, boot_for: BootFor, log_path: Path,
                     env: dict[str, str]) -> WorkerHandle:
         ray = _ray()
         if self._host is None:
             raise SpawnError("the ray backend is not connected")
         actor = self._host.options(max_restarts=0, max_concurrency=8,
-                                   **self.actor_options(entry)).remote()
+                                   **self.actor_options(spec)).remote()
         try:
             # Pending until a node with the resources has room: bounded like any start.
             async with asyncio.timeout(self.load_timeout):
@@ -258,8 +256,8 @@ class RayBackend(Backend):
         except asyncio.CancelledError:
             ray.kill(actor, no_restart=True)
             raise
-        log.info("model %s: Ray placed its worker on node %s (%s)", entry.id, node,
-                 self.actor_options(entry))
+        log.info("model %s: Ray placed its worker on node %s (%s)", spec.id, node,
+                 self.actor_options(spec))
         return RayHandle(actor, int(pid), str(node), log_path)
 
     def close(self) -> None:
