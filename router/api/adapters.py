@@ -27,7 +27,6 @@ from router.access.admission import principal_of
 from router.api.admin import AdminAPI
 from router.api.wire import JSONResponse, read_body
 from router.errors import APIError, BadRequest
-from router.lifecycle.replica import link_of
 from shared.adapters import AdapterError, AdapterInfo, read_adapter, within
 
 log = logging.getLogger("modelyard.router")
@@ -73,10 +72,10 @@ class AdapterAPI:
         entry = self.registry.register(body.name, body.base, path, body.aliases,
                                        body.pinned, info.rank)  # checked again: we awaited
         base = self.registry.serving(entry)
-        link = link_of(base)
-        if base.state == "ready" and link is not None and entry.lora is not None:
+        if entry.lora is not None:
             try:
-                base.adapters_loaded = await link.adapters([entry.lora])
+                for link in self.admin.supervisor.links_of(base):  # each replica's engine
+                    base.adapters_loaded = await link.adapters([entry.lora])
             except APIError:
                 self.registry.drop(entry)
                 raise
@@ -90,10 +89,10 @@ class AdapterAPI:
         unloads it."""
         entry = self.registry.unregister(request.path_params["name"])
         base = self.registry.serving(entry)
-        link = link_of(base)
-        if base.state == "ready" and link is not None and entry.lora is not None:
+        if entry.lora is not None:
             try:
-                base.adapters_loaded = await link.adapters(unload=[entry.lora.number])
+                for link in self.admin.supervisor.links_of(base):  # each replica's engine
+                    base.adapters_loaded = await link.adapters(unload=[entry.lora.number])
             except APIError as err:
                 # Its number is never used again, so at worst the engine's LRU holds an
                 # adapter nobody can name until the base restarts.

@@ -85,6 +85,8 @@ class AdminAPI:
             "idle_seconds": round(now - entry.last_used, 3) if entry.last_used else None,
             "placement": entry.placement or None, "exit_code": entry.exit_code,
             "sampling_defaults": msgspec.to_builtins(entry.spec.sampling_defaults) or None,
+            "replicas": self.replica_objects(entry)
+            if entry.spec.replicas.max > 1 else None,
             "tool_parser": entry.spec.tool_parser,
             "auto_tool_calls": auto_tool_calls(entry.spec),
             "error": entry.error if principal.sees_all or not entry.error
@@ -93,6 +95,20 @@ class AdminAPI:
         return {"id": entry.id, "object": "model", "created": self.created,
                 "owned_by": entry.spec.owned_by,
                 **{k: v for k, v in extra.items() if v is not None}}
+
+    def replica_objects(self, entry: ModelEntry) -> list[dict[str, Any]]:
+        """Each running replica of a model that may run several: where it runs, its state,
+        its requests in flight and the share of its prompt tokens its cache served."""
+        out = []
+        for r in self.supervisor.replicas_of(entry):
+            prompt = r.link.prompt_tokens
+            out.append({"number": r.number, "pid": r.handle.pid, "node": r.handle.node,
+                        "state": "parked" if r.parked else r.state,
+                        "in_flight": r.link.in_flight, "completed": r.link.completed,
+                        "placement": r.placement or None,
+                        "cached_share": round(r.link.cached_tokens / prompt, 4)
+                        if prompt else None})
+        return out
 
     def adapter_object(self, entry: ModelEntry, principal: Principal) -> dict[str, Any]:
         """An adapter model as ``vllm serve`` lists one (``parent``: its base) with its
@@ -209,8 +225,9 @@ class AdminAPI:
         for entry in entries:
             lease, link = await self.supervisor.acquire(entry.id)
             try:
-                if entry.lora is not None:  # into its running base's engine
-                    lease.entry.adapters_loaded = await link.adapters([entry.lora])
+                if entry.lora is not None:  # into its running base's engines
+                    for each in self.supervisor.links_of(lease.entry) or [link]:
+                        lease.entry.adapters_loaded = await each.adapters([entry.lora])
             finally:
                 lease.release()
         return self._answer(request, body, entries)
@@ -226,9 +243,9 @@ class AdminAPI:
 
     async def _unload_adapter(self, adapter: ModelEntry) -> None:
         base = self.registry.serving(adapter)
-        link = link_of(base)
-        if base.state == "ready" and link is not None and adapter.lora is not None:
-            base.adapters_loaded = await link.adapters(unload=[adapter.lora.number])
+        if adapter.lora is not None:
+            for link in self.supervisor.links_of(base):
+                base.adapters_loaded = await link.adapters(unload=[adapter.lora.number])
 
     async def reload(self, request: Request) -> Response:
         """Read the preset file again and apply it (``router/lifecycle/reload.py``); a file that does

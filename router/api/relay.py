@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, MutableMapping
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -580,7 +580,7 @@ class Relay:
             self._log(endpoint, lease.name, False, status, usage)
 
 
-def _scope_header(scope: dict[str, Any], name: bytes) -> bytes | None:
+def _scope_header(scope: MutableMapping[str, Any], name: bytes) -> bytes | None:
     """A request header's raw value from its ASGI scope (a batch line's scope has none)."""
     for key, value in scope.get("headers", ()):
         if key == name:

@@ -16,8 +16,9 @@ from typing import Any
 
 from router.errors import APIError
 from router.lifecycle.policy import idle
-from router.lifecycle.replica import link_of
+from router.lifecycle.replica import ReplicaSet, link_of
 from router.registry import ModelEntry
+from router.workers.link import WorkerLink
 from shared.config import ServerConfig
 
 log = logging.getLogger("modelyard.router")
@@ -33,7 +34,8 @@ class IdleReaper:
     def __init__(self, models: Iterable[ModelEntry], server: ServerConfig, poll: float,
                  publish_state: Callable[[ModelEntry, str | None], None],
                  stopping: Callable[[ModelEntry], asyncio.Task[None]],
-                 spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], None],
+                 replicas_of: Callable[[ModelEntry], ReplicaSet] | None = None) -> None:
         self.models = models
         self.server = server
         self.poll = poll
@@ -41,6 +43,16 @@ class IdleReaper:
         self._stopping = stopping
         self._spawn = spawn
         self._wakes: dict[str, asyncio.Task[None]] = {}
+        self._replicas_of = replicas_of
+
+    def _links(self, entry: ModelEntry) -> list[WorkerLink]:
+        """Every engine of ``entry`` that sleeps and wakes with it: each replica's."""
+        if self._replicas_of is not None:
+            links = [r.link for r in self._replicas_of(entry) if r.state == "ready"]
+            if len(links) > 1:
+                return links
+        link = link_of(entry)
+        return [link] if link is not None else []
 
     async def run(self) -> None:
         """Reap idle models every ``poll`` seconds, until cancelled."""
@@ -68,11 +80,9 @@ class IdleReaper:
                 self._stopping(entry)  # the model's one stop: a later unload waits for it
 
     async def _sleep(self, entry: ModelEntry) -> None:
-        link = link_of(entry)
-        if link is None:
-            return
+        links = self._links(entry)
         try:
-            await link.sleep(1)
+            await asyncio.gather(*(link.sleep(1) for link in links))
         except APIError as err:
             log.warning("model %s: sleep failed (%s); stopping instead", entry.id, err.message)
             await asyncio.shield(self._stopping(entry))
@@ -87,11 +97,11 @@ class IdleReaper:
         return task
 
     async def _wake(self, entry: ModelEntry) -> None:
-        link = link_of(entry)
-        if entry.state != "sleeping" or link is None:
+        links = self._links(entry)
+        if entry.state != "sleeping" or not links:
             return
         try:
-            await link.wake()
+            await asyncio.gather(*(link.wake() for link in links))
             entry.state, entry.last_used = "ready", time.monotonic()
             self._publish_state(entry, "woken")
         except APIError as err:

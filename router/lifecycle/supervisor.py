@@ -104,7 +104,7 @@ class Supervisor:
         self.parker = Parker(self.events, self.worker_of, self._publish_state, self.stopping,
                              self.rooms.make, self._spawn_task)
         self.idler = IdleReaper(registry, server, POLL, self._publish_state, self.stopping,
-                                self._spawn_task)
+                                self._spawn_task, self.replicas_of)
         self.scaler = Scaler(registry, self.replicas_of, self.add_replica, self.retire_replica,
                              self.replica_room, self.stopping)
         self._scaling: asyncio.Task[None] | None = None
@@ -679,6 +679,17 @@ class Supervisor:
         resident = [*(e.spec for e in others), *(e.spec for e in self.rooms.parked(entry)),
                     *siblings]
         return within_budgets(entry.spec, resident, self.server, self.placer.gpus)
+
+    def links_of(self, entry: ModelEntry) -> list[WorkerLink]:
+        """The links of every replica of ``entry`` that serves (what an adapter's load or
+        unload goes to: each engine holds its own); none while the model is not ready."""
+        if entry.state != "ready":
+            return []
+        serving = self.replicas_of(entry).serving()
+        if serving:
+            return [r.link for r in serving]
+        link = link_of(entry)
+        return [link] if link is not None else []
 
     def route(self, entry: ModelEntry, link: WorkerLink, gens: list[Generate] | None = None,
               session: bytes | None = None) -> WorkerLink:

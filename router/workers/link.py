@@ -147,6 +147,9 @@ class RequestStream:
             self._fail(ClientTooSlow(f"the client read {len(self._items)} deltas behind its "
                                      "stream; generation cancelled"))
         if delta.finish_reason is not None:
+            link = self._link
+            link.prompt_tokens += delta.prompt_tokens  # a choice's last delta has its prompt's
+            link.cached_tokens += delta.cached_tokens
             left = self._open.get(delta.id, 0) - 1
             if left <= 0:
                 self._open.pop(delta.id, None)
@@ -249,6 +252,10 @@ class WorkerLink:
         self._failure: APIError | None = None
         self._probes = 0
         self.completed = 0
+        self.prompt_tokens = 0
+        """Prompt tokens of the choices it finished, and of those, the ones its engine
+        found in its prefix cache (``cached_tokens``): a replica's cached share."""
+        self.cached_tokens = 0
         """Generations this worker finished: proof it was healthy (resets crash backoff)."""
 
     def _read_monitor(self) -> None:
