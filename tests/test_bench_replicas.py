@@ -204,3 +204,34 @@ def test_it_runs_with_make_bench_and_has_its_block_on_the_page() -> None:
     assert "replicas" in bench_main.ALL
     page = (ROOT / "docs" / "performance.md").read_text()
     assert "replicas" in report.names_on(page)
+
+
+def test_main_runs_each_configuration_once_a_repetition_and_reports_them_in_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``main``'s loop without servers: each repetition starts the three routers in its
+    rotated order, the throughput rounds come from (a) and (b) alone, and the results
+    file keeps each configuration's repetitions in repetition order."""
+    started: list[tuple[str, int, int]] = []
+
+    def one_router(config: replicas.Config, rep_: int,
+                   position: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        started.append((config.key, rep_, position))
+        return (rep(0.5 + rep_ / 10, 100.0 + rep_, position),
+                rnd(200.0 + rep_, 90.0) if config.throughput else None)
+
+    written: dict[str, Any] = {}
+    monkeypatch.setattr(replicas, "REPS", 3)
+    monkeypatch.setattr(replicas, "one_router", one_router)
+    monkeypatch.setattr(replicas, "route_decision", lambda: result()["route_decision"])
+    monkeypatch.setattr(replicas, "report", lambda name, r, rows: written.update(r, name=name))
+    replicas.main()
+    assert [(k, p) for k, _, p in started] == [
+        ("one_worker", 1), ("prefix", 2), ("round_robin", 3),
+        ("prefix", 1), ("round_robin", 2), ("one_worker", 3),
+        ("round_robin", 1), ("one_worker", 2), ("prefix", 3)]
+    assert written["name"] == "replicas" and written["repetitions"] == 3
+    assert [r["cache_share"] for r in written["configs"]["round_robin"]["reps"]] == [0.5, 0.6,
+                                                                                     0.7]
+    assert [r["order"] for r in written["configs"]["one_worker"]["reps"]] == [1, 3, 2]
+    rounds = written["throughput"]["two_replicas_one_core_each"]["rounds"]
+    assert [r["tokens_per_s"] for r in rounds] == [200.0, 201.0, 202.0]
