@@ -11,7 +11,7 @@ import time
 from bench import report
 
 ALL = ["overhead", "vllmclient", "relay", "coldstart", "scaling", "faults", "swap", "ledger",
-       "toolcalls", "lora", "batch", "hostile", "route_cost"]
+       "toolcalls", "lora", "batch", "hostile", "route_cost", "replicas"]
 
 
 def main() -> int:

@@ -419,6 +419,68 @@ def batch_one_run(r: Result) -> str:
              r["ratio_batch_vs_client_16"])])])
 
 
+def replicas(r: Result) -> str:
+    """``bench/replicas.py``: each router's repetitions, their medians, the targets' ratios,
+    the 16-stream throughput and the routing decision's cost."""
+    def spread(s: Result) -> str:
+        return f"{shown(s['median'])} ({shown(s['min'])} to {shown(s['max'])})"
+
+    h, configs, t, d = r["host"], r["configs"], r["throughput"], r["route_decision"]
+    cpu = (f"AVX-512 {'with' if h['avx512_bf16'] else 'without'} BF16" if h["avx512"]
+           else "no AVX-512")
+    setup = (f"{r['sessions']} chat sessions at once x {r['turns']} turns, a shared system "
+             f"prompt of about {r['system_chars']} characters, user turns of {r['user_chars']}, "
+             f"answers of {r['answer_tokens']} tokens (`ignore_eos`), `x-session-id` sent: "
+             f"{shown(r['session_header'])}; {r['repetitions']} repetitions, each router "
+             f"started afresh; model `{r['model']}` ({r['engine']}, dtype {h['dtype']}) on "
+             f"cores {r['cores']}; {cpu} (`avx512`: {shown(h['avx512'])}, `avx512_bf16`: "
+             f"{shown(h['avx512_bf16'])})")
+    reps = [(n, c["label"], v["order"], v["start_s"],
+             f"{shown(v['replicas_ready'])} / {shown(v['distinct_pids'])}", v["requests"],
+             v["errors"], v["prompt_tokens"], v["cached_tokens"], v["cache_share"],
+             v["ttft_p50_ms"], v["ttft_p90_ms"], v["in_flight_max"], v["in_flight_share"])
+            for c in configs.values() for n, v in enumerate(c["reps"], 1)]
+    summary = [(c["label"], c["replicas"], c["routing"], spread(c["cache_share"]),
+                spread(c["ttft_p50_ms"]), spread(c["ttft_p90_ms"]), c["errors"])
+               for c in configs.values()]
+    named = {"cache_share_prefix_vs_one_worker": "cache share, (b) / (a)",
+             "ttft_p50_prefix_vs_round_robin": "TTFT p50, (b) / (c)"}
+    ratios = [(named.get(k, k), v["per_rep"], spread(v), v["target"], v["met"])
+              for k, v in r["ratios"].items()]
+    served = {"one_replica_two_cores": "one replica on two cores",
+              "two_replicas_one_core_each": "two replicas on one core each"}
+    rounds = [(served.get(k, k), n, x["tokens_per_s"], x["ttft_p50_ms"], x["itl_p50_ms"],
+               x["itl_p99_ms"], x["errors"], x["in_flight_max"], x["in_flight_share"])
+              for k in served if k in t for n, x in enumerate(t[k]["rounds"], 1)]
+    streams = [(served.get(k, k), spread(t[k]["tokens_per_s"]), spread(t[k]["itl_p99_ms"]))
+               for k in served if k in t]
+    streams += [(("two replicas / one replica, each round: "
+                 f"tokens/s {shown(t['ratio_tokens_per_s']['per_rep'])}, "
+                 f"ITL p99 {shown(t['ratio_itl_p99']['per_rep'])}"),
+                 spread(t["ratio_tokens_per_s"]), spread(t["ratio_itl_p99"]))]
+    decision = [(f"`{k}`", v) for k, v in d.items()]
+    return "\n\n".join([
+        provenance("replicas", r, setup),
+        table(["configuration", "replicas", "routing", "cache share, median (min to max)",
+               "TTFT p50 ms", "TTFT p90 ms", "errors"], summary),
+        table(["ratio", "each repetition", "median (min to max)", "target", "met"], ratios),
+        table(["repetition", "configuration", "started", "start s", "replicas ready / pids",
+               "requests", "errors", "prompt tokens", "cached tokens", "cache share",
+               "TTFT p50 ms", "TTFT p90 ms", "most in flight, per replica",
+               "share of in flight, per replica"], reps),
+        (f"{shown(t['streams'])} streamed completions at once, {shown(t['tokens'])} tokens "
+         "each (`ignore_eos`), each its own prompt, on routers (a) and (b) after their "
+         "workload, one round a repetition:"),
+        table(["served", "round", "tokens/s", "TTFT p50 ms", "ITL p50 ms", "ITL p99 ms",
+               "errors", "most in flight, per replica", "share of in flight, per replica"],
+              rounds),
+        table(["served", "tokens/s, median (min to max)", "ITL p99 ms, median (min to max)"],
+              streams),
+        ("The routing decision (`bench/route_cost.py`'s measure, in-process, before any "
+        "router started):"),
+        table(["figure", "value"], decision)])
+
+
 def flat(name: str, r: Result) -> str:
     """A results file with no table of its own: every figure, by its path in the JSON."""
     skip = {"benchmark", "when", "commit", "machine"}
@@ -429,7 +491,7 @@ def flat(name: str, r: Result) -> str:
 TABLES: dict[str, Callable[[Result], str]] = {
     "overhead": overhead, "vllmclient": vllmclient, "gpu_park_probe": gpu_park_probe, "relay": relay, "coldstart": coldstart, "scaling": scaling,
     "faults": faults, "swap": swap, "ledger": ledger, "toolcalls": toolcalls, "lora": lora,
-    "batch": batch}
+    "batch": batch, "replicas": replicas}
 
 
 def block(name: str, results: Path = RESULTS) -> str:
