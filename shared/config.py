@@ -470,7 +470,11 @@ def clamps_max_tokens(spec: ModelSpec, protocol: str) -> bool:
 
 
 def restart_needed(old: ModelSpec, new: ModelSpec) -> bool:
-    """Whether a worker started with ``old`` must restart to serve ``new``."""
+    """Whether a worker started with ``old`` must restart to serve ``new``. A new
+    ``replicas.max`` cuts the model's cores (or GPUs) anew (``placement.replica_spec``):
+    a replica started on the old share would overlap one started on a new share."""
+    if old.replicas.max != new.replicas.max:
+        return True
     return msgspec.structs.replace(old, **{f: getattr(new, f) for f in ROUTER_ONLY_FIELDS}) != new
 
 

@@ -14,7 +14,6 @@ from bench import __main__ as bench_main
 from bench import replicas, report
 from router.lifecycle.prefix_index import BLOCK, prompt_blocks
 from router.workers.placement import replica_spec
-from shared import preset_loader
 from shared.preset_loader import load_preset
 from tests.test_docs import figures
 
@@ -49,8 +48,7 @@ def test_the_order_rotates_so_each_configuration_runs_once_in_each_place() -> No
 
 @pytest.mark.parametrize("config", replicas.CONFIGS, ids=lambda c: c.key)
 def test_each_preset_loads_as_asked_with_a_core_per_replica(
-        config: replicas.Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(preset_loader, "REPLICAS_SERVED", 8)  # as once replicas are served
+        config: replicas.Config, tmp_path: Path) -> None:
     path = tmp_path / "preset.yaml"
     path.write_text(replicas.preset(config).replace("{port}", "8080"))
     spec = load_preset(path).models[replicas.MODEL_ID]

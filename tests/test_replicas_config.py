@@ -169,6 +169,11 @@ def test_replicas_and_routing_change_without_restarting_a_worker() -> None:
     for key, value in [("replicas", Replicas(min=0, idle=5)),
                        ("routing", Routing(strategy="round_robin"))]:
         assert not restart_needed(old, msgspec.structs.replace(old, **{key: value})), key
+    # A new max cuts the cores anew: the replicas started on the old shares restart.
+    two = preset({"replicas": 2, "cpu_cores": "0-3"}).models["m"]
+    assert restart_needed(two, msgspec.structs.replace(two, replicas=Replicas(min=2, max=4)))
+    assert not restart_needed(two, msgspec.structs.replace(two, replicas=Replicas(min=1,
+                                                                                  max=2)))
 
 
 def test_a_reload_applies_the_servers_routing() -> None:
