@@ -166,6 +166,9 @@ class ModelEntry:
     """Starts after a crash or a failed start."""
     replica_failures: int = 0
     """Replicas that failed to start or crashed while another served (the model did not)."""
+    replica_count: int = 0
+    """Its workers now (its replicas, starting and draining ones included): each counts
+    against ``max_loaded_models`` and the memory budgets (``policy.room.specs``)."""
     evictions: int = 0
     """Stops to make room for another model."""
     loads: int = 0

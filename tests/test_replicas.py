@@ -200,6 +200,23 @@ def test_replicas_count_against_max_loaded_models(tmp_path: Path) -> None:
     run(sup, scenario)
 
 
+def test_another_models_load_counts_each_replica_against_max_loaded_models(
+        tmp_path: Path) -> None:
+    """``m`` runs two replicas and ``max_loaded_models`` is 2: ``n`` needs the room of
+    both (on the code before, ``m`` counted once and ``n`` loaded beside it: three
+    workers where two may run)."""
+    sup = supervisor(tmp_path, {"max_loaded_models": 2}, m={"replicas": 2}, n={})
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        await until(lambda: ready_replicas(sup, m) == [0, 1], 30, "both replicas ready")
+        await use(sup, "n")
+        assert m.state == "unloaded" and not sup.replicas_of(m)
+
+    run(sup, scenario)
+
+
 def test_a_stop_stops_every_replica(tmp_path: Path) -> None:
     sup = supervisor(tmp_path, m={"replicas": 2})
 

@@ -43,6 +43,7 @@ from router.errors import (
 )
 from router.lifecycle.idle_reaper import IdleReaper
 from router.lifecycle.parking import Parker
+from router.lifecycle.policy import room
 from router.lifecycle.policy.park import RESIDENT_STATES
 from router.lifecycle.policy.route import ReplicaLoad, choose
 from router.lifecycle.prefix_index import PrefixIndex, prompt_blocks, prompt_bytes, seed_of
@@ -55,7 +56,7 @@ from router.workers.backends import Backend, SpawnError
 from router.workers.backends.local import LocalBackend, LocalHandle
 from router.workers.backends.ray_cluster import RayBackend
 from router.workers.link import WorkerLink
-from router.workers.placement import Placer, replica_spec, runs_beside, within_budgets
+from router.workers.placement import Placer, fits, replica_spec, runs_beside
 from router.workers.processes import engine_phases, log_tail
 from router.workers.spares import SparePool
 from router.workers.worker_start import base_env, model_env, worker_boot, worker_command
@@ -146,13 +147,17 @@ class Supervisor:
         return {r.key: r for replicas in self._replicas.values() for r in replicas}
 
     def add_worker(self, entry: ModelEntry, worker: Replica) -> None:
-        self._replicas.setdefault(entry.id, ReplicaSet(entry.id)).add(worker)
+        replicas = self._replicas.setdefault(entry.id, ReplicaSet(entry.id))
+        replicas.add(worker)
+        entry.replica_count = len(replicas)
 
     def remove_worker(self, entry: ModelEntry, worker: Replica) -> None:
         """Forget ``worker`` (a newer one of ``entry``'s stays)."""
         replicas = self._replicas.get(entry.id)
-        if replicas is not None and replicas.remove(worker) and not replicas:
-            del self._replicas[entry.id]
+        if replicas is not None and replicas.remove(worker):
+            entry.replica_count = len(replicas)
+            if not replicas:
+                del self._replicas[entry.id]
 
     def _publish_state(self, entry: ModelEntry, reason: str | None = None) -> None:
         """Tell the event bus of ``entry``'s state, if it changed since last told."""
@@ -667,18 +672,12 @@ class Supervisor:
         """One more replica of ``entry`` fits beside what runs, as the room policy counts
         (each replica one of ``max_loaded_models``, its footprint in the budgets): free
         room only, the scaler never stops or parks another model for a replica."""
-        running = len(self.replicas_of(entry))
-        others = self.rooms.loaded(entry)
-        if self.server.max_loaded_models:
-            count = sum(max(1, len(self.replicas_of(e))) for e in others) + running
-            if count + 1 > self.server.max_loaded_models:
-                return False
-        # Siblings under names of their own: the budget check leaves out the spec's own id.
+        # Siblings under names of their own: the checks leave out the spec's own id.
         siblings = [msgspec.structs.replace(entry.spec, id=replica_key(entry.id, n + 1))
-                    for n in range(running)]
-        resident = [*(e.spec for e in others), *(e.spec for e in self.rooms.parked(entry)),
-                    *siblings]
-        return within_budgets(entry.spec, resident, self.server, self.placer.gpus)
+                    for n in range(len(self.replicas_of(entry)))]
+        running = [*room.specs(self.rooms.loaded(entry)), *siblings]
+        parked = [e.spec for e in self.rooms.parked(entry)]
+        return fits(entry.spec, running, self.server, self.placer.gpus, parked=parked)
 
     def links_of(self, entry: ModelEntry) -> list[WorkerLink]:
         """The links of every replica of ``entry`` that serves (what an adapter's load or

@@ -32,7 +32,7 @@ from router.lifecycle.policy import park
 from router.lifecycle.policy.gpu_park import gpu_room_after_sleep
 from router.registry import ModelEntry
 from router.workers.placement import GpuMemory, fits, footprint, runs_beside
-from shared.config import ServerConfig
+from shared.config import ModelSpec, ServerConfig
 
 ACTIVE_GAP = 2.0
 """A model used this recently still has clients coming: a model waiting for room does not
@@ -95,6 +95,12 @@ def for_batch_alone(entry: ModelEntry) -> bool:
     return entry.batch_load and not wanted_in_person(entry)
 
 
+def specs(loaded: Iterable[ModelEntry]) -> list[ModelSpec]:
+    """The workers of ``loaded`` as ``fits`` counts them: a model's spec once per running
+    replica (each is one of ``max_loaded_models`` and holds its own memory)."""
+    return [e.spec for e in loaded for _ in range(max(1, e.replica_count))]
+
+
 def batch_may_run(entry: ModelEntry, loaded: list[ModelEntry], server: ServerConfig,
                   gpus: dict[int, GpuMemory], now: float,
                   parked: Iterable[ModelEntry] = ()) -> bool:
@@ -107,7 +113,7 @@ def batch_may_run(entry: ModelEntry, loaded: list[ModelEntry], server: ServerCon
         return False
     if entry.state in ("ready", "loading", "sleeping", "waking"):
         return True
-    if fits(entry.spec, [e.spec for e in loaded], server, gpus, {},
+    if fits(entry.spec, specs(loaded), server, gpus, {},
             [e.spec for e in parked if e is not entry]):
         return True
     return not any(used_in_person(e, now) for e in loaded)
@@ -205,7 +211,7 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
     if not first_in_line(entry, models):
         return WAIT
     parked = [e for e in parked or () if e is not entry]
-    if fits(entry.spec, [e.spec for e in loaded], server, gpus, held,
+    if fits(entry.spec, specs(loaded), server, gpus, held,
             [e.spec for e in parked]) and gpu_holds_wake(entry, gpus, held, gpus_now):
         return RoomDecision("fits")
     idle_parked = [e for e in parked if park.stoppable(e) and not e.spec.pinned]
@@ -216,7 +222,7 @@ def decide(entry: ModelEntry, models: Iterable[ModelEntry], loaded: list[ModelEn
         return park.park_level(chosen, entry, [*loaded, *parked], server, memory,
                                gpus=gpus, held=held, gpus_now=gpus_now)
 
-    if runs_beside(entry.spec, [e.spec for e in loaded], server):
+    if runs_beside(entry.spec, specs(loaded), server):
         # Memory is what is short: a parked model with nothing in flight goes first
         # (parking a running CPU model would free none; a GPU model's sleep frees its
         # GPU memory, and it parks where that leaves room).
