@@ -124,6 +124,7 @@ def build_app(preset: Preset, *, watch_config: bool = False,
                         KEY_TABLES + LEDGER_TABLES + BATCH_TABLES)
     ledger = Ledger(database)
     supervisor.parker.observe = metrics.metrics.switch
+    metrics.metrics.watch_replicas(supervisor.replicas_of)
     relay = Relay(supervisor, metrics.metrics, ledger)
     relay.follow_keys(keys)  # a revoked key's generations end at once
     openai = OpenAIAPI(relay, server.max_body_bytes)

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
 from router.errors import WorkerLost
 from router.lifecycle.supervisor import Supervisor
+from router.observe.metrics import Metrics
 from router.registry import ModelEntry, ModelRegistry
 from router.workers.placement import Placer
 from shared.preset_loader import build_preset
@@ -82,6 +84,13 @@ def test_two_replicas_run_on_their_own_cores_and_both_serve(tmp_path: Path) -> N
                                         for i in range(4)))
         assert set(served) == {0, 1}, served  # least loaded spreads distinct prompts
         assert entry.slots is not None and entry.slots.size == 2 * entry.spec.max_concurrent
+        metrics = Metrics(sup.registry)
+        metrics.watch_replicas(sup.replicas_of)
+        text = generate_latest(metrics.registry).decode()
+        assert 'modelyard_model_replicas{model="m",state="ready"} 2.0' in text
+        for n in (0, 1):
+            assert f'modelyard_replica_in_flight{{model="m",replica="{n}"}} 0.0' in text
+            assert f'modelyard_replica_prompt_tokens_total{{model="m",replica="{n}"}}' in text
 
     run(sup, scenario)
 

@@ -232,7 +232,8 @@ RESPONSES: dict[str, Schema] = {
         "zygote": _nullable(_SPARE),  # the spare that forks the others (fork_spares)
         "tasks": _INT}),
     "Event": _obj({"type": {"type": "string", "enum": [
-        "hello", "activity", "state", "load", "eviction", "request", "batch", "dropped"]},
+        "hello", "activity", "state", "load", "eviction", "request", "batch", "park", "wake",
+        "replica", "dropped"]},
         "id": _nullable(_INT), "time": _NUM, "model": _nullable(_STR)}),
     "EventList": _obj({"object": _const("list"), "data": _array(_ref("Event"))}),
     "LogLines": _obj({"object": _const("list"), "model": _STR, "data": _array(_STR)}),

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -36,8 +36,8 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from router.errors import APIError
-from router.registry import ModelRegistry
-from router.workers.link import Usage
+from router.registry import ModelEntry, ModelRegistry
+from router.workers.link import Usage, WorkerLink
 
 STATES = ("unloaded", "loading", "ready", "sleeping", "parking", "parked", "waking",
           "stopping", "failed")
@@ -80,6 +80,17 @@ current_request: ContextVar[RequestMark | None] = ContextVar("modelyard_request"
 """Set by the route wrapper for the request its task serves; ``Metrics.request`` marks it."""
 
 
+class ReplicaFigures(Protocol):
+    """What the metrics read of a running replica (``router.lifecycle.replica.Replica``)."""
+
+    @property
+    def number(self) -> int: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def link(self) -> WorkerLink: ...
+
+
 class _ModelCollector:
     """The per-model gauges, read from the registry's entries at each scrape."""
 
@@ -87,6 +98,9 @@ class _ModelCollector:
         self.models = models
         self.switches: dict[tuple[str, str], _Histogram] = {}
         """Per model and kind (``park``, ``wake``, ``wake_wait``): how long each took."""
+        self.replicas: Callable[[ModelEntry], Iterable[ReplicaFigures]] | None = None
+        """A model's running replicas (the supervisor's ``replicas_of``): per-replica
+        series for the models that may run several."""
 
     def collect(self) -> Iterator[Metric]:
         switches = HistogramMetricFamily(
@@ -135,6 +149,36 @@ class _ModelCollector:
             if entry.engine_in_flight is not None and entry.state == "ready":
                 engine.add_metric([entry.id], entry.engine_in_flight)
         yield from (state, in_flight, queued, load, restarts, evictions, engine)
+        yield from self._replica_series()
+
+    def _replica_series(self) -> Iterator[Metric]:
+        several = [e for e in self.models if e.spec.replicas.max > 1]
+        if self.replicas is None or not several:
+            return
+        labels = ["model", "replica"]
+        count = GaugeMetricFamily("modelyard_model_replicas", "Replicas the model runs, by "
+                                  "state", labels=["model", "state"])
+        failures = CounterMetricFamily("modelyard_model_replica_failures", "Replicas that "
+                                       "failed to start or crashed while another served",
+                                       labels=["model"])
+        in_flight = GaugeMetricFamily("modelyard_replica_in_flight", "Requests in flight "
+                                      "on the replica", labels=labels)
+        prompt = CounterMetricFamily("modelyard_replica_prompt_tokens", "Prompt tokens of "
+                                     "the requests the replica finished", labels=labels)
+        cached = CounterMetricFamily("modelyard_replica_cached_tokens", "Of those, the ones "
+                                     "its engine's prefix cache served", labels=labels)
+        for entry in several:
+            states: dict[str, int] = {"starting": 0, "ready": 0, "draining": 0}
+            for r in self.replicas(entry):
+                states[r.state] = states.get(r.state, 0) + 1
+                number = [entry.id, str(r.number)]
+                in_flight.add_metric(number, r.link.in_flight)
+                prompt.add_metric(number, r.link.prompt_tokens)
+                cached.add_metric(number, r.link.cached_tokens)
+            for name, n in states.items():
+                count.add_metric([entry.id, name], n)
+            failures.add_metric([entry.id], entry.replica_failures)
+        yield from (count, failures, in_flight, prompt, cached)
 
 
 class _BatchCollector:
@@ -286,6 +330,11 @@ class Metrics:
         batches.lines[state] = batches.lines.get(state, 0) + count
         if owner:  # no keys: one user, no per-key series (as requests)
             batches.key_lines[owner, state] = batches.key_lines.get((owner, state), 0) + count
+
+    def watch_replicas(self, replicas: Callable[[ModelEntry], Iterable[ReplicaFigures]]
+                       ) -> None:
+        """Read a model's running replicas from ``replicas`` at each scrape."""
+        self._models.replicas = replicas
 
     def switch(self, model: str, kind: str, seconds: float) -> None:
         """Count a ``park``, ``wake`` or ``wake_wait`` of ``model`` that took ``seconds``."""
