@@ -138,7 +138,8 @@ class Relay:
     async def generate(self, request: Request, endpoint: str, model: str | None,
                        gens: list[Generate], streaming: bool,
                        shaper_for: Callable[[str], Shaper], *,
-                       keepalive: bytes = b"", keep_alive: float | None = None) -> Response:
+                       keepalive: bytes = b"", keep_alive: float | None = None,
+                       user: str | None = None) -> Response:
         """Relay ``gens`` (one client request) and answer as ``shaper_for(model id)`` shapes it.
 
         A stream for a model that is not ready yet begins at once (status 200) when the
@@ -157,8 +158,10 @@ class Relay:
         """
         principal = principal_of(request.scope)
         usage = Usage(principal.name, request.scope.get(BATCH_SCOPE_KEY))
-        if session := _scope_header(request.scope, SESSION_HEADER):
-            usage.session = session_key(principal.name, session.decode("latin-1"))
+        header = _scope_header(request.scope, SESSION_HEADER)
+        if header or user:  # a model of several replicas keeps a session on one
+            usage.session = session_key(principal.name, header.decode("latin-1")
+                                        if header else None, user=user)
         if principal.limits.models:  # first: nothing else may tell that a model exists
             model = self._visible(model, principal, endpoint, streaming, usage)
         self._refuse_known_oversized(model, gens, endpoint, streaming, usage)

@@ -48,7 +48,7 @@ class AnthropicAPI:
         return await self.relay.generate(
             request, "messages", req.model, [gen], req.stream,
             lambda model: MessagesShaper(mid, model, stops), keepalive=PING,
-            keep_alive=keep_alive_seconds(req.keep_alive))
+            keep_alive=keep_alive_seconds(req.keep_alive), user=_user_id(req.metadata))
 
     async def count_tokens(self, request: Request) -> Response:
         """Exact: the model's own template renders the conversation with its tools, as a
@@ -66,3 +66,12 @@ class AnthropicAPI:
     def routes(self) -> list[Route]:
         return [protocol_route("/v1/messages", self.messages),
                 protocol_route("/v1/messages/count_tokens", self.count_tokens)]
+
+
+def _user_id(metadata: Any) -> str | None:
+    """Anthropic's ``metadata.user_id`` (Claude Code sends one per session): the session a
+    model of several replicas keeps on one."""
+    if isinstance(metadata, dict):
+        user = metadata.get("user_id")
+        return user if isinstance(user, str) and user else None
+    return None

@@ -162,5 +162,5 @@ async def chat_completions(relay: Relay, request: Request, max_body: int) -> Res
         request, "chat", req.model, [gen], req.stream,
         lambda model: ChatShaper(rid, model, gen.sampling.n, req.logprobs, include_usage,
                                  legacy, tools=bool(gen.tools)),
-        keep_alive=keep_alive_seconds(req.keep_alive))
+        keep_alive=keep_alive_seconds(req.keep_alive), user=req.user)
 

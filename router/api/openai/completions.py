@@ -133,4 +133,4 @@ async def completions(relay: Relay, request: Request, max_body: int) -> Response
         request, "completions", req.model, gens, req.stream,
         lambda model: CompletionShaper(rid, model, n_choices, req.logprobs is not None,
                                        echo, sampling.n, include_usage),
-        keep_alive=keep_alive_seconds(req.keep_alive))
+        keep_alive=keep_alive_seconds(req.keep_alive), user=req.user)
