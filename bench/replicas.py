@@ -68,7 +68,10 @@ REPS = int(os.environ.get("BENCH_REPLICAS_REPS", "3"))
 SESSION_HEADER = os.environ.get("BENCH_REPLICAS_SESSION_HEADER", "1") != "0"
 SYSTEM_CHARS = 1_500
 USER_CHARS = (200, 400)
-ANSWER_TOKENS = 32
+ANSWER_TOKENS = tuple(int(n) for n in
+                      os.environ.get("BENCH_REPLICAS_ANSWERS", "16-48").split("-"))
+"""Tokens of each answer: one number, or ``LOW-HIGH`` (each turn's drawn from the
+repetition's seed, the same for every configuration)."""
 STREAMS = 16
 STREAM_TOKENS = 128
 CORES = "0-1"
@@ -180,18 +183,26 @@ class Turn:
         return self.error is None
 
 
-def chat_body(messages: list[dict[str, str]]) -> dict[str, Any]:
-    return {"model": MODEL_ID, "messages": messages, "max_tokens": ANSWER_TOKENS,
+def answer_tokens(rep: int) -> list[list[int]]:
+    """Each session's answer lengths in repetition ``rep``, turn by turn."""
+    rng = random.Random(f"answers-{rep}")
+    low, high = ANSWER_TOKENS[0], ANSWER_TOKENS[-1]
+    return [[rng.randint(low, high) for _ in range(TURNS)] for _ in range(SESSIONS)]
+
+
+def chat_body(messages: list[dict[str, str]], tokens: int) -> dict[str, Any]:
+    return {"model": MODEL_ID, "messages": messages, "max_tokens": tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
 
 
 async def ask(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]],
-              session: str | None) -> Turn:
+              session: str | None, tokens: int) -> Turn:
     headers = {"x-session-id": session} if session and SESSION_HEADER else {}
     turn = Turn(started=time.perf_counter())
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=chat_body(messages),
+        async with client.stream("POST", url + "/v1/chat/completions",
+                                 json=chat_body(messages, tokens),
                                  headers=headers) as r:
             if r.status_code != 200:
                 turn.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
@@ -207,14 +218,14 @@ async def ask(client: httpx.AsyncClient, url: str, messages: list[dict[str, str]
 
 
 async def session(client: httpx.AsyncClient, url: str, system: str, users: list[str],
-                  name: str) -> list[Turn]:
+                  name: str, answers: list[int]) -> list[Turn]:
     """One session's turns in sequence, each answer added to the history; a failed turn
     ends the session (its history would not be the one asked about)."""
     messages = [{"role": "system", "content": system}]
     turns: list[Turn] = []
-    for user in users:
+    for user, tokens in zip(users, answers, strict=True):
         messages.append({"role": "user", "content": user})
-        turn = await ask(client, url, messages, name)
+        turn = await ask(client, url, messages, name, tokens)
         turns.append(turn)
         if not turn.ok:
             break
@@ -224,9 +235,11 @@ async def session(client: httpx.AsyncClient, url: str, system: str, users: list[
 
 async def workload(url: str, rep: int) -> list[Turn]:
     system, users = conversations(rep)
+    answers = answer_tokens(rep)
     limits = httpx.Limits(max_connections=SESSIONS + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        done = await asyncio.gather(*(session(client, url, system, own, f"rep{rep}-s{s}")
+        done = await asyncio.gather(*(session(client, url, system, own, f"rep{rep}-s{s}",
+                                              answers[s])
                                       for s, own in enumerate(users)))
     return [t for turns in done for t in turns]
 
@@ -449,7 +462,7 @@ def assemble(runs: dict[str, list[dict[str, Any]]],
                                              [r["tokens_per_s"] for r in one])
     throughput["ratio_itl_p99"] = ratio([r["itl_p99_ms"] for r in two],
                                         [r["itl_p99_ms"] for r in one])
-    return {"sessions": SESSIONS, "turns": TURNS, "answer_tokens": ANSWER_TOKENS,
+    return {"sessions": SESSIONS, "turns": TURNS, "answer_tokens": list(ANSWER_TOKENS),
             "system_chars": SYSTEM_CHARS, "user_chars": f"{USER_CHARS[0]}-{USER_CHARS[1]}",
             "repetitions": len(runs["one_worker"]), "cores": CORES,
             "session_header": SESSION_HEADER, "model": MODEL, "engine": ENGINE,

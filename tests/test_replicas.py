@@ -23,6 +23,7 @@ from router.registry import ModelEntry, ModelRegistry
 from router.workers.placement import Placer
 from shared.preset_loader import build_preset
 from shared.protocol import ChatMessage, Generate, SamplingSpec
+from tests.conftest import running_router
 from tests.test_parking import until
 
 
@@ -241,3 +242,58 @@ def test_a_stop_stops_every_replica(tmp_path: Path) -> None:
                 os.kill(pid, 0)
 
     run(sup, scenario)
+
+
+SESSIONS = """
+server:
+  host: 127.0.0.1
+  port: {port}
+  spare_workers: 0
+models:
+  m:
+    model: /synthetic
+    engine: synthetic
+    cpu_cores: "0-1"
+    replicas: 2
+    load_on_startup: true
+"""
+
+
+def test_a_session_header_user_or_anthropic_user_id_keeps_requests_on_one_replica(
+        tmp_path: Path) -> None:
+    """Over HTTP: unrelated prompts of one session (``x-session-id``, OpenAI's ``user``,
+    Anthropic's ``metadata.user_id``) all go to the replica the first went to."""
+    with running_router(SESSIONS, tmp_path, "sessions") as r:
+        deadline = time.monotonic() + 60
+        while len([x for x in r.client.get(f"{r.url}/v1/models/m").json().get(
+                "replicas", []) if x["state"] == "ready"]) < 2:
+            assert time.monotonic() < deadline, r.tail()
+            time.sleep(0.2)
+
+        def served(ask: Any, i: int) -> int:
+            before = {x["number"]: x["completed"]
+                      for x in r.client.get(f"{r.url}/v1/models/m").json()["replicas"]}
+            reply = ask(i)
+            assert reply.status_code == 200, reply.text
+            after = {x["number"]: x["completed"]
+                     for x in r.client.get(f"{r.url}/v1/models/m").json()["replicas"]}
+            (number,) = [n for n in after if after[n] > before[n]]
+            return number
+
+        def chat(i: int, **extra: Any) -> Any:
+            headers = extra.pop("headers", {})
+            return r.client.post(f"{r.url}/v1/chat/completions", headers=headers, json={
+                "model": "m", "max_tokens": 2, **extra,
+                "messages": [{"role": "user", "content": f"unrelated {i} " * 40}]})
+
+        def messages(i: int) -> Any:
+            return r.client.post(f"{r.url}/v1/messages", json={
+                "model": "m", "max_tokens": 2, "metadata": {"user_id": "u-7"},
+                "messages": [{"role": "user", "content": f"other {i} " * 40}]})
+
+        for ask in (lambda i: chat(i, headers={"x-session-id": "s-1"}),
+                    lambda i: chat(i, user="alice"), messages):
+            went = [served(ask, i) for i in range(5)]
+            assert len(set(went)) == 1, went
+        # Without a session, unrelated prompts spread (the least recently routed).
+        assert len({served(chat, 100 + i) for i in range(4)}) == 2
