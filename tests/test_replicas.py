@@ -24,14 +24,16 @@ from router.workers.placement import Placer
 from shared.preset_loader import build_preset
 from shared.protocol import ChatMessage, Generate, SamplingSpec
 from tests.conftest import running_router
+from tests.test_adapter_registration import make_adapter
 from tests.test_parking import until
 
 
 def supervisor(tmp_path: Path, server: dict[str, Any] | None = None,
                **models: dict[str, Any]) -> Supervisor:
     preset = build_preset({"server": {"spare_workers": 0, **(server or {})},
-                           "models": {name: {"model": "/synthetic", "engine": "synthetic",
-                                             "cpu_cores": "0-1", **spec}
+                           "models": {name: spec if "base" in spec else {
+                               "model": "/synthetic", "engine": "synthetic",
+                               "cpu_cores": "0-1", **spec}
                                       for name, spec in models.items()}})
     return Supervisor(ModelRegistry(preset), preset.server, tmp_path,
                       Placer(cores={0, 1}, gpus={}))
@@ -193,6 +195,61 @@ def test_a_queue_adds_a_replica_and_idling_drains_it(tmp_path: Path) -> None:
         (left,) = sup.replicas_of(entry)
         assert entry.state == "ready" and entry.replica is left and entry.pid == left.handle.pid
         assert await use(sup, "m") == left.number
+
+    run(sup, scenario)
+
+
+def test_min_zero_lets_the_last_replica_go_and_the_next_request_loads_it_again(
+        tmp_path: Path) -> None:
+    sup = supervisor(tmp_path, m={"replicas": {"min": 0, "max": 2, "idle": 0.3,
+                                               "cooldown": 0.1}},
+                     kept={"replicas": {"min": 0, "max": 2, "idle": 0.3, "cooldown": 0.1},
+                           "cpu_cores": "0-1"})
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        await until(lambda: m.state == "unloaded", 10, "the idle model stopped")
+        assert not sup.replicas_of(m) and m.loads == 1
+        assert await use(sup, "m") == 0 and m.loads == 2  # loaded again, as a cold model
+        # An admin's keep_alive of -1 (forever) holds the last one (``hold_last``).
+        kept = sup.registry.entries["kept"]
+        await use(sup, "kept")
+        kept.keep_alive = -1
+        await asyncio.sleep(1.0)
+        assert kept.state == "ready" and len(sup.replicas_of(kept)) == 1
+
+    run(sup, scenario)
+
+
+def test_every_replica_engine_gets_the_adapters_and_a_restart_restores_them(
+        tmp_path: Path) -> None:
+    folder = make_adapter(tmp_path / "ad")
+    sup = supervisor(tmp_path, m={"replicas": {"min": 2, "max": 2, "cooldown": 0.2},
+                                  "max_loras": 2},
+                     a={"base": "m", "adapter": str(folder)})
+
+    async def scenario() -> None:
+        m, adapter = sup.registry.entries["m"], sup.registry.adapters["a"]
+        assert adapter.lora is not None
+        await use(sup, "m")
+        await until(lambda: ready_replicas(sup, m) == [0, 1], 30, "both replicas ready")
+        links = sup.links_of(m)
+        assert len(links) == 2
+        for link in links:  # as an admin's load of the adapter does
+            await link.adapters([adapter.lora])
+        for link in links:
+            assert [a.number for a in await link.adapters()] == [adapter.lora.number]
+        lease, _ = await sup.acquire("a")  # used: a restart restores it
+        lease.release()
+        victim = sup.replicas_of(m).numbered(1)
+        assert victim is not None
+        os.kill(victim.handle.pid, signal.SIGKILL)
+        await until(lambda: (r := sup.replicas_of(m).numbered(1)) is not None
+                    and r is not victim and r.state == "ready", 30, "replica 1 restarted")
+        again = sup.replicas_of(m).numbered(1)
+        assert again is not None
+        assert [a.number for a in await again.link.adapters()] == [adapter.lora.number]
 
     run(sup, scenario)
 
