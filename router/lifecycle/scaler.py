@@ -68,6 +68,10 @@ class Scaler:
             except Exception:  # a bug here must not end scaling for good: log, go on
                 log.exception("scaler failed; retrying")
 
+    def pending(self, entry: ModelEntry) -> set[int]:
+        """The numbers of ``entry``'s replica starts under way (spawned or not yet)."""
+        return {n for n, t in self._starts.get(entry.id, {}).items() if not t.done()}
+
     def starting(self, entry: ModelEntry) -> int:
         return sum(not t.done() for t in self._starts.get(entry.id, {}).values())
 

@@ -60,13 +60,19 @@ from router.workers.placement import Placer, fits, replica_spec, runs_beside
 from router.workers.processes import engine_phases, log_tail
 from router.workers.spares import SparePool
 from router.workers.worker_start import base_env, model_env, worker_boot, worker_command
-from shared.config import SERVED_BY, TASK_NAMES, ServerConfig, restart_needed
+from shared.config import SERVED_BY, TASK_NAMES, ModelSpec, ServerConfig, restart_needed
 from shared.protocol import Generate, Ready
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
 BACKOFF_MAX = 30.0
 POLL = 0.05  # seconds between looks at state that has no event of its own
+
+
+def scaled(spec: ModelSpec) -> bool:
+    """The scaler acts on the model: it may run more than one replica, or none
+    (``replicas.min`` 0); a model of exactly one worker runs as before replicas."""
+    return spec.replicas.max > 1 or spec.replicas.min != 1
 
 
 def backoff_seconds(failures: int) -> float:
@@ -158,6 +164,8 @@ class Supervisor:
             entry.replica_count = len(replicas)
             if not replicas:
                 del self._replicas[entry.id]
+                # No engine of it runs: what its index knew of their caches is gone.
+                self._indexes.pop(entry.id, None)
 
     def _publish_state(self, entry: ModelEntry, reason: str | None = None) -> None:
         """Tell the event bus of ``entry``'s state, if it changed since last told."""
@@ -184,11 +192,17 @@ class Supervisor:
         if isinstance(ray, RayBackend):
             ray.connect()  # blocks ~2 s, once, before the router serves
         self._reaper = asyncio.create_task(self.idler.run(), name="reaper")
-        if any(e.spec.replicas.max > 1 for e in self.registry):
-            self._scaling = asyncio.create_task(self.scaler.run(), name="scaler")
+        if any(scaled(e.spec) for e in self.registry):
+            self._start_scaling()
         self.spares.replenish()  # first: a load_on_startup model takes it as it is
         for entry in self.startup_models():
             self.start_loading(entry)
+
+    def _start_scaling(self) -> None:
+        """The scaler's task, begun now if none runs: at start, or when a model that
+        scales first loads (a reload may give a model replicas, or ``min: 0``)."""
+        if self._scaling is None and not self._closing:
+            self._scaling = asyncio.create_task(self.scaler.run(), name="scaler")
 
     def startup_models(self) -> list[ModelEntry]:
         """The models started with the router: ``load_on_startup`` ones and ``preload``
@@ -485,6 +499,8 @@ class Supervisor:
             if not extra:
                 self.parker.measure(entry)  # what a park of it would hold
                 self._log_ready(entry, worker)
+                if scaled(spec):
+                    self._start_scaling()
                 self.scaler.fill(entry)  # the replicas its ``replicas.min`` asks for
             if isinstance(handle, LocalHandle):
                 self.spares.worker_ready()  # this host can start workers (again)
@@ -673,8 +689,10 @@ class Supervisor:
         (each replica one of ``max_loaded_models``, its footprint in the budgets): free
         room only, the scaler never stops or parks another model for a replica."""
         # Siblings under names of their own: the checks leave out the spec's own id.
+        # Starts not spawned yet count: ``fill`` asks again before they are.
+        taken = {r.number for r in self.replicas_of(entry)} | self.scaler.pending(entry)
         siblings = [msgspec.structs.replace(entry.spec, id=replica_key(entry.id, n + 1))
-                    for n in range(len(self.replicas_of(entry)))]
+                    for n in range(len(taken))]
         running = [*room.specs(self.rooms.loaded(entry)), *siblings]
         parked = [e.spec for e in self.rooms.parked(entry)]
         return fits(entry.spec, running, self.server, self.placer.gpus, parked=parked)
@@ -697,11 +715,18 @@ class Supervisor:
         with no await before the caller submits (``policy.route``); the prompt's blocks
         and session are recorded where it went."""
         replicas = self._replicas.get(entry.id)
-        if replicas is None or len(replicas) < 2:
+        if replicas is None or not scaled(entry.spec):
             return link
         serving = replicas.serving()
         if len(serving) < 2:
-            return serving[0].link if serving else link
+            if not serving:
+                return link
+            # The one left, not ``link``: the replica that named the model at the lease
+            # may have been drained or reaped since. Marked used: else the scaler finds
+            # the only replica of a model in steady use idle (``min: 0`` stops it).
+            only = serving[0]
+            only.last_used = time.monotonic()
+            return only.link
         routing = entry.spec.routing
         blocks = None
         if routing.strategy == "prefix" and gens:

@@ -1,0 +1,166 @@
+"""Replicas (issue 35) under the conditions ``tests/test_replicas.py`` leaves out: a
+scaler for a model that gets replicas only by a reload (or scales one replica to zero), a
+lone replica in steady use, a request whose replica went between its lease and its
+submit, ``replicas.min`` filling past ``max_loaded_models``, and what a stopped model
+keeps. Synthetic workers driven in-process, as there."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import msgspec
+
+from router.lifecycle.supervisor import Supervisor
+from router.registry import ModelRegistry
+from router.workers.placement import Placer
+from shared.config import Replicas
+from shared.preset_loader import build_preset
+from shared.protocol import Generate, SamplingSpec
+from tests.test_parking import until
+from tests.test_replicas import ready_replicas, run, supervisor, use
+
+
+def test_min_zero_of_one_replica_lets_it_go_once_idle(tmp_path: Path) -> None:
+    """``replicas: {min: 0}`` (``max`` 1) is scale-to-zero of a model of one worker: the
+    scaler must run for it too (on the code before, it ran only where some model had
+    ``max`` > 1 at start, so this model never stopped)."""
+    sup = supervisor(tmp_path, m={"replicas": {"min": 0, "max": 1, "idle": 0.3,
+                                               "cooldown": 0.1}})
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        await until(lambda: m.state == "unloaded", 15, "the idle model stopped")
+        assert not sup.replicas_of(m)
+
+    run(sup, scenario)
+
+
+def test_a_model_given_replicas_by_a_reload_gets_its_crashed_replica_back(
+        tmp_path: Path) -> None:
+    """A reload adds a model of two replicas to a router that started with none: its
+    second replica, killed, comes back as at a start (on the code before, no scaler ran:
+    the model served on one replica for good)."""
+    sup = supervisor(tmp_path, one={"cpu_cores": "0"})
+    base = {"model": "/synthetic", "engine": "synthetic"}
+
+    async def scenario() -> None:
+        preset = build_preset({"server": {"spare_workers": 0}, "models": {
+            "one": {**base, "cpu_cores": "0"},
+            "m": {**base, "cpu_cores": "0-1",
+                  "replicas": {"min": 2, "max": 2, "cooldown": 0.1}}}})
+        added, _ = sup.registry.reconfigure(preset)  # as ``Reloader._switch`` does
+        assert [e.id for e in added] == ["m"]
+        m = added[0]
+        await use(sup, "m")
+        await until(lambda: ready_replicas(sup, m) == [0, 1], 30, "both replicas ready")
+        victim = sup.replicas_of(m).numbered(1)
+        assert victim is not None
+        os.kill(victim.handle.pid, signal.SIGKILL)
+        await until(lambda: (r := sup.replicas_of(m).numbered(1)) is not None
+                    and r is not victim and r.state == "ready", 30, "replica 1 restarted")
+
+    run(sup, scenario)
+
+
+def test_a_lone_replica_in_steady_use_is_not_idle(tmp_path: Path) -> None:
+    """``min: 0``: a model served by one replica, asked every ~0.1 s, is in use; it must
+    not be stopped as idle ``idle`` s after it became ready (on the code before, a
+    request routed to the only replica never marked it used: the scaler stopped the model
+    between two requests and the next one loaded it cold)."""
+    sup = supervisor(tmp_path, m={"replicas": {"min": 0, "max": 2, "idle": 1.5,
+                                               "cooldown": 0.1}})
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        (only,) = sup.replicas_of(m)
+        ready_at = only.last_used
+        began = time.monotonic()
+        while time.monotonic() - began < 4.5:  # three times ``idle``
+            await use(sup, "m")
+            await asyncio.sleep(0.1)
+        assert m.loads == 1 and m.state == "ready", (m.loads, m.state)
+        assert only.last_used > ready_at  # routed to: used
+
+    run(sup, scenario)
+
+
+def test_a_request_whose_replica_went_before_its_submit_goes_to_the_one_left(
+        tmp_path: Path) -> None:
+    """The lease's link is the replica that named the model when it was taken; if that
+    replica is drained and stopped before the request is routed (a scale-down while the
+    request awaited its budget's count, say) and one replica is left, the request goes
+    to it (on the code before, ``route`` handed back the stopped replica's closed link:
+    the request failed while a replica served)."""
+    sup = supervisor(tmp_path, m={"replicas": {"min": 1, "max": 2, "idle": 600,
+                                               "cooldown": 600}})
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        await sup.add_replica(m, 1)
+        assert ready_replicas(sup, m) == [0, 1]
+        lease, link = await sup.acquire("m")
+        try:
+            first = sup.replicas_of(m).numbered(0)
+            assert first is not None and link is first.link
+            await sup.retire_replica(m, first)
+            assert ready_replicas(sup, m) == [1]
+            gen = Generate(id="g-late", sampling=SamplingSpec(max_tokens=2), prompt="hi")
+            routed = sup.route(m, link, [gen])
+            left = sup.replicas_of(m).numbered(1)
+            assert left is not None and routed is left.link
+            async for _ in routed.submit([gen]):
+                pass
+        finally:
+            lease.release()
+
+    run(sup, scenario)
+
+
+def test_min_replicas_fill_no_further_than_max_loaded_models(tmp_path: Path) -> None:
+    """``replicas.min`` 3 where ``max_loaded_models`` is 2: the fill after the first
+    replica is ready starts one more, not two (on the code before, a replica whose start
+    had not spawned yet was not counted: each look found room for one more)."""
+    preset = build_preset({"server": {"spare_workers": 0, "max_loaded_models": 2},
+                           "models": {"m": {"model": "/synthetic", "engine": "synthetic",
+                                            "cpu_cores": "0-2",
+                                            "replicas": {"min": 1, "max": 3}}}})
+    sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path,
+                     Placer(cores={0, 1, 2}, gpus={}))
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")  # replica 0, on core 0
+        # ``min`` raised to 3 (a reload's router-only change): fill as at a ready.
+        m.spec = msgspec.structs.replace(m.spec, replicas=Replicas(min=3, max=3))
+        sup.scaler.fill(m)
+        starting = sup.scaler.starting(m)
+        sup.scaler.cancel(m)  # before they run: nothing is spawned (core 2 may not exist)
+        await sup.scaler.wait_starts(m)
+        assert starting == 1, f"{starting} replicas started beside one where 2 may run"
+
+    run(sup, scenario)
+
+
+def test_a_stopped_model_keeps_no_prefix_index(tmp_path: Path) -> None:
+    """A model of several replicas, stopped: its prefix index (up to ~21 MB, the blocks
+    of every prompt sent) goes with its last replica."""
+    sup = supervisor(tmp_path, m={"replicas": 2})
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        await until(lambda: ready_replicas(sup, m) == [0, 1], 30, "both replicas ready")
+        for i in range(3):
+            await use(sup, "m", prompt=f"prompt {i} " * 100)
+        assert len(sup._indexes["m"]) > 0
+        await sup.stop(m)
+        assert "m" not in sup._indexes
+
+    run(sup, scenario)
