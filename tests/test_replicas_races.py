@@ -11,11 +11,13 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelRegistry
+from router.workers.backends import SpawnError
 from router.workers.placement import Placer
 from shared.config import Replicas
 from shared.preset_loader import build_preset
@@ -162,5 +164,33 @@ def test_a_stopped_model_keeps_no_prefix_index(tmp_path: Path) -> None:
         assert len(sup._indexes["m"]) > 0
         await sup.stop(m)
         assert "m" not in sup._indexes
+
+    run(sup, scenario)
+
+
+def test_a_replica_that_cannot_start_is_retried_with_a_backoff(tmp_path: Path) -> None:
+    """``replicas: 2`` with ``cooldown: 0`` and a second replica that never starts: the
+    scaler tries again after a growing backoff, as a model's own restarts do (0.5 s,
+    1 s, 2 s ...), not at every tick (on the code before, ``cooldown`` alone bounded it:
+    with 0, a start every 0.25 s for as long as the router ran)."""
+    sup = supervisor(tmp_path, m={"replicas": {"min": 2, "max": 2, "cooldown": 0}})
+    local = sup.backends["local"]
+    real = local.spawn
+
+    async def spawn(spec: Any, boot: Any, log_path: Path, env: dict[str, str]) -> Any:
+        if log_path.name != "m.log":  # every replica but the first
+            raise SpawnError("no such core")
+        return await real(spec, boot, log_path, env)
+
+    local.spawn = spawn  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        await until(lambda: m.replica_failures >= 1, 10, "the second replica failed")
+        await asyncio.sleep(4.0)
+        assert m.state == "ready" and ready_replicas(sup, m) == [0]
+        # Tries at about 0, 0.5, 1.5 and 3.5 s; ticks every 0.25 s would make 16.
+        assert m.replica_failures <= 5, m.replica_failures
 
     run(sup, scenario)

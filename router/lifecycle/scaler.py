@@ -32,6 +32,13 @@ EVERY = 0.25
 """Seconds between looks (the policy's clocks are seconds: ``up_wait``, ``up_after``)."""
 
 
+def retry_after(failures: int) -> float:
+    """Seconds before a replica is started again after ``failures`` in a row: none before
+    the first, then 0.5 s, 1 s, 2 s, ... up to 30 s (a model's own restart backoff,
+    ``supervisor.backoff_seconds``)."""
+    return 0.0 if failures <= 0 else min(30.0, 0.5 * 2 ** (failures - 1))
+
+
 class Scaler:
     """Adds and removes replicas of the models that may run several (module docstring).
 
@@ -56,6 +63,9 @@ class Scaler:
         self._starts: dict[str, dict[int, asyncio.Task[None]]] = {}
         """Each model's replica starts under way, by replica number."""
         self._retires: dict[str, asyncio.Task[None]] = {}
+        self._failed: dict[str, tuple[int, float]] = {}
+        """Each model's replicas that failed to start or crashed in a row, and when the
+        last did (``failed``): the next add waits ``retry_after`` of that."""
         self._pressure: dict[str, float | None] = {}
         self._changed: dict[str, float] = {}
 
@@ -113,6 +123,9 @@ class Scaler:
             decision = scale.decide(limits, view, now)
             if decision is None:
                 continue
+            failed, at = self._failed.get(entry.id, (0, 0.0))
+            if decision.action == "add" and now - at < retry_after(failed):
+                continue  # a replica that keeps failing is not started at every tick
             self._changed[entry.id] = now
             log.info("model %s: %s replica %d (%s)", entry.id, decision.action,
                      decision.replica, decision.why)
@@ -120,6 +133,12 @@ class Scaler:
                 self.add(entry, decision.replica)
             else:
                 self.remove(entry, decision.replica)
+
+    def failed(self, entry: ModelEntry, served: bool = False) -> None:
+        """A replica of ``entry`` failed to start or crashed while the model served on;
+        ``served``: it had completed requests (healthy until then: a new streak)."""
+        failed = 0 if served else self._failed.get(entry.id, (0, 0.0))[0]
+        self._failed[entry.id] = (failed + 1, time.monotonic())
 
     def fill(self, entry: ModelEntry) -> None:
         """Start at once the replicas ``replicas.min`` asks for beyond the first, as far

@@ -586,7 +586,8 @@ class Supervisor:
             # from now on (before any await), and the scaler starts it again.
             log.error("model %s: replica %d: %s", entry.id, worker.number, reason)
             worker.state = "draining"
-            self._replica_failed(entry, worker.number, reason, code)
+            self._replica_failed(entry, worker.number, reason, code,
+                                 served=worker.link.completed > 0)
             await self._reap(entry, worker, reason)
             return
         self.parker.cancel(entry)  # a wake under way parks no one for it any more
@@ -641,10 +642,12 @@ class Supervisor:
             entry.slots.resize(entry.spec.max_concurrent * max(1, serving))
 
     def _replica_failed(self, entry: ModelEntry, number: int, reason: str,
-                        code: int | None = None) -> None:
+                        code: int | None = None, served: bool = False) -> None:
         """A replica that is not the model's last failed to start or crashed: the model
-        serves on; the event and the log say why."""
+        serves on; the event and the log say why, and the scaler backs off before it
+        starts one again (``served``: it had completed requests, a new streak)."""
         entry.replica_failures += 1
+        self.scaler.failed(entry, served)
         self.events.publish("replica", entry.id, replica=number, state="failed",
                             error=reason, exit_code=code)
         log.error("model %s: replica %d failed: %s", entry.id, number, reason)
