@@ -42,6 +42,27 @@ def test_min_zero_of_one_replica_lets_it_go_once_idle(tmp_path: Path) -> None:
     run(sup, scenario)
 
 
+def test_a_reload_that_gives_a_running_model_min_zero_lets_it_go_once_idle(
+        tmp_path: Path) -> None:
+    """``replicas.min`` is router-only: a reload that makes it 0 restarts nothing, and the
+    running model stops once idle (on the code before, no scaler ran for it)."""
+    sup = supervisor(tmp_path, m={})
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        pid = m.pid
+        preset = build_preset({"server": {"spare_workers": 0}, "models": {"m": {
+            "model": "/synthetic", "engine": "synthetic", "cpu_cores": "0-1",
+            "replicas": {"min": 0, "max": 1, "idle": 0.3, "cooldown": 0.1}}}})
+        sup.registry.reconfigure(preset)  # as ``Reloader._switch`` does
+        sup.refresh(m, load=False)
+        assert m.state == "ready" and m.pid == pid  # not restarted
+        await until(lambda: m.state == "unloaded", 15, "the idle model stopped")
+
+    run(sup, scenario)
+
+
 def test_a_model_given_replicas_by_a_reload_gets_its_crashed_replica_back(
         tmp_path: Path) -> None:
     """A reload adds a model of two replicas to a router that started with none: its

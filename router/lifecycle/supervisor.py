@@ -894,6 +894,8 @@ class Supervisor:
             return worker is not None and (worker.spec is None
                                            or restart_needed(worker.spec, entry.spec))
 
+        if scaled(entry.spec):  # a router-only change (``min: 0``) restarts nothing
+            self._start_scaling()
         if entry.id not in self._loads and outdated():
             # Begun before the reload answers (a stop marks the model ``stopping`` at
             # once): no later request leases the worker of the old spec.
