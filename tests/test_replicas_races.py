@@ -11,13 +11,16 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import msgspec
 
+from router.lifecycle.replica import Replica, ReplicaSet
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelRegistry
 from router.workers.backends import SpawnError
+from router.workers.nvml import GpuMemory
 from router.workers.placement import Placer
 from shared.config import Replicas
 from shared.preset_loader import build_preset
@@ -215,3 +218,26 @@ def test_a_replica_that_cannot_start_is_retried_with_a_backoff(tmp_path: Path) -
         assert m.replica_failures <= 5, m.replica_failures
 
     run(sup, scenario)
+
+
+def test_a_gpu_replica_counts_its_own_gpus_against_the_budget(tmp_path: Path) -> None:
+    """A model on GPUs 0 and 1 with two replicas runs each on one GPU
+    (``placement.replica_spec``): one more replica beside the first needs its own GPU's
+    share of the budget, not both GPUs' again (on the code before, each replica was
+    counted on both GPUs: 144 GiB on an 80 GiB budget, so the second never started)."""
+    total = 80 * 2 ** 30
+    preset = build_preset({"server": {"spare_workers": 0,
+                                      "memory_budget_gib": {"cuda:0": 75, "cuda:1": 75}},
+                           "models": {"m": {"model": "/synthetic", "engine": "synthetic",
+                                            "device": "cuda", "gpus": [0, 1],
+                                            "replicas": {"min": 1, "max": 2}}}})
+    gpus = {i: GpuMemory(i, total, total) for i in (0, 1)}
+    sup = Supervisor(ModelRegistry(preset), preset.server, tmp_path,
+                     Placer(cores={0, 1}, gpus=gpus, nvml=lambda: gpus))
+    m = sup.registry.entries["m"]
+    m.state = "ready"  # its replica 0 runs (on GPU 0: 72 GiB of cuda:0's 75)
+    running = ReplicaSet("m")
+    running.add(cast(Replica, SimpleNamespace(number=0)))
+    sup._replicas["m"] = running
+    m.replica_count = 1
+    assert sup.replica_room(m)  # replica 1 goes on GPU 1, which holds nothing

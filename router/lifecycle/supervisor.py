@@ -691,14 +691,21 @@ class Supervisor:
         """One more replica of ``entry`` fits beside what runs, as the room policy counts
         (each replica one of ``max_loaded_models``, its footprint in the budgets): free
         room only, the scaler never stops or parks another model for a replica."""
-        # Siblings under names of their own: the checks leave out the spec's own id.
         # Starts not spawned yet count: ``fill`` asks again before they are.
         taken = {r.number for r in self.replicas_of(entry)} | self.scaler.pending(entry)
-        siblings = [msgspec.structs.replace(entry.spec, id=replica_key(entry.id, n + 1))
-                    for n in range(len(taken))]
+        count = entry.spec.replicas.max
+        number = next((n for n in range(count) if n not in taken), None)
+        if number is None:
+            return False
+
+        def own(n: int) -> ModelSpec:  # its share of the GPUs: what its memory is on
+            return replica_spec(entry.spec, n, count, self.placer.cores)
+
+        # Siblings under names of their own: the checks leave out the spec's own id.
+        siblings = [msgspec.structs.replace(own(n), id=f"{entry.id}#{n}") for n in taken]
         running = [*room.specs(self.rooms.loaded(entry)), *siblings]
         parked = [e.spec for e in self.rooms.parked(entry)]
-        return fits(entry.spec, running, self.server, self.placer.gpus, parked=parked)
+        return fits(own(number), running, self.server, self.placer.gpus, parked=parked)
 
     def links_of(self, entry: ModelEntry) -> list[WorkerLink]:
         """The links of every replica of ``entry`` that serves (what an adapter's load or
