@@ -241,3 +241,30 @@ def test_a_gpu_replica_counts_its_own_gpus_against_the_budget(tmp_path: Path) ->
     sup._replicas["m"] = running
     m.replica_count = 1
     assert sup.replica_room(m)  # replica 1 goes on GPU 1, which holds nothing
+
+
+def test_a_replica_that_crashes_while_its_model_sleeps_leaves_the_model_to_the_others(
+        tmp_path: Path) -> None:
+    """Two replicas asleep (``idle_action: sleep``, as the idle reaper puts them); one is
+    killed. The model sleeps on with the other, and the next request wakes it (on the
+    code before, one crash while not ``ready`` failed the model with the other replica
+    still running: every load then waited for that replica to go, which nothing stopped,
+    so each request waited ``load_timeout`` for a 503)."""
+    sup = supervisor(tmp_path, {"load_timeout": 20},
+                     m={"replicas": {"min": 2, "max": 2, "cooldown": 0.1}})
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        await until(lambda: ready_replicas(sup, m) == [0, 1], 30, "both replicas ready")
+        m.state = "sleeping"  # as ``IdleReaper.reap_once`` does, then ``_sleep``
+        await sup.idler._sleep(m)
+        victim = sup.replicas_of(m).numbered(1)
+        assert victim is not None
+        os.kill(victim.handle.pid, signal.SIGKILL)
+        await until(lambda: victim not in sup.replicas_of(m), 10, "the killed one reaped")
+        assert m.state == "sleeping", (m.state, m.error)
+        assert await asyncio.wait_for(use(sup, "m"), 10) == 0  # woken: it serves
+        await until(lambda: ready_replicas(sup, m) == [0, 1], 30, "replica 1 back")
+
+    run(sup, scenario)

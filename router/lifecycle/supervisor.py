@@ -581,9 +581,11 @@ class Supervisor:
         if worker.state == "draining":
             return  # ``retire_replica`` owns the rest: its drain ends at once
         others = [r for r in self.replicas_of(entry) if r is not worker and r.serving]
-        if entry.state == "ready" and others:
+        if entry.state in ("ready", "sleeping") and others:
             # One replica of several: the model serves on, its requests go to the others
-            # from now on (before any await), and the scaler starts it again.
+            # from now on (before any await), and the scaler starts it again (a sleeping
+            # model's once it is woken: failed, its others would run on unowned, and
+            # every load would wait for them to go).
             log.error("model %s: replica %d: %s", entry.id, worker.number, reason)
             worker.state = "draining"
             self._replica_failed(entry, worker.number, reason, code,
