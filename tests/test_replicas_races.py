@@ -268,3 +268,30 @@ def test_a_replica_that_crashes_while_its_model_sleeps_leaves_the_model_to_the_o
         await until(lambda: ready_replicas(sup, m) == [0, 1], 30, "replica 1 back")
 
     run(sup, scenario)
+
+
+def test_a_replica_takes_no_more_than_max_concurrent_while_another_has_room(
+        tmp_path: Path) -> None:
+    """``max_concurrent`` is each replica's (docs/presets.md): four streams of one session
+    on two replicas of ``max_concurrent: 2`` run two on each (on the code before, the
+    session kept all four on one replica, under the overload threshold of 4 more than the
+    other, and the other sat idle with its two slots)."""
+    sup = supervisor(tmp_path, m={"replicas": 2, "max_concurrent": 2,
+                                  "engine_args": {"tokens_per_second": 20}})
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        await until(lambda: ready_replicas(sup, m) == [0, 1], 30, "both replicas ready")
+        streams = [asyncio.create_task(use(sup, "m", tokens=40, prompt=f"turn {i} " * 40,
+                                           session=b"one-session"))
+                   for i in range(4)]
+        await until(lambda: sum(r.link.in_flight for r in sup.replicas_of(m)) == 4, 10,
+                    "four streams in flight")
+        loads = [r.link.in_flight for r in sup.replicas_of(m)]
+        for s in streams:
+            s.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        assert loads == [2, 2], loads
+
+    run(sup, scenario)

@@ -739,6 +739,9 @@ class Supervisor:
             only = serving[0]
             only.last_used = time.monotonic()
             return only.link
+        cap = entry.spec.max_concurrent
+        if cap:  # each replica's: a full one is passed over while another has room
+            serving = [r for r in serving if r.link.in_flight < cap] or serving
         routing = entry.spec.routing
         blocks = None
         if routing.strategy == "prefix" and gens:
