@@ -7,6 +7,7 @@ keeps. Synthetic workers driven in-process, as there."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ from typing import Any, cast
 import msgspec
 import pytest
 
+from router.errors import APIError
 from router.lifecycle.replica import Replica, ReplicaSet
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelRegistry
@@ -320,5 +322,35 @@ def test_a_light_steady_load_lets_the_replica_it_does_not_need_go(tmp_path: Path
             await use(sup, "m", prompt=f"ping {time.monotonic()}")
             await asyncio.sleep(0.2)
         assert len(sup.replicas_of(m)) == 1, ready_replicas(sup, m)
+
+    run(sup, scenario)
+
+
+def test_a_stop_drains_every_replica_at_once(tmp_path: Path) -> None:
+    """A stop of a model of two busy replicas drains both on one ``drain_timeout``, as
+    the stop's comment says ("the others drain beside the first"): their streams are cut
+    together (on the code before, the others drained first and the first only after:
+    its stream was cut ``drain_timeout`` later, and the stop took twice as long)."""
+    sup = supervisor(tmp_path, {"drain_timeout": 3.0},
+                     m={"replicas": 2, "engine_args": {"tokens_per_second": 5}})
+    ended: list[float] = []
+
+    async def stream(i: int) -> None:
+        with contextlib.suppress(APIError):  # cut by the drain's end: ModelUnavailable
+            await use(sup, "m", tokens=200, prompt=f"long {i} " * 40)  # 40 s at 5/s
+        ended.append(time.monotonic())
+
+    async def scenario() -> None:
+        m = sup.registry.entries["m"]
+        await use(sup, "m")
+        await until(lambda: ready_replicas(sup, m) == [0, 1], 30, "both replicas ready")
+        streams = [asyncio.create_task(stream(i)) for i in range(2)]
+        await until(lambda: all(r.link.in_flight == 1 for r in sup.replicas_of(m)), 10,
+                    "a stream on each replica")
+        await sup.stop(m)
+        await asyncio.gather(*streams)
+        assert m.state == "unloaded" and not sup.replicas_of(m)
+        first, second = sorted(ended)
+        assert second - first < 1.5, second - first  # 3 s apart before
 
     run(sup, scenario)

@@ -819,9 +819,6 @@ class Supervisor:
                 self._publish_state(entry)
             return
         self._mark_stopping(entry)
-        others = [r for r in self.replicas_of(entry) if r is not worker]
-        if others:  # the others drain beside the first, which ends the model's stop
-            await asyncio.gather(*(self._stop_worker(entry, r, force, grace) for r in others))
         await self._finish_stop(entry, worker, force, grace)
 
     def _mark_stopping(self, entry: ModelEntry) -> None:
@@ -831,10 +828,17 @@ class Supervisor:
 
     async def _finish_stop(self, entry: ModelEntry, worker: Replica, force: bool = False,
                            grace: float = 1.0) -> None:
-        """The rest of a stop, once ``entry`` is marked ``stopping``: its (last) worker
-        stopped (``_stop_worker``), the model ``unloaded``."""
+        """The rest of a stop, once ``entry`` is marked ``stopping``: its workers stopped
+        (``_stop_worker``; a model's replicas all at once, each on its own drain deadline
+        from now: one after the other, a stop took a drain for each), the model
+        ``unloaded`` once every one is gone."""
         began = time.monotonic()
-        await self._stop_worker(entry, worker, force, grace)
+        others = [r for r in self.replicas_of(entry) if r is not worker]
+        if others:
+            await asyncio.gather(*(self._stop_worker(entry, r, force, grace)
+                                   for r in (worker, *others)))
+        else:
+            await self._stop_worker(entry, worker, force, grace)
         entry.state, entry.yield_to = "unloaded", None
         self._publish_state(entry)
         log.info("model %s: stopped in %.2f s", entry.id, time.monotonic() - began)
