@@ -13,7 +13,7 @@ import signal
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import cast
 
 import msgspec
 import pytest
@@ -22,10 +22,11 @@ from router.errors import APIError
 from router.lifecycle.replica import Replica, ReplicaSet
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelRegistry
-from router.workers.backends import SpawnError
+from router.workers.backends import SpawnError, WorkerHandle
+from router.workers.backends.base import BootFor
 from router.workers.nvml import GpuMemory
 from router.workers.placement import Placer
-from shared.config import Replicas
+from shared.config import ModelSpec, Replicas
 from shared.preset_loader import build_preset
 from shared.protocol import Generate, SamplingSpec
 from tests.test_parking import until
@@ -204,10 +205,11 @@ def test_a_replica_that_cannot_start_is_retried_with_a_backoff(tmp_path: Path) -
     local = sup.backends["local"]
     real = local.spawn
 
-    async def spawn(spec: Any, boot: Any, log_path: Path, env: dict[str, str]) -> Any:
+    async def spawn(spec: ModelSpec, boot_for: BootFor, log_path: Path,
+                    env: dict[str, str]) -> WorkerHandle:
         if log_path.name != "m.log":  # every replica but the first
             raise SpawnError("no such core")
-        return await real(spec, boot, log_path, env)
+        return await real(spec, boot_for, log_path, env)
 
     local.spawn = spawn  # type: ignore[method-assign]
 
