@@ -13,6 +13,11 @@ A worker's output goes to a file on its own node (unlinked: nothing is left ther
 actor ends). The router shares no filesystem with the node: its ``RayHandle`` copies the
 output, as it comes, into the model's log in the router's runtime dir, where logs,
 failure tails and ``load_phases`` read it as they read a local worker's.
+
+Each replica of a model is a worker of its own actor, on its own link. Where it goes
+among the nodes follows ``replicas.placement`` and the nodes its running siblings are on
+(``RayBackend.actor_options``): a preference Ray drops for any node that fits where no
+preferred one has room, so a replica never waits for a node its siblings hold.
 """
 
 from __future__ import annotations
