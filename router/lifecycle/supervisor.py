@@ -407,9 +407,10 @@ class Supervisor:
             if not extra:
                 entry.placement = placement
             bound = link
+            siblings = [r.handle for r in self.replicas_of(entry) if r.number != number]
             handle = await backend.spawn(
                 own, lambda own_log: worker_boot(own, placement, self.placer, bound, own_log),
-                log_path, model_env(own, placement))
+                log_path, model_env(own, placement), siblings)  # (Ray: placed by them)
         except asyncio.CancelledError:  # an unload while the process started
             if link is not None:
                 link.close("load cancelled")

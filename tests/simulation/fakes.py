@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -693,7 +694,8 @@ class SimBackend(Backend):
         return f"ipc://{runtime_dir}/sim{number}.sock"
 
     async def spawn(self, spec: ModelSpec, boot_for: BootFor, log_path: Path,
-                    env: dict[str, str]) -> WorkerHandle:
+                    env: dict[str, str], siblings: Sequence[WorkerHandle] = ()
+                    ) -> WorkerHandle:
         plan = draw_plan(self.net.rng, self.net.chaos)
         plan.resident_gib = self.net.memory_rng.choice([0.5, 1.0, 1.5, 2.0, 3.0])
         if plan.spawn_delay:
