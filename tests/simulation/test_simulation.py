@@ -2,6 +2,7 @@
 
     SIM_SEEDS=5000 pytest tests/simulation          # seeds 0..4999 (default 2000)
     SIM_SEED_BASE=100000 pytest tests/simulation    # another range of seeds
+    SIM_REPLICA_SEEDS=3000 pytest tests/simulation  # replica worlds (default 500)
     SIM_SEED=1234 pytest tests/simulation -k one_seed -s   # one seed, its whole trace
 
 Seeds run in groups of ``CHUNK`` per test; a failing group names every failing seed with
@@ -18,17 +19,27 @@ import os
 import pytest
 
 from tests.simulation.harness import run_seed
+from tests.simulation.world import REPLICA_SEEDS
 
 SEEDS = int(os.environ.get("SIM_SEEDS", "2000"))
 BASE = int(os.environ.get("SIM_SEED_BASE", "0"))
 CHUNK = 100
+REPLICAS = int(os.environ.get("SIM_REPLICA_SEEDS", "500"))
+"""Replica worlds (``world.REPLICA_SEEDS`` up) run besides: about 30 ms each."""
 
 
-@pytest.mark.parametrize("first", range(BASE, BASE + SEEDS, CHUNK),
-                         ids=lambda first: f"seeds{first}-{min(first + CHUNK, BASE + SEEDS) - 1}")
-def test_seeds(first: int) -> None:
-    failed = [result for seed in range(first, min(first + CHUNK, BASE + SEEDS))
-              if (result := run_seed(seed)).violations]
+def _chunks(first: int, count: int) -> list[tuple[int, int]]:
+    return [(start, min(start + CHUNK, first + count))
+            for start in range(first, first + count, CHUNK)]
+
+
+GROUPS = [*_chunks(BASE, SEEDS), *_chunks(REPLICA_SEEDS, REPLICAS)]
+
+
+@pytest.mark.parametrize(("first", "end"), GROUPS,
+                         ids=[f"seeds{first}-{end - 1}" for first, end in GROUPS])
+def test_seeds(first: int, end: int) -> None:
+    failed = [result for seed in range(first, end) if (result := run_seed(seed)).violations]
     if failed:
         lines = [f"{len(failed)} seed(s) failed:"]
         lines += [f"  seed {r.seed}: " + " | ".join(r.violations) for r in failed]
@@ -159,7 +170,7 @@ def test_a_seed_replays_identically() -> None:
     other addresses: no decision may follow their order (27, 33 and 50 ran two to four ways
     in one process while the line for room broke ties by a set's order)."""
     kept: list[list[object]] = []
-    for seed in (1, 7, 42, 27, 33, 50):
+    for seed in (1, 7, 42, 27, 33, 50, REPLICA_SEEDS + 11, REPLICA_SEEDS + 93):
         digests = set()
         for size in (1, 1000, 3001, 777):
             kept.append([object() for _ in range(size)])
@@ -174,7 +185,7 @@ def test_a_seed_replays_identically_whenever_the_collector_runs() -> None:
     cancelled again by its ``TaskGroup``, in a set's order)."""
     threshold, enabled = gc.get_threshold(), gc.isenabled()
     try:
-        for seed in (102, 16):
+        for seed in (102, 16, REPLICA_SEEDS + 11):
             digests = {}
             for every in (0, 50, 100, 150, 200, 300, 700):
                 gc.collect()  # each run's collections come at the same allocations
