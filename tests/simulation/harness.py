@@ -234,7 +234,9 @@ class Simulation:
         self.watch = BatchWatch(self.sup, self._saw, self.loop.time,
                                 lambda model: self.moment("slot", model))
         self._watch_leases()
-        self.replica_world = any("replicas" in body for body in world.raw["models"].values())
+        self.replica_world = any("replicas" in body for body in world.raw["models"].values()
+                                 ) or any(op.args.get("change") == "replicas"
+                                          for op in world.ops)
         """Some model may run several replicas (``world.add_replicas``)."""
         self.routes: dict[str, int] = {}
         """Each routed ``Generate`` id: the pid of the replica it was routed to."""
@@ -874,7 +876,8 @@ class Simulation:
                                                     self.adapters, BATCH_PRIORITY)
         if self.replica_world:
             replicated = {e.id for e in self.entries if e.spec.replicas.max > 1} | {
-                name for name, body in self.world.raw["models"].items() if "replicas" in body}
+                name for name, body in self.world.raw["models"].items() if "replicas" in body
+            } | {op.model for op in self.world.ops if op.args.get("change") == "replicas"}
             violations += invariants.replica_violations(sup, self.entries)
             violations += invariants.min_violations(sup, self.entries)
             violations += invariants.replica_request_violations(

@@ -7,8 +7,9 @@
 
 Seeds run in groups of ``CHUNK`` per test; a failing group names every failing seed with
 its findings, and the first one's trace. ``FOUND_ON_651C79A``, ``FOUND_ON_8B375B6``,
-``FOUND_ON_0A18309``, ``FOUND_ON_1A1E9EE``, ``FOUND_ON_BFD959F`` and ``FOUND_ON_1D77907``
-name the seeds that found each defect of those commits (``-k found`` runs them alone).
+``FOUND_ON_0A18309``, ``FOUND_ON_1A1E9EE``, ``FOUND_ON_BFD959F``, ``FOUND_ON_1D77907`` and
+``FOUND_ON_5697A15`` name the seeds that found each defect of those commits (``-k found``
+runs them alone).
 """
 
 from __future__ import annotations
@@ -142,10 +143,32 @@ FOUND_ON_1D77907 = {
     # 503 after load_timeout. Room a park made during a waiter's wait is now that
     # waiter's (room.owed: first in line)
 }
+FOUND_ON_5697A15 = {
+    # Failed on 5697a15 (replicas wired into the lifecycle; with the replica worlds) and
+    # passes since.
+    "stale-link-after-a-replica-crash": [5000151],
+    # replica 0 of m2 (min 2, max 2) crashed while replica 1 served; a request whose lease
+    # had been granted with replica 0's link was routed after replica 0 was reaped: with
+    # one replica left, ``Supervisor.route`` returned the link ``acquire`` gave without
+    # looking, and the request failed (502 WorkerLost) though replica 1 served (r3). With
+    # one replica left, the request now goes to it
+    "replica-on-an-outdated-spec": [5000689, 5000746, 5000828, 5000870, 5001114],
+    # a reload changed replicas.max while the model's first replica loaded with the old
+    # spec (all of cpu_cores, or both GPUs); once it was ready, ``Scaler.fill`` started
+    # replica 1 on the new spec's share, on cores (or a GPU) replica 0 held, until the
+    # reload's restart stopped both (r1). A replica starts only beside a worker of the
+    # current spec now (``Supervisor.add_replica``)
+    "no-scaler-for-replicas-a-reload-gave": [5000305, 5000388, 5000438, 5000690, 5000836],
+    # no model had replicas at start, so the scaler never ran: when a reload gave a model
+    # replicas (min 2 or more), a replica that crashed or failed to start was never started
+    # again, and a queue added none (r2). The scaler starts once such a model is ready; a
+    # ``{min: 0}`` model of one replica at start starts it too (it scales to zero)
+}
 FOUND = {f"{commit}-{name}-{seed}": seed
          for commit, found in (("651c79a", FOUND_ON_651C79A), ("8b375b6", FOUND_ON_8B375B6),
                                ("0a18309", FOUND_ON_0A18309), ("1a1e9ee", FOUND_ON_1A1E9EE),
-                               ("bfd959f", FOUND_ON_BFD959F), ("1d77907", FOUND_ON_1D77907))
+                               ("bfd959f", FOUND_ON_BFD959F), ("1d77907", FOUND_ON_1D77907),
+                               ("5697a15", FOUND_ON_5697A15))
          for name, seeds in found.items() for seed in seeds}
 
 

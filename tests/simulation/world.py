@@ -96,6 +96,8 @@ worlds and traces are what they were before replicas."""
 REPLICA_STATES = ("starting", "ready", "draining")
 """The replica states a ``on_replica`` operation waits for (a replica's own events: one
 starting, one serving, one drained for a scale-down)."""
+LATE_REPLICAS = 0.2
+"""The share of replica worlds whose models get their replicas from a reload."""
 CONVERSATIONS = 3
 """Conversations a replica world's requests belong to (their prompts share a prefix of
 several index blocks, and grow turn by turn: prefix routing has something to find)."""
@@ -375,7 +377,9 @@ def add_replicas(rng: random.Random, server: dict[str, Any],
     session), crashes aimed at one replica (mid-stream: during a burst), and operations
     that happen as a replica of them starts, becomes ready or drains for a scale-down
     (``on_replica``): a crash (a start that fails, a replica lost as it serves), an
-    unload (while a replica drains), a reload that changes ``replicas``."""
+    unload (while a replica drains), a reload that changes ``replicas``. In some worlds
+    (``LATE_REPLICAS``) no model has replicas until a reload gives them theirs."""
+    late = rng.random() < LATE_REPLICAS
     bases = [n for n, body in models.items() if "base" not in body]
     chosen = rng.sample(bases, 2 if len(bases) >= 2 and rng.random() < 0.3 else 1)
     if rng.random() < 0.6:
@@ -432,4 +436,7 @@ def add_replicas(rng: random.Random, server: dict[str, Any],
         if rng.random() < 0.3:
             ops.append(Op(round(rng.uniform(0, last) / Q) * Q, "reload", name,
                           {"change": "replicas", "replicas": draw_replicas(rng, cores)}))
+        if late:
+            ops.append(Op(round(rng.uniform(0, last / 2) / Q) * Q, "reload", name,
+                          {"change": "replicas", "replicas": body.pop("replicas")}))
     ops.sort(key=lambda op: op.at)
