@@ -215,3 +215,18 @@ def test_a_stop_stops_every_replica(tmp_path: Path) -> None:
                 os.kill(pid, 0)
 
     run(sup, scenario)
+
+
+def test_a_model_that_scales_to_zero_alone_has_its_scaler(tmp_path: Path) -> None:
+    """``replicas: {min: 0}`` (one replica at most) stops its last after ``idle`` s: the
+    scaler must run though no model may run several (it ran only if one could)."""
+    sup = supervisor(tmp_path, m={"replicas": {"min": 0, "idle": 0.5}})
+
+    async def main() -> None:
+        sup.start()
+        try:
+            assert sup._scaling is not None
+        finally:
+            await sup.stop_all()
+
+    asyncio.run(main())
