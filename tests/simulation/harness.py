@@ -57,6 +57,13 @@ a batch line while a client's request waits for one, batch leases are no one's d
 a person's load never waits on batch lines, and a load only batch lines asked for never
 takes the room of a model a person used within ``BATCH_QUIET``.
 
+Seeds from ``world.REPLICA_SEEDS`` up are replica worlds (``world.add_replicas``): some
+models run several replicas, each fake worker named by its replica's key (``m0#1``); a
+``crash`` may name one (``replica``), and operations may wait for a replica of their model
+to start, serve or drain (``on_replica``). Every request is routed as the relay routes it
+(``Supervisor.route``, watched: ``_watch_routes``), and replica events, routes, engine
+steps and quiescence check the replica invariants (``invariants``, r1-r8).
+
 Run one seed: ``python -m tests.simulation.harness 1234`` (prints its trace), or
 ``SIM_SEED=1234 pytest tests/simulation -k one_seed``.
 """

@@ -23,7 +23,8 @@ Parking's (``router.lifecycle.parking``), as the run goes and at quiescence:
 - (e) a model is parked, stopped or made to yield only for a model in the line for
   room; for a wake, one still parked whose worker lives (``eviction_violations``).
 
-The checks of batch lines' priority are ``batch_watch.BatchWatch``'s.
+The checks of batch lines' priority are ``batch_watch.BatchWatch``'s; those of replicas
+(r1-r8) are the last section here.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ memory), and some time-slice two CPU models under ``max_loaded_models: 1``
 (``SLICE_WORLDS``), or crash, unload, reload or load a model as it parks or wakes
 (``STATE_OP_WORLDS``). Those draws come from random streams of their own, so a world
 without adapters, batches, such clients or parking ops has the schedule its seed always
-gave.
+gave. Seeds from ``REPLICA_SEEDS`` up are replica worlds (``add_replicas``, from a stream
+of its own too): no seed below has a model of several replicas.
 """
 
 from __future__ import annotations
