@@ -251,6 +251,9 @@ class Simulation:
         """When each ``Generate`` id's client ended."""
         self.retired: set[int] = set()
         """Pids of replicas drained for a scale-down (their ``draining`` event)."""
+        self.left: set[int] = set()
+        """The operations (``id``) whose client left: a stream may end with an error event
+        then (the relay's watchers saw the client go)."""
         self.stream_errors: set[str] = set()
         """The ``Generate`` ids whose stream ended with an error event."""
         self._on_replica: dict[tuple[str, str], list[Op]] = {}
@@ -540,6 +543,7 @@ class Simulation:
         if client.task.done():
             return
         self.net.note(f"leaves: {client.op.kind} {client.op.model} @{client.op.at:g}")
+        self.left.add(id(client.op))
         request.gone.set()  # the relay's watchers see it
         if client.op.kind == "batch" and "leave_on" in client.op.args:
             # as ``BatchRunner`` stops a batch: each line in flight cancelled, then (its
@@ -889,7 +893,7 @@ class Simulation:
             violations += invariants.min_violations(sup, self.entries)
             violations += invariants.replica_request_violations(
                 self.net, self.asked, self.outcomes, self.ended_at, self.stream_errors,
-                self.routes, self.retired, replicated)
+                self.left, self.routes, self.retired, replicated)
         violations += [f"{v} (during the run, first at {at})" for v, at in self.seen.items()]
         self.net.note("stop_all")
         stop_all = asyncio.ensure_future(sup.stop_all())

@@ -495,10 +495,10 @@ def in_flight_violations(sup: Supervisor, entries: Iterable[ModelEntry]) -> list
 def replica_request_violations(net: SimNet, asked: dict[str, Op],
                                outcomes: dict[str, tuple[str, int, str]],
                                ended_at: dict[str, float], stream_errors: set[str],
-                               routes: dict[str, int],
+                               left: set[int], routes: dict[str, int],
                                retired: set[int], replicated: set[str]) -> list[str]:
     """(r3)'s second half, (r5) and (r6), over every ``Generate`` a replica of a model of
-    several took."""
+    several took (``left``: the operations whose client left, which may end anyhow)."""
     out = []
     for worker in net.workers:
         if worker.model not in replicated:
@@ -524,7 +524,7 @@ def replica_request_violations(net: SimNet, asked: dict[str, Op],
                     out.append(f"{gen_id}: (r5) its replica {worker.key} crashed at "
                                f"{worker.exited_at - 1000:.2f}, it ended "
                                f"{ended - worker.exited_at:.2f} s later: {op}")
-            whole = kind == "gone" or (kind == "ok" and got == want)
+            whole = kind == "gone" or id(op) in left or (kind == "ok" and got == want)
             if (there == "done" and not whole and state == "ready"
                     and (worker.exited_at is None or worker.exited_at > ended)):
                 out.append(f"{gen_id}: (r5) {worker.key}'s worker {worker.pid} finished it, "
