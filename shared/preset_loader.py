@@ -166,7 +166,7 @@ def _check_replicas(spec: ModelSpec, source: str) -> None:
     if wanted.min > wanted.max:
         raise ConfigError(f"{where}: key 'replicas.min': {wanted.min} is above "
                           f"replicas.max ({wanted.max})")
-    if wanted.min == 0 and spec.pinned:
+    if wanted.min == 0 and spec.pinned and spec.base is None:  # an adapter's: in its engine
         raise ConfigError(f"{where}: key 'replicas.min': 0 stops the model when idle, "
                           "which a pinned model never is; set min to 1 or drop 'pinned'")
     if spec.cpu_cores is not None and spec.device == "cpu":

@@ -184,11 +184,17 @@ class Supervisor:
         if isinstance(ray, RayBackend):
             ray.connect()  # blocks ~2 s, once, before the router serves
         self._reaper = asyncio.create_task(self.idler.run(), name="reaper")
-        if any(e.spec.replicas.max > 1 for e in self.registry):
-            self._scaling = asyncio.create_task(self.scaler.run(), name="scaler")
+        if any(scales(e) for e in self.registry):
+            self._scale()
         self.spares.replenish()  # first: a load_on_startup model takes it as it is
         for entry in self.startup_models():
             self.start_loading(entry)
+
+    def _scale(self) -> None:
+        """Run the scaler from now on (once a model may have other than one replica: at
+        start, or when a model a reload gave ``replicas`` is ready)."""
+        if self._scaling is None and not self._closing:
+            self._scaling = asyncio.create_task(self.scaler.run(), name="scaler")
 
     def startup_models(self) -> list[ModelEntry]:
         """The models started with the router: ``load_on_startup`` ones and ``preload``
@@ -486,6 +492,8 @@ class Supervisor:
             if not extra:
                 self.parker.measure(entry)  # what a park of it would hold
                 self._log_ready(entry, worker)
+                if scales(entry):
+                    self._scale()
                 self.scaler.fill(entry)  # the replicas its ``replicas.min`` asks for
             if isinstance(handle, LocalHandle):
                 self.spares.worker_ready()  # this host can start workers (again)
@@ -651,8 +659,17 @@ class Supervisor:
         async with contextlib.AsyncExitStack() as held:
             for lock in self.placer.start_locks(own):
                 await held.enter_async_context(lock)
-            if entry.state == "ready":  # (not stopped or crashed while it waited)
+            # Not stopped or crashed while it waited, and not to restart: a reload changed
+            # replicas.max (the cores are cut anew) while the first replica loaded.
+            if entry.state == "ready" and not self._outdated(entry):
                 await self._spawn(entry, number, extra=True)
+
+    def _outdated(self, entry: ModelEntry) -> bool:
+        """``entry``'s running worker was started with a spec the current one cannot be
+        served by (a reload changed it): it restarts."""
+        worker = self.worker_of(entry)
+        return worker is not None and (worker.spec is None
+                                       or restart_needed(worker.spec, entry.spec))
 
     async def retire_replica(self, entry: ModelEntry, worker: Replica) -> None:
         """Drain ``worker`` (no new request goes to it from now: no await before) and
@@ -698,8 +715,13 @@ class Supervisor:
         with no await before the caller submits (``policy.route``); the prompt's blocks
         and session are recorded where it went."""
         replicas = self._replicas.get(entry.id)
-        if replicas is None or len(replicas) < 2:
+        if replicas is None:
             return link
+        if len(replicas) < 2:
+            # The link ``acquire`` gave may be a crashed sibling's, reaped since (its lease
+            # was granted before): the replica left serving takes the request instead.
+            only = replicas.first()
+            return only.link if only is not None and only.serving else link
         serving = replicas.serving()
         if len(serving) < 2:
             return serving[0].link if serving else link
@@ -863,9 +885,7 @@ class Supervisor:
         serving = entry.state in ("loading", "ready", "sleeping", "waking")
 
         def outdated() -> bool:
-            worker = self.worker_of(entry)
-            return worker is not None and (worker.spec is None
-                                           or restart_needed(worker.spec, entry.spec))
+            return self._outdated(entry)
 
         if entry.id not in self._loads and outdated():
             # Begun before the reload answers (a stop marks the model ``stopping`` at
@@ -900,3 +920,8 @@ class Supervisor:
         self._ctx.destroy(linger=0)  # closes any socket a cancelled start left behind
         for backend in self.backends.values():
             backend.close()
+
+
+def scales(entry: ModelEntry) -> bool:
+    """Whether ``entry`` may run other than one replica (the scaler's to watch)."""
+    return entry.spec.replicas.max > 1 or entry.spec.replicas.min != 1
