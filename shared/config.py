@@ -93,6 +93,13 @@ class Replicas(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cooldown: Annotated[float, msgspec.Meta(ge=0)] = 10.0
     """Seconds after one replica was added or removed before the next change: a start
     takes seconds to relieve the queue, and counting again too soon would overshoot."""
+    placement: Literal["spread", "pack"] = "spread"
+    """Where a ``backend: ray`` model's replicas go among the cluster's nodes: ``spread``,
+    each on a node that runs none of its siblings while one has room (losing a node then
+    loses only its replicas); ``pack``, beside its lowest-numbered running sibling while
+    that node has room (one node's cache and network, fewer nodes held). Ray falls back to
+    any node that fits either way (``RayBackend.actor_options``). A local model's
+    replicas all run on this host: the key is refused there."""
 
 
 class Routing(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

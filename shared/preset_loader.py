@@ -109,6 +109,7 @@ def build_preset(raw: dict[str, Any], source: str = "<preset>") -> Preset:
         models[name] = _convert(merged, ModelSpec, where)
         if models[name].backend is None:
             models[name].backend = server.backend
+        _check_placement(models[name], merged, where)
         template = _read_template(models[name], source)
         if template is not None and template not in read_files:
             read_files.append(template)
@@ -126,7 +127,7 @@ def _replicas_and_routing(body: dict[str, Any], server: ServerConfig,
     count = out.get("replicas")
     if isinstance(count, bool):  # YAML's yes/no: a number was meant, or a typo
         raise ConfigError(f"{where}: key 'replicas': expected a number or "
-                          "{min, max, idle, up_wait, up_after, cooldown}")
+                          "{min, max, idle, up_wait, up_after, cooldown, placement}")
     if isinstance(count, str):  # INI's values are text; YAML's "2" is taken as well
         try:
             count = int(count.strip())
@@ -144,6 +145,18 @@ def _replicas_and_routing(body: dict[str, Any], server: ServerConfig,
     return out
 
 
+def _check_placement(spec: ModelSpec, body: dict[str, Any], where: str) -> None:
+    """``replicas.placement`` only where it places something: a ``backend: ray`` model's
+    replicas over the cluster's nodes. A local model's replicas all run on this host, so
+    the key there (written in the model or its defaults) would promise what nothing does."""
+    given = body.get("replicas")
+    if isinstance(given, dict) and "placement" in given and spec.backend != "ray":
+        raise ConfigError(f"{where}: key 'replicas.placement': places replicas over a Ray "
+                          "cluster's nodes, and this model's backend is "
+                          f"'{spec.backend or 'local'}' (its replicas share this host's "
+                          "cores); leave the key out or use backend: ray")
+
+
 def _check_replicas(spec: ModelSpec, source: str) -> None:
     """``replicas`` that can be served: ``min <= max``, a core and a GPU per replica
     where the model names them (else a core each among this host's: a local CPU model's
@@ -153,7 +166,7 @@ def _check_replicas(spec: ModelSpec, source: str) -> None:
     if wanted.min > wanted.max:
         raise ConfigError(f"{where}: key 'replicas.min': {wanted.min} is above "
                           f"replicas.max ({wanted.max})")
-    if wanted.min == 0 and spec.pinned:
+    if wanted.min == 0 and spec.pinned and spec.base is None:  # an adapter's: in its engine
         raise ConfigError(f"{where}: key 'replicas.min': 0 stops the model when idle, "
                           "which a pinned model never is; set min to 1 or drop 'pinned'")
     if spec.cpu_cores is not None and spec.device == "cpu":

@@ -5,30 +5,24 @@ Each test runs once per backend against a router with two real vLLM CPU workers
 instance (2 CPUs, no dashboard, its own temp dir and session) and the router joins it
 with ``ray_address``; the instance and every process it started are gone afterwards.
 
-The Ray node runs in a mount namespace of its own where the router's runtime dir is an
-empty tmpfs: as on a real cluster, the node does not see the router's files, so nothing
-of a Ray worker (its log, its failure's tail, its load phases) may reach the router
-through them.
+The Ray node (``tests/ray_nodes.py``) runs in a mount namespace of its own where the
+router's runtime dir is an empty tmpfs: as on a real cluster, the node does not see the
+router's files, so nothing of a Ray worker (its log, its failure's tail, its load
+phases) may reach the router through them.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import psutil
 import pytest
 
-from tests.conftest import ROOT, RouterProcess, free_port, kill_mid_stream
+from tests.conftest import RouterProcess, kill_mid_stream
+from tests.ray_nodes import ray_head, ray_runtime_dir, ray_temp_dir  # noqa: F401  # fixtures
 
 pytestmark = pytest.mark.integration
 
@@ -47,74 +41,6 @@ models:
   beta: {model: "builtin:smollm2", max_model_len: 512, num_cpus: 1}
 """
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
-
-
-def _session_members(sid: int) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if os.getsid(process.pid) == sid:
-                found.append(process)
-        except (psutil.Error, OSError):
-            pass  # gone while we looked
-    return found
-
-
-@pytest.fixture(scope="module")
-def ray_runtime_dir() -> Iterator[Path]:
-    """The ray router's runtime dir, which its Ray node does not see."""
-    path = Path(tempfile.mkdtemp(prefix="myrt", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def ray_head(ray_runtime_dir: Path) -> Iterator[str]:
-    """``ray start --head`` (2 CPUs, 100 MB object store, no dashboard) in a session of its
-    own and a mount namespace where ``ray_runtime_dir`` is an empty tmpfs; at the end every
-    process of that session is killed, and none is left."""
-    port = free_port()
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
-    log = open(Path(temp) / "head.log", "wb")  # noqa: SIM115  # closed below
-    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
-    start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-             f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-             "--object-store-memory=100000000", f"--temp-dir={temp}", "--disable-usage-stats"]
-    # The mount stays in the namespace (private propagation); a user namespace where
-    # mounting needs one (not root).
-    own_namespace = ["unshare", "--mount", "--propagation", "private",
-                     *(["--map-root-user"] if os.getuid() else []), "--",
-                     "sh", "-c", 'mount -t tmpfs modelyard-test "$0" && exec "$@"',
-                     str(ray_runtime_dir), *start]
-    head = subprocess.Popen(own_namespace, cwd=ROOT, env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while b"Ray runtime started" not in (Path(temp) / "head.log").read_bytes():
-            assert head.poll() is None and time.monotonic() < deadline, \
-                (Path(temp) / "head.log").read_text(errors="replace")[-3000:]
-            time.sleep(0.3)
-        yield f"127.0.0.1:{port}"
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(5)
-        except subprocess.TimeoutExpired:
-            pass  # killed with the rest below
-        for _ in range(50):
-            left = [p for p in _session_members(head.pid) if p.status() != psutil.STATUS_ZOMBIE]
-            if not left:
-                break
-            for process in left:
-                try:
-                    process.kill()
-                except psutil.Error:
-                    pass  # exited meanwhile
-            time.sleep(0.2)
-        head.wait(10)
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)  # its logs and sockets
-        assert not left, [p.pid for p in left]
 
 
 @pytest.fixture(scope="module", params=["local", "ray"])

@@ -354,3 +354,18 @@ def test_a_session_header_user_or_anthropic_user_id_keeps_requests_on_one_replic
             assert len(set(went)) == 1, went
         # Without a session, unrelated prompts spread (the least recently routed).
         assert len({served(chat, 100 + i) for i in range(4)}) == 2
+
+
+def test_a_model_that_scales_to_zero_alone_has_its_scaler(tmp_path: Path) -> None:
+    """``replicas: {min: 0}`` (one replica at most) stops its last after ``idle`` s: the
+    scaler must run though no model may run several (it ran only if one could)."""
+    sup = supervisor(tmp_path, m={"replicas": {"min": 0, "idle": 0.5}})
+
+    async def main() -> None:
+        sup.start()
+        try:
+            assert sup._scaling is not None
+        finally:
+            await sup.stop_all()
+
+    asyncio.run(main())

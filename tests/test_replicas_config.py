@@ -43,6 +43,23 @@ def test_one_replica_and_scale_to_zero_load() -> None:
     assert (zero.min, zero.max, zero.idle) == (0, 1, 5.0)
 
 
+def test_a_pinned_adapter_of_a_base_that_scales_to_zero_loads(tmp_path: Path) -> None:
+    """An adapter's ``pinned`` keeps it in its base's engine, not its base loaded: a base
+    with ``replicas.min: 0`` may have one (the lifecycle simulation's replica worlds found
+    this preset refused, naming the adapter's ``replicas.min``, which it has no key of)."""
+    folder = tmp_path / "a8"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(
+        '{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    models = build_preset({"server": {}, "models": {
+        "m": {"model": "/m", "cpu_cores": "0-1", "replicas": {"min": 0, "max": 2}},
+        "a": {"base": "m", "adapter": str(folder), "pinned": True}}}, "p.yaml").models
+    assert models["a"].pinned and models["m"].replicas.min == 0
+    with pytest.raises(ConfigError, match="model 'm': key 'replicas.min': 0 stops"):
+        preset({"replicas": {"min": 0}, "pinned": True})  # the base's own pin still is
+
+
 def test_a_number_is_min_and_max() -> None:
     cores = {"cpu_cores": "0-3"}  # a core each (else the host's: two on CI)
     assert preset({"replicas": 3, **cores}).models["m"].replicas == Replicas(min=3, max=3)

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import cast
@@ -206,10 +207,11 @@ def test_a_replica_that_cannot_start_is_retried_with_a_backoff(tmp_path: Path) -
     real = local.spawn
 
     async def spawn(spec: ModelSpec, boot_for: BootFor, log_path: Path,
-                    env: dict[str, str]) -> WorkerHandle:
+                    env: dict[str, str], siblings: Sequence[WorkerHandle] = ()
+                    ) -> WorkerHandle:
         if log_path.name != "m.log":  # every replica but the first
             raise SpawnError("no such core")
-        return await real(spec, boot_for, log_path, env)
+        return await real(spec, boot_for, log_path, env, siblings)
 
     local.spawn = spawn  # type: ignore[method-assign]
 

@@ -103,6 +103,7 @@ class AdminAPI:
         for r in self.supervisor.replicas_of(entry):
             prompt = r.link.prompt_tokens
             out.append({"number": r.number, "pid": r.handle.pid, "node": r.handle.node,
+                        **({"node_id": r.handle.node_id} if r.handle.node_id else {}),
                         "state": "parked" if r.parked else r.state,
                         "in_flight": r.link.in_flight, "completed": r.link.completed,
                         "placement": r.placement or None,

@@ -162,6 +162,7 @@ RESPONSES: dict[str, Schema] = {
                                             "state": _STR, "in_flight": _INT,
                                             "completed": _INT},
                                            {"placement": {"type": "object"},
+                                            "node_id": _STR,  # a Ray node's id
                                             "cached_share": _NUM}))}),
     "ModelDeleted": _obj({"id": _STR, "object": _const("model"),
                           "deleted": {"type": "boolean"}}),

@@ -69,12 +69,6 @@ BACKOFF_MAX = 30.0
 POLL = 0.05  # seconds between looks at state that has no event of its own
 
 
-def scaled(spec: ModelSpec) -> bool:
-    """The scaler acts on the model: it may run more than one replica, or none
-    (``replicas.min`` 0); a model of exactly one worker runs as before replicas."""
-    return spec.replicas.max > 1 or spec.replicas.min != 1
-
-
 def backoff_seconds(failures: int) -> float:
     """0 before the first failure, then 0.5 s, 1 s, 2 s, … up to 30 s."""
     return 0.0 if failures <= 0 else min(BACKOFF_MAX, 0.5 * 2 ** (failures - 1))
@@ -192,15 +186,15 @@ class Supervisor:
         if isinstance(ray, RayBackend):
             ray.connect()  # blocks ~2 s, once, before the router serves
         self._reaper = asyncio.create_task(self.idler.run(), name="reaper")
-        if any(scaled(e.spec) for e in self.registry):
-            self._start_scaling()
+        if any(scales(e) for e in self.registry):
+            self._scale()
         self.spares.replenish()  # first: a load_on_startup model takes it as it is
         for entry in self.startup_models():
             self.start_loading(entry)
 
-    def _start_scaling(self) -> None:
-        """The scaler's task, begun now if none runs: at start, or when a model that
-        scales first loads (a reload may give a model replicas, or ``min: 0``)."""
+    def _scale(self) -> None:
+        """Run the scaler from now on (once a model may have other than one replica: at
+        start, or when a model a reload gave ``replicas`` is ready)."""
         if self._scaling is None and not self._closing:
             self._scaling = asyncio.create_task(self.scaler.run(), name="scaler")
 
@@ -421,9 +415,10 @@ class Supervisor:
             if not extra:
                 entry.placement = placement
             bound = link
+            siblings = [r.handle for r in self.replicas_of(entry) if r.number != number]
             handle = await backend.spawn(
                 own, lambda own_log: worker_boot(own, placement, self.placer, bound, own_log),
-                log_path, model_env(own, placement))
+                log_path, model_env(own, placement), siblings)  # (Ray: placed by them)
         except asyncio.CancelledError:  # an unload while the process started
             if link is not None:
                 link.close("load cancelled")
@@ -499,8 +494,8 @@ class Supervisor:
             if not extra:
                 self.parker.measure(entry)  # what a park of it would hold
                 self._log_ready(entry, worker)
-                if scaled(spec):
-                    self._start_scaling()
+                if scales(entry):
+                    self._scale()
                 self.scaler.fill(entry)  # the replicas its ``replicas.min`` asks for
             if isinstance(handle, LocalHandle):
                 self.spares.worker_ready()  # this host can start workers (again)
@@ -671,8 +666,17 @@ class Supervisor:
         async with contextlib.AsyncExitStack() as held:
             for lock in self.placer.start_locks(own):
                 await held.enter_async_context(lock)
-            if entry.state == "ready":  # (not stopped or crashed while it waited)
+            # Not stopped or crashed while it waited, and not to restart: a reload changed
+            # replicas.max (the cores are cut anew) while the first replica loaded.
+            if entry.state == "ready" and not self._outdated(entry):
                 await self._spawn(entry, number, extra=True)
+
+    def _outdated(self, entry: ModelEntry) -> bool:
+        """``entry``'s running worker was started with a spec the current one cannot be
+        served by (a reload changed it): it restarts."""
+        worker = self.worker_of(entry)
+        return worker is not None and (worker.spec is None
+                                       or restart_needed(worker.spec, entry.spec))
 
     async def retire_replica(self, entry: ModelEntry, worker: Replica) -> None:
         """Drain ``worker`` (no new request goes to it from now: no await before) and
@@ -727,8 +731,16 @@ class Supervisor:
         with no await before the caller submits (``policy.route``); the prompt's blocks
         and session are recorded where it went."""
         replicas = self._replicas.get(entry.id)
-        if replicas is None or not scaled(entry.spec):
+        if replicas is None:
             return link
+        if len(replicas) < 2:
+            # The link ``acquire`` gave may be a crashed sibling's, reaped since (its lease
+            # was granted before): the replica left serving takes the request instead.
+            only = replicas.first()
+            if only is None or not only.serving:
+                return link
+            only.last_used = time.monotonic()  # used: else ``min: 0`` finds it idle
+            return only.link
         serving = replicas.serving()
         if len(serving) < 2:
             if not serving:
@@ -906,12 +918,10 @@ class Supervisor:
         serving = entry.state in ("loading", "ready", "sleeping", "waking")
 
         def outdated() -> bool:
-            worker = self.worker_of(entry)
-            return worker is not None and (worker.spec is None
-                                           or restart_needed(worker.spec, entry.spec))
+            return self._outdated(entry)
 
-        if scaled(entry.spec):  # a router-only change (``min: 0``) restarts nothing
-            self._start_scaling()
+        if scales(entry):  # a router-only change (``min: 0``) restarts nothing
+            self._scale()
         if entry.id not in self._loads and outdated():
             # Begun before the reload answers (a stop marks the model ``stopping`` at
             # once): no later request leases the worker of the old spec.
@@ -945,3 +955,8 @@ class Supervisor:
         self._ctx.destroy(linger=0)  # closes any socket a cancelled start left behind
         for backend in self.backends.values():
             backend.close()
+
+
+def scales(entry: ModelEntry) -> bool:
+    """Whether ``entry`` may run other than one replica (the scaler's to watch)."""
+    return entry.spec.replicas.max > 1 or entry.spec.replicas.min != 1

@@ -133,6 +133,10 @@ function modelRow(m) {
   if (m.aliases && m.aliases.length) {
     idCell.append(el("div", { class: "aliases" }, m.aliases.join(", ")));
   }
+  if (m.replicas && m.replicas.length) {  // a model that may run several workers
+    idCell.append(el("div", { class: "replicas" }, m.replicas.map((r) =>
+      `#${r.number} ${r.state}, pid ${r.pid}, ${r.in_flight} in flight`).join("; ")));
+  }
   const stateCell = el("td", {}, state);
   if (m.state === "failed" && m.error) stateCell.append(el("div", { class: "error" }, m.error));
   const placement = [m.node ? "node=" + m.node : "",
@@ -289,6 +293,9 @@ function apply(ev) {
     if (ev.node) m.node = ev.node; else delete m.node;
     if (ev.state === "failed") m.error = ev.error; else delete m.error;
     if (hasAdapters(m.id)) refreshModelsSoon(); // their states follow their base's engine
+  } else if (ev.type === "replica") {
+    refreshModelsSoon(); // one of its replicas started, crashed or stopped: re-read them
+    return;
   } else if (ev.type === "load") {
     m.load_seconds = ev.load_seconds;
     m.load_phases = ev.load_phases;
@@ -309,6 +316,9 @@ function describe(ev) {
     case "state":
       return `${ev.model} → ${ev.state}` + (ev.pid ? ` (pid ${ev.pid})` : "")
         + (ev.reason ? `: ${ev.reason}` : "");
+    case "replica":
+      return `${ev.model} replica ${ev.replica} → ${ev.state}` + (ev.pid ? ` (pid ${ev.pid})` : "")
+        + (ev.error ? `: ${ev.error.split("\n")[0]}` : "");
     case "load":
       return `${ev.model} ready in ${fixed(ev.load_seconds, 2)} s: `
         + Object.entries(ev.load_phases || {}).map(([k, v]) => `${k} ${v.toFixed(2)} s`).join(", ");

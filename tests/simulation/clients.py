@@ -34,6 +34,8 @@ class SimShaper:
 
     def __init__(self) -> None:
         self.deltas = 0
+        self.errored = False
+        """The stream ended with an error event (its response had begun: a 200)."""
 
     def chunks(self, batch: list[Delta]) -> bytes:
         self.deltas += len(batch)
@@ -43,6 +45,7 @@ class SimShaper:
         return b"end"
 
     def error_event(self, err: APIError) -> bytes:
+        self.errored = True
         return b"error"
 
     def add(self, batch: list[Delta]) -> None:

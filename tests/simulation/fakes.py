@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ import zmq
 
 from router.workers.backends import Backend, SpawnError, WorkerHandle
 from router.workers.backends.base import BootFor
+from router.workers.placement import Placer
 from shared.config import ModelSpec, WorkerBoot, serves_adapters
 from shared.protocol import (
     Adapters,
@@ -356,13 +358,20 @@ class SimWorker:
     """One worker process (see the module docstring)."""
 
     def __init__(self, net: SimNet, model: str, endpoint: str, plan: FaultPlan,
-                 spec: ModelSpec) -> None:
+                 spec: ModelSpec, key: str | None = None) -> None:
         self.net = net
         self.model = model
+        self.key = key or model
+        """The name it goes by (``replica.replica_key``): its model's id for replica 0 (as
+        every worker's was before replicas: their traces stay as they were), ``m#n`` for
+        replica n."""
+        self.number = int(self.key.rpartition("#")[2]) if "#" in self.key else 0
         self.endpoint = endpoint
         self.plan = plan
         self.pid = net.new_pid()
         self.returncode: int | None = None
+        self.exited_at: float | None = None
+        """When (virtual) it exited."""
         self.waiters: list[asyncio.Future[int | None]] = []
         self.sock: SimSocket | None = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -404,7 +413,7 @@ class SimWorker:
         self._boot: asyncio.TimerHandle | None = net.later(plan.boot_delay, self._run,
                                                            self._booted)
         net.workers.append(self)
-        net.note(f"{model}: worker {self.pid} spawned ({plan.brief()})")
+        net.note(f"{self.key}: worker {self.pid} spawned ({plan.brief()})")
 
     def _booted(self) -> None:
         self._boot = None
@@ -450,7 +459,7 @@ class SimWorker:
         if frozen == self.frozen:
             return
         self.frozen = frozen
-        self.net.note(f"{self.model}: worker {self.pid} {'frozen' if frozen else 'thawed'}")
+        self.net.note(f"{self.key}: worker {self.pid} {'frozen' if frozen else 'thawed'}")
         self._update()
         if not frozen:
             held, self._held = self._held, []
@@ -629,7 +638,8 @@ class SimWorker:
         if self.returncode is not None:
             return
         self.returncode = code
-        self.net.note(f"{self.model}: worker {self.pid} exited {code} ({why})"
+        self.exited_at = self.net.loop.time()
+        self.net.note(f"{self.key}: worker {self.pid} exited {code} ({why})"
                       + (" while frozen" if self.frozen else ""))
         self._held.clear()
         for gen_id in self.tasks:
@@ -688,21 +698,32 @@ class SimBackend(Backend):
 
     def __init__(self, net: SimNet) -> None:
         self.net = net
+        self._keys: dict[str, str] = {}
+        """The key each model's next worker is placed under (``place``), for its ``spawn``."""
+
+    def place(self, spec: ModelSpec, placer: Placer, key: str) -> dict[str, str]:
+        """As ``Backend.place``; the replica's key is kept for the ``spawn`` that follows
+        (the supervisor calls the two with no await between: a worker's name in the
+        trace is its replica's key)."""
+        self._keys[spec.id] = key
+        return super().place(spec, placer, key)
 
     def endpoint(self, runtime_dir: Path, number: int) -> str:
         return f"ipc://{runtime_dir}/sim{number}.sock"
 
     async def spawn(self, spec: ModelSpec, boot_for: BootFor, log_path: Path,
-                    env: dict[str, str]) -> WorkerHandle:
+                    env: dict[str, str], siblings: Sequence[WorkerHandle] = ()
+                    ) -> WorkerHandle:
+        key = self._keys.pop(spec.id, spec.id)
         plan = draw_plan(self.net.rng, self.net.chaos)
         plan.resident_gib = self.net.memory_rng.choice([0.5, 1.0, 1.5, 2.0, 3.0])
         if plan.spawn_delay:
             await asyncio.sleep(plan.spawn_delay)
         if plan.spawn_error:
-            self.net.note(f"{spec.id}: spawn fails")
+            self.net.note(f"{key}: spawn fails")
             raise SpawnError("simulated: the process could not start")
         boot = msgspec.json.decode(boot_for(""), type=WorkerBoot)
         if serves_adapters(spec):
             draw_adapter_faults(self.net.rng, self.net.chaos, plan)
-        worker = SimWorker(self.net, spec.id, boot.endpoint, plan, boot.spec)
+        worker = SimWorker(self.net, spec.id, boot.endpoint, plan, boot.spec, key)
         return SimHandle(worker, log_path, self.net.loop.time())

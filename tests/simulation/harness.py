@@ -57,6 +57,13 @@ a batch line while a client's request waits for one, batch leases are no one's d
 a person's load never waits on batch lines, and a load only batch lines asked for never
 takes the room of a model a person used within ``BATCH_QUIET``.
 
+Seeds from ``world.REPLICA_SEEDS`` up are replica worlds (``world.add_replicas``): some
+models run several replicas, each fake worker named by its replica's key (``m0#1``); a
+``crash`` may name one (``replica``), and operations may wait for a replica of their model
+to start, serve or drain (``on_replica``). Every request is routed as the relay routes it
+(``Supervisor.route``, watched: ``_watch_routes``), and replica events, routes, engine
+steps and quiescence check the replica invariants (``invariants``, r1-r8).
+
 Run one seed: ``python -m tests.simulation.harness 1234`` (prints its trace), or
 ``SIM_SEED=1234 pytest tests/simulation -k one_seed``.
 """
@@ -69,6 +76,7 @@ import contextvars
 import copy
 import hashlib
 import logging
+import os
 import random
 import re
 import sys
@@ -80,16 +88,17 @@ from types import SimpleNamespace
 from typing import Any
 
 from router.access.admission import BATCH_SCOPE_KEY
-from router.api.relay import BATCH_PRIORITY, Relay
+from router.api.relay import BATCH_PRIORITY, SESSION_HEADER, Relay
 from router.api.wire import cancel_and_wait
 from router.batches.runner import WAIT_FOR_ROOM
 from router.errors import APIError
 from router.lifecycle import room_maker
-from router.lifecycle.replica import link_of
+from router.lifecycle.replica import replica_key
 from router.lifecycle.supervisor import Supervisor
 from router.registry import Lease, ModelEntry, ModelRegistry
 from router.workers.link import Usage, WorkerLink
 from router.workers.placement import Placer
+from shared import preset_loader
 from shared.config import ConfigError, Preset
 from shared.preset_loader import build_preset
 from shared.protocol import Generate, SamplingSpec
@@ -99,13 +108,22 @@ from tests.simulation.clients import Client, SimRequest, SimShaper
 from tests.simulation.fakes import Q, SimBackend, SimContext, SimNet, SimWorker
 from tests.simulation.invariants import SETTLE_WITHIN
 from tests.simulation.vtime import VirtualClock, VirtualTimeLoop, after_turns, virtual_time
-from tests.simulation.world import ADAPTER_RANKS, Op, World, make_world, shown_body
+from tests.simulation.world import (
+    ADAPTER_RANKS,
+    Op,
+    World,
+    conversation_prompt,
+    make_world,
+    shown_body,
+)
 
 ANSWER_WITHIN = 40.0
 """Virtual seconds after the last operation by which every client must have answered."""
 STOP_ALL_WITHIN = 20.0
 SHORT_TRACE = 80
 MODEL_NAME = re.compile(r"\b(?:m|ad)\d\b")
+HOST_CORES = frozenset({0, 1, 2, 3})
+"""The simulated host's cores: the ``Placer``'s, and what the preset loader counts."""
 
 
 # -- the harness's writes inside the supervisor -------------------------------------
@@ -120,6 +138,31 @@ def host_memory(net: SimNet) -> Iterator[None]:
         yield
     finally:
         names["psutil"] = saved
+
+
+class _HostOs:
+    """The ``os`` the preset loader sees: the real one, but this host's cores are the
+    simulated host's (``HOST_CORES``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    @staticmethod
+    def sched_getaffinity(pid: int) -> set[int]:
+        return set(HOST_CORES)
+
+
+@contextlib.contextmanager
+def host_cores() -> Iterator[None]:
+    """This host's cores, as the preset loader counts them (a local CPU model's replicas
+    need one each), are the simulated host's: a world is the same on any machine."""
+    names = vars(preset_loader)
+    saved = names["os"]
+    names["os"] = _HostOs()
+    try:
+        yield
+    finally:
+        names["os"] = saved
 
 
 def install_fakes(sup: Supervisor, net: SimNet) -> None:
@@ -188,7 +231,7 @@ class Simulation:
         """The preset's model entries as a reload would read them now."""
         self.removed_raw: dict[str, dict[str, dict[str, Any]]] = {}
         """Entries a reload took out, by the model named: a base with its adapters."""
-        placer = Placer(cores={0, 1, 2, 3}, gpus=world.gpus, process_memory=lambda pids: {})
+        placer = Placer(cores=set(HOST_CORES), gpus=world.gpus, process_memory=lambda pids: {})
         self.sup = Supervisor(ModelRegistry(preset), preset.server, runtime_dir, placer)
         install_fakes(self.sup, self.net)
         self.seen: dict[str, str] = {}
@@ -198,6 +241,24 @@ class Simulation:
         self.watch = BatchWatch(self.sup, self._saw, self.loop.time,
                                 lambda model: self.moment("slot", model))
         self._watch_leases()
+        self.replica_world = any("replicas" in body for body in world.raw["models"].values()
+                                 ) or any(op.args.get("change") == "replicas"
+                                          for op in world.ops)
+        """Some model may run several replicas (``world.add_replicas``)."""
+        self.routes: dict[str, int] = {}
+        """Each routed ``Generate`` id: the pid of the replica it was routed to."""
+        self.ended_at: dict[str, float] = {}
+        """When each ``Generate`` id's client ended."""
+        self.retired: set[int] = set()
+        """Pids of replicas drained for a scale-down (their ``draining`` event)."""
+        self.left: set[int] = set()
+        """The operations (``id``) whose client left: a stream may end with an error event
+        then (the relay's watchers saw the client go)."""
+        self.stream_errors: set[str] = set()
+        """The ``Generate`` ids whose stream ended with an error event."""
+        self._on_replica: dict[tuple[str, str], list[Op]] = {}
+        """Operations armed to happen as a replica of a model enters a state."""
+        self._watch_routes()
         self.watch.watch_slots(self.sup.registry)
         self.relay = Relay(self.sup)
         self._watch_events()
@@ -246,7 +307,13 @@ class Simulation:
                                                 or event["for"] == event["model"]):
                 self._saw(f"{event['model']}: evicted for {event['for']}, an adapter model "
                           "or itself")
+            if event["type"] == "replica":
+                self._replica_event(event)
             if event["type"] == "state":
+                if event["state"] in ("parking", "parked"):
+                    for violation in invariants.replica_park_violations(
+                            self.sup, event["model"], event["state"]):
+                        self._saw(violation)
                 why = f" ({event['reason']})" if event.get("reason") else ""
                 self.net.note(f"{event['model']}: -> {event['state']}{why}")
                 before = self.states.get(event["model"])
@@ -301,6 +368,55 @@ class Simulation:
         sup.acquire_now = acquire_now  # type: ignore[method-assign]
         sup.acquire = acquire  # type: ignore[method-assign]
 
+    def _watch_routes(self) -> None:
+        """Each request the relay (or a direct client, as every caller does) routes among
+        a model's replicas: (r3) to one that serves, whenever one does; the pid it chose
+        is kept (``routes``: its ``Generate`` must reach that one)."""
+        sup = self.sup
+        real = sup.route
+
+        def route(entry: ModelEntry, link: WorkerLink, gens: list[Generate] | None = None,
+                  session: bytes | None = None) -> WorkerLink:
+            chosen = real(entry, link, gens, session)
+            if self.replica_world:
+                for violation in invariants.route_violations(sup, entry, chosen, gens or []):
+                    self._saw(violation)
+                replica = next((r for r in sup.replicas_of(entry) if r.link is chosen), None)
+                for gen in gens or []:
+                    if replica is not None:
+                        self.routes[gen.id] = replica.handle.pid
+            return chosen
+
+        sup.route = route  # type: ignore[method-assign]
+
+    def _replica_event(self, event: dict[str, Any]) -> None:
+        """A replica's state (``Supervisor._publish_replica``, ``_replica_failed``): into
+        the trace; r1, r2 and r8 checked; operations armed on it (``on_replica``) issued."""
+        model, number, state = event["model"], event["replica"], event["state"]
+        key = replica_key(model, number)
+        self.net.note(f"{key}: replica -> {state}"
+                      + (f" ({str(event.get('error')).splitlines()[0][:80]})"
+                         if event.get("error") else ""))
+        if state == "draining" and event.get("pid") is not None:
+            self.retired.add(event["pid"])
+        for violation in invariants.replica_violations(self.sup, self.entries):
+            self._saw(violation)
+        for op in self._on_replica.pop((model, state), []):
+            after_turns(self.loop, op.args["turns"], self._replica_op, op, number, state,
+                        event.get("pid"))
+
+    def _replica_op(self, op: Op, number: int, state: str, pid: int | None) -> None:
+        if self._scheduled:
+            return
+        self.net.note(f"as {replica_key(op.model, number)} became {state}: {op.kind} "
+                      f"{op.model} ({op.args['turns']} turn(s) later)")
+        if op.kind == "crash":  # that very replica, if it still runs
+            for worker in self.net.workers:
+                if worker.pid == pid and worker.returncode is None:
+                    worker.exit(137, "simulated crash")
+            return
+        contextvars.Context().run(self.issue, op, True)
+
     def moment(self, kind: str, model: str) -> None:
         """A ``kind`` moment (``world.MOMENTS``) of ``model``: the clients waiting for it
         leave, each its ``turns`` loop turns from now (0: in this very call)."""
@@ -330,7 +446,11 @@ class Simulation:
         self.loop.call_later(op.args["after"], arm)
 
     def _on_step(self, worker: SimWorker) -> None:
-        """A worker's engine steps: its model must not be parked (its process is paused)."""
+        """A worker's engine steps: its model must not be parked (its process is paused);
+        (r4) its model's replicas run no more generations than it has leases."""
+        if self.replica_world:
+            for violation in invariants.in_flight_violations(self.sup, self.entries):
+                self._saw(violation)
         for entry in self.entries:
             kept = self.sup.worker_of(entry)
             if (entry.state == "parked" and kept is not None
@@ -345,17 +465,21 @@ class Simulation:
         for violation in invariants.thaw_violations(self.sup, self.entries, worker, ending):
             self._saw(violation)
 
-    def _arm(self, op: Op) -> None:
-        """``op`` happens as its model next enters ``on_state``, within ``within`` s."""
-        key = (op.model, op.args["on_state"])
-        self._on_state.setdefault(key, []).append(op)
+    def _arm(self, op: Op, armed_on: dict[tuple[str, str], list[Op]] | None = None,
+             state: str | None = None) -> None:
+        """``op`` happens as its model next enters ``on_state`` (or, with ``armed_on``,
+        one of its replicas ``state``), within ``within`` s."""
+        on = self._on_state if armed_on is None else armed_on
+        what = op.args["on_state"] if state is None else state
+        key = (op.model, what)
+        on.setdefault(key, []).append(op)
         self._armed_until = max(self._armed_until, self.loop.time() + op.args["within"])
 
         def disarm() -> None:
-            armed = self._on_state.get(key, [])
+            armed = on.get(key, [])
             if op in armed:
                 armed.remove(op)
-                self.net.note(f"disarmed (no {op.args['on_state']} of {op.model}): {op}")
+                self.net.note(f"disarmed (no {what} of {op.model}): {op}")
 
         self.loop.call_later(op.args["within"], disarm)
 
@@ -379,9 +503,13 @@ class Simulation:
         if "on_state" in op.args and not now:
             self._arm(op)
             return
+        if "on_replica" in op.args and not now:
+            self._arm(op, self._on_replica, op.args["on_replica"])
+            return
         if op.kind == "crash":
             for worker in reversed(self.net.workers):
-                if worker.model == op.model and worker.returncode is None:
+                if (worker.model == op.model and worker.returncode is None
+                        and op.args.get("replica", worker.number) == worker.number):
                     worker.exit(137, "simulated crash")
                     break
             return
@@ -415,6 +543,7 @@ class Simulation:
         if client.task.done():
             return
         self.net.note(f"leaves: {client.op.kind} {client.op.model} @{client.op.at:g}")
+        self.left.add(id(client.op))
         request.gone.set()  # the relay's watchers see it
         if client.op.kind == "batch" and "leave_on" in client.op.args:
             # as ``BatchRunner`` stops a batch: each line in flight cancelled, then (its
@@ -434,7 +563,8 @@ class Simulation:
 
     def _generate(self, op: Op) -> Generate:
         self._ids += 1
-        return Generate(id=f"g{self._ids}", prompt="hi",
+        prompt = conversation_prompt(*op.args["prompt"]) if "prompt" in op.args else "hi"
+        return Generate(id=f"g{self._ids}", prompt=prompt,
                         sampling=SamplingSpec(max_tokens=op.args["tokens"]))
 
     async def request(self, op: Op, request: SimRequest, batch: str | None = None) -> str:
@@ -454,6 +584,8 @@ class Simulation:
                                      f"{err.status} {type(err).__name__}", got[0],
                                      self._state_of(op.model))
             raise
+        finally:
+            self.ended_at[gen.id] = self.loop.time()
         self.outcomes[gen.id] = ("ok", got[0], self._state_of(op.model))
         return answer
 
@@ -477,6 +609,8 @@ class Simulation:
                 gen.priority = BATCH_PRIORITY
             stream = None
             try:
+                # as every caller of ``acquire`` does (the relay's ``_start``, one-shot calls)
+                link = self.sup.route(lease.entry, link, [gen])
                 stream = link.submit([gen], Usage())
                 async for deltas in stream:
                     got[0] += len(deltas)
@@ -494,6 +628,8 @@ class Simulation:
 
         if batch is not None:
             request.scope[BATCH_SCOPE_KEY] = batch
+        if "session" in op.args:  # the conversation's name: x-session-id
+            request.scope["headers"] = [(SESSION_HEADER, op.args["session"].encode())]
         streaming = op.args.get("stream", False)
         try:
             response = await self.relay.generate(
@@ -509,6 +645,8 @@ class Simulation:
             got[0] = sum(shaper.deltas for shaper in shapers)
             if got[0]:
                 self.answered.add(gen.id)
+            if any(shaper.errored for shaper in shapers):
+                self.stream_errors.add(gen.id)
 
     async def _batch_lease(self, model: str) -> tuple[Lease, WorkerLink]:
         """As the relay's ``_acquire`` for a batch line: at once if it may, else wait."""
@@ -588,8 +726,9 @@ class Simulation:
             return "ok 202"
         lease, link = await self.sup.acquire(entry.id)
         try:
-            if entry.lora is not None:
-                lease.entry.adapters_loaded = await link.adapters([entry.lora])
+            if entry.lora is not None:  # into every replica's engine
+                for each in self.sup.links_of(lease.entry) or [link]:
+                    lease.entry.adapters_loaded = await each.adapters([entry.lora])
         finally:
             lease.release()
         return "ok loaded"
@@ -599,8 +738,7 @@ class Simulation:
         entry = self.sup.registry.named(op.model)
         if entry.lora is not None:
             base = self.sup.registry.serving(entry)
-            link = link_of(base)
-            if base.state == "ready" and link is not None:
+            for link in self.sup.links_of(base):  # every replica's engine
                 base.adapters_loaded = await link.adapters(unload=[entry.lora.number])
             return f"ok {base.id} {base.state}"
         if op.args["force"]:
@@ -652,6 +790,8 @@ class Simulation:
                 body["adapter"] = str(folder.parent / after)
             else:
                 body["max_model_len"] = 2048 if body.get("max_model_len") != 2048 else 1024
+        elif change == "replicas":  # router-only, unless replicas.max changes (a restart)
+            raw[name]["replicas"] = op.args["replicas"]
         elif "base" in raw[name]:  # a router-only key of an adapter: pinned (or priority)
             body = raw[name]
             had = [body.pop(key) for key in ("pinned", "priority") if key in body]
@@ -727,7 +867,8 @@ class Simulation:
             await asyncio.sleep(Q)
             busy = bool(invariants.wakes_under_way(sup)) or any(
                 e.state in invariants.UNSETTLED or e.room_since is not None
-                for e in self.entries)
+                for e in self.entries) or (self.replica_world and not
+                                           invariants.replicas_settled(sup, self.entries))
             calm = 0 if busy else calm + 1
         if watching is not None:
             watching.cancel()
@@ -744,6 +885,15 @@ class Simulation:
         violations += invariants.adapter_violations(sup, self.adapters)
         violations += invariants.routing_violations(self.net, self.asked, self.answered,
                                                     self.adapters, BATCH_PRIORITY)
+        if self.replica_world:
+            replicated = {e.id for e in self.entries if e.spec.replicas.max > 1} | {
+                name for name, body in self.world.raw["models"].items() if "replicas" in body
+            } | {op.model for op in self.world.ops if op.args.get("change") == "replicas"}
+            violations += invariants.replica_violations(sup, self.entries)
+            violations += invariants.min_violations(sup, self.entries)
+            violations += invariants.replica_request_violations(
+                self.net, self.asked, self.outcomes, self.ended_at, self.stream_errors,
+                self.left, self.routes, self.retired, replicated)
         violations += [f"{v} (during the run, first at {at})" for v, at in self.seen.items()]
         self.net.note("stop_all")
         stop_all = asyncio.ensure_future(sup.stop_all())
@@ -774,7 +924,7 @@ def run_seed(seed: int) -> Result:
     loop = VirtualTimeLoop(clock)
     router_log = logging.getLogger("modelyard")
     saved = router_log.level, router_log.propagate
-    with (tempfile.TemporaryDirectory(prefix="sim") as tmp, virtual_time(clock),
+    with (tempfile.TemporaryDirectory(prefix="sim") as tmp, virtual_time(clock), host_cores(),
           contextlib.ExitStack() as stack):
         asyncio.set_event_loop(loop)
         try:

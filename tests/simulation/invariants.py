@@ -23,7 +23,8 @@ Parking's (``router.lifecycle.parking``), as the run goes and at quiescence:
 - (e) a model is parked, stopped or made to yield only for a model in the line for
   room; for a wake, one still parked whose worker lives (``eviction_violations``).
 
-The checks of batch lines' priority are ``batch_watch.BatchWatch``'s.
+The checks of batch lines' priority are ``batch_watch.BatchWatch``'s; those of replicas
+(r1-r8) are the last section here.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ import asyncio
 from collections.abc import Iterable
 from typing import Any
 
+from router.lifecycle.replica import Replica
 from router.lifecycle.supervisor import Supervisor
 from router.registry import ModelEntry, Slots
+from router.workers.link import WorkerLink
 from router.workers.placement import Placer
-from shared.config import ModelSpec
+from shared.config import ModelSpec, parse_cores
 from shared.protocol import Generate
 from tests.simulation.fakes import GIB, SimNet, SimWorker
 from tests.simulation.world import Op
@@ -53,10 +56,11 @@ SETTLE_WITHIN = 40.0
 
 # -- the few looks inside that the invariants need -----------------------------------------
 def slots_taken(slots: Slots | None, cap: int) -> int:
-    """How many of a ``max_concurrent`` cap's slots are taken (or waited for)."""
+    """How many of a ``max_concurrent`` cap's slots are taken (or waited for): of its
+    ``size``, which is ``cap`` times the replicas that serve (``Slots.resize``)."""
     if slots is None:
         return 0
-    return cap - slots.free + slots.waiting
+    return slots.size - slots.free + slots.waiting
 
 
 def held_placements(placer: Placer) -> set[str]:
@@ -122,10 +126,10 @@ def quiescent_violations(sup: Supervisor, entries: Iterable[ModelEntry],
     for entry in entries:
         if entry not in current and entry.id in sup.registry.entries:
             continue  # removed, then added again: its id names the new entry's worker
-        if entry.state in ("ready", "sleeping", "parked") and entry.id not in running:
+        kept = bool(sup.replicas_of(entry))  # any replica: the first may be gone
+        if entry.state in ("ready", "sleeping", "parked") and not kept:
             out.append(f"{entry.id}: '{entry.state}' with no worker")
-        if entry.id in running and entry.state not in ("ready", "sleeping", "parked",
-                                                        "stopping"):
+        if kept and entry.state not in ("ready", "sleeping", "parked", "stopping"):
             out.append(f"{entry.id}: '{entry.state}' but its worker is kept")
     cpu = {m for m, w in running.items() if w.spec is None or w.spec.device == "cpu"}
     held = held_placements(sup.placer)
@@ -366,3 +370,192 @@ def paused_request_violations(net: SimNet, asked: dict[str, Op],
                        f"(worker {worker.pid}: {worker.ended.get(gen_id, 'still running')}): "
                        f"{op}")
     return out
+
+
+# -- replicas ------------------------------------------------------------------------------
+# A model of several replicas (``world.add_replicas``), checked at each replica event, each
+# route, each engine step and at quiescence:
+#
+# - (r1) a model's replicas run on disjoint cores (``VLLM_CPU_OMP_THREADS_BIND``) and GPUs
+#   (``CUDA_VISIBLE_DEVICES``), each within the model's own, as the placer holds them;
+# - (r2) never more replicas (starting or serving) than ``replicas.max`` of the spec they
+#   started with, each numbered below it; at quiescence, a ready model runs at least
+#   ``replicas.min`` unless one more finds no room;
+# - (r3) a request is routed to a replica that serves (ready, not draining) whenever one
+#   does, and its ``Generate`` reaches that replica;
+# - (r4) the generations in flight on a model's replicas never outnumber its leases;
+# - (r5) a crash's streams end with an error within ``CRASH_ENDS_WITHIN`` s; a stream its
+#   replica finished reaches its client whole (the siblings of a crashed replica serve on);
+# - (r6) a scale-down cuts no request: a replica drained for it finishes what it took;
+# - (r7) a model that may run several replicas never parks;
+# - (r8) no prefix index entry names a replica that is gone (its live slots are replicas
+#   that run).
+
+CRASH_ENDS_WITHIN = 2.0
+"""Virtual seconds by which a request on a crashed replica has ended at its client."""
+
+
+def placed_on(replica: Replica) -> tuple[set[int], set[int]]:
+    """The cores and GPUs ``replica``'s placement put it on."""
+    env = replica.placement
+    cores = (parse_cores(env["VLLM_CPU_OMP_THREADS_BIND"])
+             if env.get("VLLM_CPU_OMP_THREADS_BIND") else set())
+    gpus = {int(g) for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g}
+    return cores, gpus
+
+
+def index_replicas(sup: Supervisor, entry: ModelEntry) -> set[int]:
+    """The replica numbers ``entry``'s prefix index keeps live slots for."""
+    index = sup._indexes.get(entry.id)
+    return set(index._slot) if index is not None else set()
+
+
+def replica_violations(sup: Supervisor, entries: Iterable[ModelEntry]) -> list[str]:
+    """(r1), (r2)'s bound and (r8), as things stand now."""
+    out = []
+    held = sup.placer._held
+    for entry in {e.id: e for e in entries}.values():  # replicas are kept by model id
+        replicas = list(sup.replicas_of(entry))
+        if not replicas or all(r.spec is None or r.spec.replicas.max == 1 for r in replicas):
+            continue
+        taken: dict[str, set[int]] = {"core": set(), "GPU": set()}
+        for r in replicas:
+            cores, gpus = placed_on(r)
+            for kind, mine in (("core", cores), ("GPU", gpus)):
+                if mine & taken[kind]:
+                    out.append(f"{entry.id}: (r1) replica {r.number} shares {kind}(s) "
+                               f"{sorted(mine & taken[kind])} with a sibling")
+                taken[kind] |= mine
+            if cores and held.get(r.key) != cores:
+                out.append(f"{entry.id}: (r1) replica {r.number} runs on cores "
+                           f"{sorted(cores)}, the placer holds {held.get(r.key)} for it")
+            assert r.spec is not None
+            model_cores = (parse_cores(r.spec.cpu_cores) if r.spec.cpu_cores
+                           else set(sup.placer.cores))
+            if cores - model_cores or gpus - set(r.spec.gpus or ([0] if gpus else [])):
+                out.append(f"{entry.id}: (r1) replica {r.number} placed outside its model's "
+                           f"cores or GPUs: {r.placement}")
+            if r.number >= r.spec.replicas.max:
+                out.append(f"{entry.id}: (r2) replica {r.number} of replicas.max "
+                           f"{r.spec.replicas.max}")
+        for most in {r.spec.replicas.max for r in replicas if r.spec is not None}:
+            live = [r.number for r in replicas if r.state != "draining"
+                    and r.spec is not None and r.spec.replicas.max == most]
+            if len(live) > most:
+                out.append(f"{entry.id}: (r2) {len(live)} replicas {live} run, "
+                           f"replicas.max {most}")
+        stale = index_replicas(sup, entry) - {r.number for r in replicas}
+        if stale:
+            out.append(f"{entry.id}: (r8) its prefix index names replica(s) {sorted(stale)}, "
+                       "which are gone")
+    return out
+
+
+def replica_park_violations(sup: Supervisor, model: str, state: str) -> list[str]:
+    """(r7) as ``model`` enters ``state`` (``parking`` or ``parked``)."""
+    entry = sup.registry.entries.get(model)
+    if entry is not None and entry.spec.replicas.max > 1:
+        most = entry.spec.replicas.max
+        return [f"{model}: (r7) '{state}', though it may run {most} replicas"]
+    return []
+
+
+def route_violations(sup: Supervisor, entry: ModelEntry, chosen: WorkerLink,
+                     gens: list[Generate]) -> list[str]:
+    """(r3) as a request is routed: to a replica that serves, if one does."""
+    replicas = list(sup.replicas_of(entry))
+    serving = [r for r in replicas if r.serving]
+    replica = next((r for r in replicas if r.link is chosen), None)
+    if not serving or (replica is not None and replica.serving):
+        return []
+    ids = ",".join(g.id for g in gens)
+    what = (f"replica {replica.number} ({replica.state}{', parked' if replica.parked else ''})"
+            if replica is not None else "a link no replica has")
+    served = [r.number for r in serving]
+    return [f"{entry.id}: (r3) {ids} routed to {what} while {served} served"]
+
+
+def in_flight_violations(sup: Supervisor, entries: Iterable[ModelEntry]) -> list[str]:
+    """(r4): the generations in flight on a model's replicas never outnumber its leases."""
+    out = []
+    leases: dict[str, int] = {}
+    for entry in entries:  # a model removed and added again: both entries' workers drain
+        leases[entry.id] = leases.get(entry.id, 0) + entry.leases  # under its id
+    for model, held in leases.items():
+        replicas = sup._replicas.get(model)
+        if replicas is None or len(replicas) < 2:
+            continue
+        flying = sum(len(r.link._routes) for r in replicas)
+        if flying > held:
+            out.append(f"{model}: (r4) {flying} generation(s) in flight on its replicas, "
+                       f"{held} lease(s)")
+    return out
+
+
+def replica_request_violations(net: SimNet, asked: dict[str, Op],
+                               outcomes: dict[str, tuple[str, int, str]],
+                               ended_at: dict[str, float], stream_errors: set[str],
+                               left: set[int], routes: dict[str, int],
+                               retired: set[int], replicated: set[str]) -> list[str]:
+    """(r3)'s second half, (r5) and (r6), over every ``Generate`` a replica of a model of
+    several took (``left``: the operations whose client left, which may end anyhow)."""
+    out = []
+    for worker in net.workers:
+        if worker.model not in replicated:
+            continue
+        for gen_id in sorted(worker.received):
+            op = asked[gen_id]
+            if gen_id in routes and routes[gen_id] != worker.pid:
+                out.append(f"{gen_id}: (r3) routed to worker {routes[gen_id]}, reached "
+                           f"{worker.key}'s worker {worker.pid}: {op}")
+            if gen_id not in outcomes:
+                continue  # its client never ended: the harness says so
+            kind, got, state = outcomes[gen_id]
+            if kind == "ok" and gen_id in stream_errors:
+                kind = "an error event"  # a stream's status was sent: its end says it
+            want = max(1, op.args["tokens"])
+            ended, there = ended_at[gen_id], worker.ended.get(gen_id)
+            if there == "exit" and worker.returncode not in (0, None):
+                assert worker.exited_at is not None
+                if kind == "ok":
+                    out.append(f"{gen_id}: (r5) its replica {worker.key} crashed under it, "
+                               f"yet it ended ok with {got} of {want} token(s): {op}")
+                elif ended - worker.exited_at > CRASH_ENDS_WITHIN:
+                    out.append(f"{gen_id}: (r5) its replica {worker.key} crashed at "
+                               f"{worker.exited_at - 1000:.2f}, it ended "
+                               f"{ended - worker.exited_at:.2f} s later: {op}")
+            whole = kind == "gone" or id(op) in left or (kind == "ok" and got == want)
+            if (there == "done" and not whole and state == "ready"
+                    and (worker.exited_at is None or worker.exited_at > ended)):
+                out.append(f"{gen_id}: (r5) {worker.key}'s worker {worker.pid} finished it, "
+                           f"its client got {kind} with {got} of {want} token(s): {op}")
+            if (worker.pid in retired and not whole and there != "error"
+                    and state == "ready"):
+                out.append(f"{gen_id}: (r6) cut by the scale-down of {worker.key} (worker "
+                           f"{worker.pid}: {there or 'still running'}): {kind} with {got} of "
+                           f"{want} token(s): {op}")
+    return out
+
+
+def min_violations(sup: Supervisor, entries: Iterable[ModelEntry]) -> list[str]:
+    """(r2) at quiescence: a ready model runs ``replicas.min`` unless one more finds no
+    room."""
+    out = []
+    for entry in entries:
+        limits = entry.spec.replicas
+        running = [r for r in sup.replicas_of(entry) if r.state != "draining"]
+        if (entry.state == "ready" and entry in sup.registry.entries.values()
+                and len(running) < limits.min and sup.replica_room(entry)):
+            out.append(f"{entry.id}: (r2) ready with {len(running)} replica(s) at quiescence, "
+                       f"replicas.min {limits.min}, and room for one more")
+    return out
+
+
+def replicas_settled(sup: Supervisor, entries: Iterable[ModelEntry]) -> bool:
+    """No replica starts or drains, and no ready model is short of ``replicas.min`` with
+    room for one more (the scaler would start one)."""
+    for entry in entries:
+        if sup.scaler.starting(entry) or any(r.state != "ready"
+                                             for r in sup.replicas_of(entry)):
+            return False
+    return not min_violations(sup, entries)

@@ -2,12 +2,14 @@
 
     SIM_SEEDS=5000 pytest tests/simulation          # seeds 0..4999 (default 2000)
     SIM_SEED_BASE=100000 pytest tests/simulation    # another range of seeds
+    SIM_REPLICA_SEEDS=3000 pytest tests/simulation  # replica worlds (default 500)
     SIM_SEED=1234 pytest tests/simulation -k one_seed -s   # one seed, its whole trace
 
 Seeds run in groups of ``CHUNK`` per test; a failing group names every failing seed with
 its findings, and the first one's trace. ``FOUND_ON_651C79A``, ``FOUND_ON_8B375B6``,
-``FOUND_ON_0A18309``, ``FOUND_ON_1A1E9EE``, ``FOUND_ON_BFD959F`` and ``FOUND_ON_1D77907``
-name the seeds that found each defect of those commits (``-k found`` runs them alone).
+``FOUND_ON_0A18309``, ``FOUND_ON_1A1E9EE``, ``FOUND_ON_BFD959F``, ``FOUND_ON_1D77907`` and
+``FOUND_ON_5697A15`` name the seeds that found each defect of those commits (``-k found``
+runs them alone).
 """
 
 from __future__ import annotations
@@ -18,17 +20,27 @@ import os
 import pytest
 
 from tests.simulation.harness import run_seed
+from tests.simulation.world import REPLICA_SEEDS
 
 SEEDS = int(os.environ.get("SIM_SEEDS", "2000"))
 BASE = int(os.environ.get("SIM_SEED_BASE", "0"))
 CHUNK = 100
+REPLICAS = int(os.environ.get("SIM_REPLICA_SEEDS", "500"))
+"""Replica worlds (``world.REPLICA_SEEDS`` up) run besides: about 30 ms each."""
 
 
-@pytest.mark.parametrize("first", range(BASE, BASE + SEEDS, CHUNK),
-                         ids=lambda first: f"seeds{first}-{min(first + CHUNK, BASE + SEEDS) - 1}")
-def test_seeds(first: int) -> None:
-    failed = [result for seed in range(first, min(first + CHUNK, BASE + SEEDS))
-              if (result := run_seed(seed)).violations]
+def _chunks(first: int, count: int) -> list[tuple[int, int]]:
+    return [(start, min(start + CHUNK, first + count))
+            for start in range(first, first + count, CHUNK)]
+
+
+GROUPS = [*_chunks(BASE, SEEDS), *_chunks(REPLICA_SEEDS, REPLICAS)]
+
+
+@pytest.mark.parametrize(("first", "end"), GROUPS,
+                         ids=[f"seeds{first}-{end - 1}" for first, end in GROUPS])
+def test_seeds(first: int, end: int) -> None:
+    failed = [result for seed in range(first, end) if (result := run_seed(seed)).violations]
     if failed:
         lines = [f"{len(failed)} seed(s) failed:"]
         lines += [f"  seed {r.seed}: " + " | ".join(r.violations) for r in failed]
@@ -131,10 +143,32 @@ FOUND_ON_1D77907 = {
     # 503 after load_timeout. Room a park made during a waiter's wait is now that
     # waiter's (room.owed: first in line)
 }
+FOUND_ON_5697A15 = {
+    # Failed on 5697a15 (replicas wired into the lifecycle; with the replica worlds) and
+    # passes since.
+    "stale-link-after-a-replica-crash": [5000151],
+    # replica 0 of m2 (min 2, max 2) crashed while replica 1 served; a request whose lease
+    # had been granted with replica 0's link was routed after replica 0 was reaped: with
+    # one replica left, ``Supervisor.route`` returned the link ``acquire`` gave without
+    # looking, and the request failed (502 WorkerLost) though replica 1 served (r3). With
+    # one replica left, the request now goes to it
+    "replica-on-an-outdated-spec": [5000689, 5000746, 5000828, 5000870, 5001114],
+    # a reload changed replicas.max while the model's first replica loaded with the old
+    # spec (all of cpu_cores, or both GPUs); once it was ready, ``Scaler.fill`` started
+    # replica 1 on the new spec's share, on cores (or a GPU) replica 0 held, until the
+    # reload's restart stopped both (r1). A replica starts only beside a worker of the
+    # current spec now (``Supervisor.add_replica``)
+    "no-scaler-for-replicas-a-reload-gave": [5000305, 5000388, 5000438, 5000690, 5000836],
+    # no model had replicas at start, so the scaler never ran: when a reload gave a model
+    # replicas (min 2 or more), a replica that crashed or failed to start was never started
+    # again, and a queue added none (r2). The scaler starts once such a model is ready; a
+    # ``{min: 0}`` model of one replica at start starts it too (it scales to zero)
+}
 FOUND = {f"{commit}-{name}-{seed}": seed
          for commit, found in (("651c79a", FOUND_ON_651C79A), ("8b375b6", FOUND_ON_8B375B6),
                                ("0a18309", FOUND_ON_0A18309), ("1a1e9ee", FOUND_ON_1A1E9EE),
-                               ("bfd959f", FOUND_ON_BFD959F), ("1d77907", FOUND_ON_1D77907))
+                               ("bfd959f", FOUND_ON_BFD959F), ("1d77907", FOUND_ON_1D77907),
+                               ("5697a15", FOUND_ON_5697A15))
          for name, seeds in found.items() for seed in seeds}
 
 
@@ -159,7 +193,7 @@ def test_a_seed_replays_identically() -> None:
     other addresses: no decision may follow their order (27, 33 and 50 ran two to four ways
     in one process while the line for room broke ties by a set's order)."""
     kept: list[list[object]] = []
-    for seed in (1, 7, 42, 27, 33, 50):
+    for seed in (1, 7, 42, 27, 33, 50, REPLICA_SEEDS + 11, REPLICA_SEEDS + 93):
         digests = set()
         for size in (1, 1000, 3001, 777):
             kept.append([object() for _ in range(size)])
@@ -174,7 +208,7 @@ def test_a_seed_replays_identically_whenever_the_collector_runs() -> None:
     cancelled again by its ``TaskGroup``, in a set's order)."""
     threshold, enabled = gc.get_threshold(), gc.isenabled()
     try:
-        for seed in (102, 16):
+        for seed in (102, 16, REPLICA_SEEDS + 11):
             digests = {}
             for every in (0, 50, 100, 150, 200, 300, 700):
                 gc.collect()  # each run's collections come at the same allocations

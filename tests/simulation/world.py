@@ -11,7 +11,8 @@ memory), and some time-slice two CPU models under ``max_loaded_models: 1``
 (``SLICE_WORLDS``), or crash, unload, reload or load a model as it parks or wakes
 (``STATE_OP_WORLDS``). Those draws come from random streams of their own, so a world
 without adapters, batches, such clients or parking ops has the schedule its seed always
-gave.
+gave. Seeds from ``REPLICA_SEEDS`` up are replica worlds (``add_replicas``, from a stream
+of its own too): no seed below has a model of several replicas.
 """
 
 from __future__ import annotations
@@ -89,6 +90,18 @@ MOMENTS = ("slot", "lease", "load")
 ``max_concurrent`` slot given back, a lease granted (``acquire_now``, or ``acquire``
 returning), a load ending (the model ready, or failed). A cancel that lands in such a
 turn is where hand-overs leak."""
+REPLICA_SEEDS = 5_000_000
+"""Seeds from here up are replica worlds (``add_replicas``): the world the seed gives
+otherwise, with one or two of its models given replicas. No seed below has one: their
+worlds and traces are what they were before replicas."""
+REPLICA_STATES = ("starting", "ready", "draining")
+"""The replica states a ``on_replica`` operation waits for (a replica's own events: one
+starting, one serving, one drained for a scale-down)."""
+LATE_REPLICAS = 0.2
+"""The share of replica worlds whose models get their replicas from a reload."""
+CONVERSATIONS = 3
+"""Conversations a replica world's requests belong to (their prompts share a prefix of
+several index blocks, and grow turn by turn: prefix routing has something to find)."""
 FOUND = ("f0", "f1")
 """The folders in the ``adapters_dir`` a base may have."""
 
@@ -194,6 +207,8 @@ def make_world(seed: int) -> World:
         add_moments(mrng, ops)
     prng = random.Random(seed * 32452843 + 17)
     host_gib = add_parking(prng, server, models, ops)
+    if seed >= REPLICA_SEEDS:
+        add_replicas(random.Random(seed * 67867967 + 23), server, models, ops)
     return World(seed, {"server": server, "models": models}, chaos, ops, gpus, host_gib)
 
 
@@ -333,3 +348,96 @@ def add_moments(rng: random.Random, ops: list[Op]) -> None:
                            turns=rng.randint(0, 6))
             if op.kind == "batch":
                 op.args["again"] = rng.randint(0, 4)
+
+
+def conversation_prompt(conversation: int, turn: int) -> str:
+    """Turn ``turn`` of conversation ``conversation``: a shared system prompt, the
+    conversation's own opening, then its turns so far (each prompt begins with the last)."""
+    system = "You are the simulated assistant. " * 12
+    return (system + f"Conversation {conversation}. " * 12
+            + "".join(f"turn {t} of {conversation}; " * 6 for t in range(turn + 1)))
+
+
+def draw_replicas(rng: random.Random, cores: int) -> int | dict[str, Any]:
+    """A ``replicas`` value for a model with ``cores`` cores (or GPUs) to share: ``N``, or
+    ``{min, max, ...}`` with small clocks (the scaler acts within a world's seconds)."""
+    most = rng.randint(2, cores)
+    if rng.random() < 0.3:
+        return most
+    return {"min": rng.choice([0, 1, 1, 2]) if most >= 2 else 1, "max": most,
+            "up_wait": rng.choice([0.0, 0.1, 0.3]), "up_after": rng.choice([0.0, 0.1, 0.5]),
+            "cooldown": rng.choice([0.0, 0.2, 1.0]), "idle": rng.choice([0.3, 1.0, 3.0])}
+
+
+def add_replicas(rng: random.Random, server: dict[str, Any],
+                 models: dict[str, dict[str, Any]], ops: list[Op]) -> None:
+    """Give one or two models (not adapters) replicas (``draw_replicas``): a CPU model
+    its own ``cpu_cores`` to share or the host's four, a GPU model both GPUs; small
+    ``max_concurrent`` (a queue forms: the scaler adds replicas), maybe a routing
+    strategy. Then bursts of requests to them (conversations' prompts, some with a
+    session), crashes aimed at one replica (mid-stream: during a burst), and operations
+    that happen as a replica of them starts, becomes ready or drains for a scale-down
+    (``on_replica``): a crash (a start that fails, a replica lost as it serves), an
+    unload (while a replica drains), a reload that changes ``replicas``. In some worlds
+    (``LATE_REPLICAS``) no model has replicas until a reload gives them theirs."""
+    late = rng.random() < LATE_REPLICAS
+    bases = [n for n, body in models.items() if "base" not in body]
+    chosen = rng.sample(bases, 2 if len(bases) >= 2 and rng.random() < 0.3 else 1)
+    if rng.random() < 0.6:
+        server["max_loaded_models"] = rng.choice([0, len(bases) + 3])
+    last = max((op.at for op in ops), default=1.0)
+    for name in chosen:
+        body = models[name]
+        if body.get("device") == "cuda":
+            body.update(gpus=[0, 1], tensor_parallel_size=1)
+            if "memory_gib" in body:
+                body["memory_gib"] = rng.choice([20, 30])
+            cores = 2
+        else:
+            where = rng.choice(["0-3", "0-1", None])
+            if where is not None:
+                body["cpu_cores"] = where
+            cores = 2 if where == "0-1" else 4
+        body["replicas"] = draw_replicas(rng, cores)
+        if isinstance(body["replicas"], dict) and body["replicas"]["min"] == 0:
+            body.pop("pinned", None)  # a pinned model never scales to zero
+        body["max_concurrent"] = rng.choice([0, 1, 1, 2])
+        if rng.random() < 0.4:
+            body["routing"] = {"strategy": rng.choice(["prefix", "least_loaded",
+                                                       "round_robin"]),
+                               "balance_abs": rng.choice([1, 2, 4])}
+        turns = [0] * CONVERSATIONS
+        for _ in range(rng.randint(1, 3)):  # bursts: a queue, then replicas serving it
+            at = round(rng.uniform(0, last) / Q) * Q
+            for _ in range(rng.randint(3, 10)):
+                conversation = rng.randrange(CONVERSATIONS)
+                args: dict[str, Any] = {
+                    "via": "relay" if rng.random() < 0.8 else "direct",
+                    "tokens": rng.randint(5, 40), "stream": rng.random() < 0.7,
+                    "prompt": [conversation, turns[conversation]]}
+                turns[conversation] += 1
+                if args["via"] == "relay" and rng.random() < 0.3:
+                    args["session"] = f"s{conversation}"
+                if rng.random() < 0.1:
+                    args.update(leave=quantum(rng, 40), turns=rng.randint(0, 4))
+                ops.append(Op(at + quantum(rng, 4), "request", name, args))
+            if rng.random() < 0.5:  # a replica lost mid-stream
+                ops.append(Op(at + quantum(rng, 30, 2), "crash", name,
+                              {"replica": rng.randrange(cores)}))
+        for _ in range(rng.randint(0, 3)):
+            kind = rng.choice(["crash", "crash", "unload", "reload"])
+            state = rng.choice(REPLICA_STATES)
+            args = {"on_replica": state, "turns": rng.randint(0, 4),
+                    "within": quantum(rng, 200, 40)}
+            if kind == "unload":
+                args["force"] = rng.random() < 0.3
+            elif kind == "reload":
+                args.update(change="replicas", replicas=draw_replicas(rng, cores))
+            ops.append(Op(round(rng.uniform(0, last) / Q) * Q, kind, name, args))
+        if rng.random() < 0.3:
+            ops.append(Op(round(rng.uniform(0, last) / Q) * Q, "reload", name,
+                          {"change": "replicas", "replicas": draw_replicas(rng, cores)}))
+        if late:
+            ops.append(Op(round(rng.uniform(0, last / 2) / Q) * Q, "reload", name,
+                          {"change": "replicas", "replicas": body.pop("replicas")}))
+    ops.sort(key=lambda op: op.at)

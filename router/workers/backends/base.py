@@ -4,7 +4,7 @@ started worker as the supervisor sees it."""
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from router.workers.placement import Placer
@@ -25,6 +25,9 @@ class WorkerHandle(abc.ABC):
     pid: int
     node: str
     """Where it runs: this host's name, or its Ray node's address."""
+    node_id: str = ""
+    """Its Ray node's id ("" for a local worker): two nodes on one host share an
+    address, so replicas placed apart (``replicas.placement``) are told apart by it."""
     log_path: Path
     started_at: float
     from_spare: bool = False
@@ -88,10 +91,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     async def spawn(self, spec: ModelSpec, boot_for: BootFor, log_path: Path,
-                    env: dict[str, str]) -> WorkerHandle:
+                    env: dict[str, str], siblings: Sequence[WorkerHandle] = ()
+                    ) -> WorkerHandle:
         """Start the worker of ``spec``, its boot written; raises ``SpawnError`` (or
         ``OSError``) when none could start. ``env`` is what the model adds to the
-        worker's environment (its ``env`` and placement)."""
+        worker's environment (its ``env`` and placement); ``siblings`` are the workers of
+        the model's other running replicas, lowest-numbered first (a backend that places
+        workers over nodes puts this one apart from or beside them:
+        ``replicas.placement``)."""
 
     def close(self) -> None:
         """The router is stopping: let go of what the backend holds."""

@@ -9,7 +9,7 @@ import os
 import platform
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psutil
@@ -111,7 +111,9 @@ class LocalBackend(Backend):
         return f"ipc://{runtime_dir}/w{number}.sock"
 
     async def spawn(self, spec: ModelSpec, boot_for: BootFor, log_path: Path,
-                    env: dict[str, str]) -> WorkerHandle:
+                    env: dict[str, str], siblings: Sequence[WorkerHandle] = ()
+                    ) -> WorkerHandle:
+        # ``siblings`` all run on this host too: their cores are apart (``replica_spec``).
         spare = await self.spares.take(spec)
         if spare is not None:  # already running, vLLM imported: give it the model
             if not spare.forked:  # (a forked one's is the zygote's)

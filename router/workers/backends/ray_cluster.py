@@ -13,6 +13,11 @@ A worker's output goes to a file on its own node (unlinked: nothing is left ther
 actor ends). The router shares no filesystem with the node: its ``RayHandle`` copies the
 output, as it comes, into the model's log in the router's runtime dir, where logs,
 failure tails and ``load_phases`` read it as they read a local worker's.
+
+Each replica of a model is a worker of its own actor, on its own link. Where it goes
+among the nodes follows ``replicas.placement`` and the nodes its running siblings are on
+(``RayBackend.actor_options``): a preference Ray drops for any node that fits where no
+preferred one has room, so a replica never waits for a node its siblings hold.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +44,7 @@ log = logging.getLogger("modelyard.router")
 EXIT_POLL = 0.05  # seconds between the actor's looks at its process
 LOG_CHUNK = 1 << 20  # the most of a worker's output one copy call brings
 LOG_WAIT = 1.0  # seconds a copy call waits for new output before it answers empty
+NODE_LABEL = "ray.io/node-id"  # the label Ray gives every node: its id
 
 
 def _ray() -> Any:
@@ -54,8 +61,8 @@ class WorkerHost:
         self._log: Any = None  # the worker's output, a file on this node with no name
 
     async def start(self, args: list[str], env: dict[str, str],
-                    boot: bytes) -> tuple[str, int]:
-        """Start the worker, write its boot; its node's address and its pid."""
+                    boot: bytes) -> tuple[str, str, int]:
+        """Start the worker, write its boot; its node's address and id, and its pid."""
         ray = _ray()
         full = {**os.environ, **env}
         full.pop(KEYS_VARIABLE, None)  # a local Ray instance inherits the router's
@@ -76,7 +83,8 @@ class WorkerHost:
             self._proc.stdin.close()
         except (BrokenPipeError, ConnectionResetError):
             pass  # it died meanwhile: wait() reports its exit
-        return ray.util.get_node_ip_address(), self._proc.pid
+        context = ray.get_runtime_context()
+        return ray.util.get_node_ip_address(), context.get_node_id(), self._proc.pid
 
     async def read_log(self, offset: int, wait: float) -> bytes:
         """The worker's output from ``offset`` on (at most ``LOG_CHUNK``); when there is
@@ -111,10 +119,12 @@ class WorkerHost:
 
 
 class RayHandle(WorkerHandle):
-    def __init__(self, actor: Any, pid: int, node: str, log_path: Path) -> None:
+    def __init__(self, actor: Any, pid: int, node: str, log_path: Path,
+                 node_id: str = "") -> None:
         self.actor = actor
         self.pid = pid
         self.node = node
+        self.node_id = node_id
         self.log_path = log_path
         self.started_at = time.time()
         self._code: int | None = None
@@ -229,36 +239,56 @@ class RayBackend(Backend):
         return env
 
     @staticmethod
-    def actor_options(spec: ModelSpec) -> dict[str, Any]:
-        """The resources the worker's actor reserves on its node."""
+    def actor_options(spec: ModelSpec, siblings: Sequence[str] = ()) -> dict[str, Any]:
+        """The resources the worker's actor reserves on its node, and the nodes it
+        prefers: ``siblings`` are the node ids of the model's other running replicas,
+        lowest-numbered first. ``spread`` prefers a node that runs none of them, ``pack``
+        the first one's node; where no such node has room now (or exists), Ray's
+        ``fallback_strategy`` takes any node that fits, as it would without replicas."""
         ranks = spec.tensor_parallel_size * spec.pipeline_parallel_size
         gpus = spec.num_gpus
         if gpus is None:  # several ranks: vLLM's Ray executor reserves their GPUs itself
             gpus = float(spec.tensor_parallel_size) if spec.device == "cuda" and ranks == 1 else 0.0
-        return {"num_cpus": 1.0 if spec.num_cpus is None else spec.num_cpus,
-                "num_gpus": gpus, "resources": dict(spec.resources),
-                **({"label_selector": dict(spec.label_selector)} if spec.label_selector else {})}
+        options: dict[str, Any] = {
+            "num_cpus": 1.0 if spec.num_cpus is None else spec.num_cpus,
+            "num_gpus": gpus, "resources": dict(spec.resources)}
+        labels = dict(spec.label_selector)
+        nodes = list(dict.fromkeys(n for n in siblings if n))
+        # A preset that names the node itself has placed the replicas: its word stands.
+        if nodes and NODE_LABEL not in labels:
+            where = (nodes[0] if spec.replicas.placement == "pack"
+                     else f"!in({','.join(nodes)})")
+            # The preference is a label selector (Ray's ``ray.io/node-id``, on every
+            # node) with the preset's own labels as the fallback: tried on a node without
+            # room now as on none at all (a one-node cluster spreads nothing).
+            options["label_selector"] = {**labels, NODE_LABEL: where}
+            options["fallback_strategy"] = [{"label_selector": labels}]
+        elif labels:
+            options["label_selector"] = labels
+        return options
 
     async def spawn(self, spec: ModelSpec, boot_for: BootFor, log_path: Path,
-                    env: dict[str, str]) -> WorkerHandle:
+                    env: dict[str, str], siblings: Sequence[WorkerHandle] = ()
+                    ) -> WorkerHandle:
         ray = _ray()
         if self._host is None:
             raise SpawnError("the ray backend is not connected")
-        actor = self._host.options(max_restarts=0, max_concurrency=8,
-                                   **self.actor_options(spec)).remote()
+        options = self.actor_options(spec, [h.node_id for h in siblings])
+        actor = self._host.options(max_restarts=0, max_concurrency=8, **options).remote()
         try:
             # Pending until a node with the resources has room: bounded like any start.
             async with asyncio.timeout(self.load_timeout):
-                node, pid = await actor.start.remote(self.worker_args, env, boot_for(""))
+                node, node_id, pid = await actor.start.remote(self.worker_args, env,
+                                                              boot_for(""))
         except (ray.exceptions.RayError, TimeoutError) as err:
             ray.kill(actor, no_restart=True)
             raise SpawnError(f"its Ray actor did not start: {type(err).__name__}: {err}") from None
         except asyncio.CancelledError:
             ray.kill(actor, no_restart=True)
             raise
-        log.info("model %s: Ray placed its worker on node %s (%s)", spec.id, node,
-                 self.actor_options(spec))
-        return RayHandle(actor, int(pid), str(node), log_path)
+        log.info("model %s: Ray placed its worker on node %s (%s) (%s)", spec.id, node,
+                 node_id, options)
+        return RayHandle(actor, int(pid), str(node), log_path, str(node_id))
 
     def close(self) -> None:
         ray = _ray()
