@@ -135,7 +135,7 @@ def test_a_model_of_one_replica_routes_without_an_index(tmp_path: Path) -> None:
         for _ in range(3):
             assert await use(sup, "m", messages=[ChatMessage(role="user", content="x" * 600)],
                              session=b"s") == 0
-        assert sup._indexes == {}  # nothing hashed, nothing recorded
+        assert sup.routes.indexes == {}  # nothing hashed, nothing recorded
 
     run(sup, scenario)
 

@@ -190,9 +190,9 @@ def test_a_stopped_model_keeps_no_prefix_index(tmp_path: Path) -> None:
         await until(lambda: ready_replicas(sup, m) == [0, 1], 30, "both replicas ready")
         for i in range(3):
             await use(sup, "m", prompt=f"prompt {i} " * 100)
-        assert len(sup._indexes["m"]) > 0
+        assert len(sup.routes.indexes["m"]) > 0
         await sup.stop(m)
-        assert "m" not in sup._indexes
+        assert "m" not in sup.routes.indexes
 
     run(sup, scenario)
 

@@ -45,10 +45,9 @@ from router.lifecycle.idle_reaper import IdleReaper
 from router.lifecycle.parking import Parker
 from router.lifecycle.policy import room
 from router.lifecycle.policy.park import RESIDENT_STATES
-from router.lifecycle.policy.route import ReplicaLoad, choose
-from router.lifecycle.prefix_index import PrefixIndex, prompt_blocks, prompt_bytes, seed_of
 from router.lifecycle.replica import Replica, ReplicaSet, link_of, ready_link, replica_key
 from router.lifecycle.room_maker import RoomMaker
+from router.lifecycle.routing import Routes
 from router.lifecycle.scaler import Scaler
 from router.observe.events import EventBus
 from router.registry import Lease, ModelEntry, ModelRegistry
@@ -109,10 +108,8 @@ class Supervisor:
         self.scaler = Scaler(registry, self.replicas_of, self.add_replica, self.retire_replica,
                              self.replica_room, self.stopping)
         self._scaling: asyncio.Task[None] | None = None
-        self._indexes: dict[str, PrefixIndex] = {}
-        """Each model of several replicas' record of the prompts it sent to each."""
-        self._routed = 0
-        """Requests routed among replicas so far (``Replica.routed_seq``)."""
+        self.routes = Routes()
+        """Where requests to a model of several replicas go (``route``), and its memory."""
         self.spares = SparePool(server.spare_workers, registry, runtime_dir,
                                 worker_command(server, spare=True), base_env, self._spawn_task,
                                 self._spares_may_import, server.fork_spares)
@@ -158,8 +155,7 @@ class Supervisor:
             entry.replica_count = len(replicas)
             if not replicas:
                 del self._replicas[entry.id]
-                # No engine of it runs: what its index knew of their caches is gone.
-                self._indexes.pop(entry.id, None)
+                self.routes.drop(entry.id)  # no engine of it runs: nor do their caches
 
     def _publish_state(self, entry: ModelEntry, reason: str | None = None) -> None:
         """Tell the event bus of ``entry``'s state, if it changed since last told."""
@@ -610,9 +606,7 @@ class Supervisor:
         worker.link.close(reason)
         self.remove_worker(entry, worker)
         self.placer.release(worker.key)
-        index = self._indexes.get(entry.id)
-        if index is not None:
-            index.forget(worker.number)  # its engine's cache is gone with it
+        self.routes.forget(entry.id, worker.number)  # its engine's cache is gone with it
         if entry.replica is worker:
             entry.replica = self._next_serving(entry)
         if entry.pid == worker.handle.pid:
@@ -751,29 +745,7 @@ class Supervisor:
             only = serving[0]
             only.last_used = time.monotonic()
             return only.link
-        cap = entry.spec.max_concurrent
-        if cap:  # each replica's: a full one is passed over while another has room
-            serving = [r for r in serving if r.link.in_flight < cap] or serving
-        routing = entry.spec.routing
-        blocks = None
-        if routing.strategy == "prefix" and gens:
-            gen = gens[0]
-            blocks = prompt_blocks(prompt_bytes(gen),
-                                   seed_of(gen.lora, gen.tools, gen.template_kwargs))
-        index = self._indexes.get(entry.id)
-        if index is None:
-            index = self._indexes[entry.id] = PrefixIndex()
-        hint = index.hint(blocks, session) if blocks is not None else None
-        loads = [ReplicaLoad(r.number, r.link.in_flight, 0, True, False, r.routed_seq)
-                 for r in serving]
-        chosen = choose(loads, routing, hint)
-        assert chosen is not None  # some replica serves
-        replica = next(r for r in serving if r.number == chosen.replica)
-        self._routed += 1
-        replica.routed_seq, replica.last_used = self._routed, time.monotonic()
-        if blocks is not None:
-            index.routed(replica.number, blocks, session)
-        return replica.link
+        return self.routes.pick(entry, serving, gens, session).link
 
     # -- stopping ----------------------------------------------------------------------
     async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 1.0) -> None:

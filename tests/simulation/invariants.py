@@ -406,7 +406,7 @@ def placed_on(replica: Replica) -> tuple[set[int], set[int]]:
 
 def index_replicas(sup: Supervisor, entry: ModelEntry) -> set[int]:
     """The replica numbers ``entry``'s prefix index keeps live slots for."""
-    index = sup._indexes.get(entry.id)
+    index = sup.routes.indexes.get(entry.id)
     return set(index._slot) if index is not None else set()
 
 
