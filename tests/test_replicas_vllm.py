@@ -87,12 +87,10 @@ def client(r: RouterProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{r.url}/v1", api_key="x", max_retries=0, timeout=600)
 
 
-def test_two_replicas_on_a_core_each_serve_concurrent_streams(two: RouterProcess) -> None:
-    running = wait_replicas(two, 2)
-    assert len({x["pid"] for x in running}) == 2
-    assert sorted(x["placement"]["VLLM_CPU_OMP_THREADS_BIND"] for x in running) == ["0", "1"]
-    before = completed(two)
-    c = client(two)
+def streams_reach_both(r: RouterProcess) -> None:
+    """Four concurrent streams with their own prompts: both replicas serve some."""
+    before = completed(r)
+    c = client(r)
 
     def stream(i: int) -> int:
         tokens = 0
@@ -104,8 +102,50 @@ def test_two_replicas_on_a_core_each_serve_concurrent_streams(two: RouterProcess
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         assert all(n > 0 for n in pool.map(stream, range(4)))
-    after = completed(two)
+    after = completed(r)
     assert all(after[n] > before[n] for n in (0, 1)), (before, after)  # both served
+
+
+def kill_one_mid_stream(r: RouterProcess, victim: dict[str, Any]) -> None:
+    """A stream on each replica; ``victim``'s worker killed: its stream ends within 2 s
+    with the error, four requests that follow succeed, the other stream ends whole."""
+    c = client(r)
+
+    def stream(i: int) -> str:
+        out = ""
+        for chunk in c.chat.completions.create(
+                model="smol", max_tokens=400, stream=True, temperature=0,
+                extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": f"Tell me a long story, number {i}."}]):
+            out += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streams = [pool.submit(stream, i) for i in range(2)]
+        deadline = time.monotonic() + 120
+        while not all(x["in_flight"] >= 1 for x in replicas(r)):
+            assert time.monotonic() < deadline, replicas(r)
+            time.sleep(0.05)
+        killed = time.monotonic()
+        psutil.Process(victim["pid"]).kill()
+        done, _ = concurrent.futures.wait(streams, return_when="FIRST_COMPLETED")
+        assert time.monotonic() - killed < 2.0
+        (lost,) = done
+        with pytest.raises(openai.APIError, match="exited unexpectedly"):
+            lost.result()
+        for i in range(4):  # every following request succeeds, on the other replica
+            reply = c.chat.completions.create(
+                model="smol", max_tokens=4, messages=[{"role": "user", "content": f"Hi {i}"}])
+            assert reply.choices[0].message.content is not None
+        other = next(s for s in streams if s is not lost)
+        assert other.result(timeout=600)  # the other replica's stream ended whole
+
+
+def test_two_replicas_on_a_core_each_serve_concurrent_streams(two: RouterProcess) -> None:
+    running = wait_replicas(two, 2)
+    assert len({x["pid"] for x in running}) == 2
+    assert sorted(x["placement"]["VLLM_CPU_OMP_THREADS_BIND"] for x in running) == ["0", "1"]
+    streams_reach_both(two)
 
 
 def test_a_conversation_stays_on_its_replica_and_its_cache_grows(two: RouterProcess) -> None:
@@ -141,38 +181,8 @@ def test_a_conversation_stays_on_its_replica_and_its_cache_grows(two: RouterProc
 
 def test_a_killed_replica_ends_its_stream_the_other_serves_and_it_restarts(
         two: RouterProcess) -> None:
-    c = client(two)
-    running = wait_replicas(two, 2)
-    victim = next(x for x in running if x["number"] == 1)
-
-    def stream(i: int) -> str:
-        out = ""
-        for chunk in c.chat.completions.create(
-                model="smol", max_tokens=400, stream=True, temperature=0,
-                extra_body={"ignore_eos": True},
-                messages=[{"role": "user", "content": f"Tell me a long story, number {i}."}]):
-            out += (chunk.choices[0].delta.content or "") if chunk.choices else ""
-        return out
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        streams = [pool.submit(stream, i) for i in range(2)]
-        deadline = time.monotonic() + 120
-        while not all(x["in_flight"] >= 1 for x in replicas(two)):
-            assert time.monotonic() < deadline, replicas(two)
-            time.sleep(0.05)
-        killed = time.monotonic()
-        psutil.Process(victim["pid"]).kill()
-        done, _ = concurrent.futures.wait(streams, return_when="FIRST_COMPLETED")
-        assert time.monotonic() - killed < 2.0
-        (lost,) = done
-        with pytest.raises(openai.APIError, match="exited unexpectedly"):
-            lost.result()
-        for i in range(4):  # every following request succeeds, on the other replica
-            reply = c.chat.completions.create(
-                model="smol", max_tokens=4, messages=[{"role": "user", "content": f"Hi {i}"}])
-            assert reply.choices[0].message.content is not None
-        other = next(s for s in streams if s is not lost)
-        assert other.result(timeout=600)  # the other replica's stream ended whole
+    victim = next(x for x in wait_replicas(two, 2) if x["number"] == 1)
+    kill_one_mid_stream(two, victim)
     again = wait_replicas(two, 2)
     assert next(x for x in again if x["number"] == 1)["pid"] != victim["pid"]
 
