@@ -684,10 +684,10 @@ def _clamped(gens: list[Generate], asked: list[int | None]) -> int:
 PROTOCOLS = {"messages": "anthropic", "responses": "responses"}
 """Endpoints by the protocol whose ``max_tokens_overflow`` applies (any other: openai)."""
 CLAMPED_HEADER = "x-modelyard-max-tokens-clamped"
+"""On a response whose ``max_tokens`` was clamped: what it became."""
 SESSION_HEADER = b"x-session-id"
 """A client's name for its conversation: a model of several replicas serves its requests
 on one replica while it is not overloaded (its cache holds the conversation)."""
-"""On a response whose ``max_tokens`` was clamped: what it became."""
 
 
 def _refuse_oversized(entry: ModelEntry, gens: list[Generate]) -> None:

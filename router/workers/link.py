@@ -252,11 +252,11 @@ class WorkerLink:
         self._failure: APIError | None = None
         self._probes = 0
         self.completed = 0
+        """Generations this worker finished: proof it was healthy (resets crash backoff)."""
         self.prompt_tokens = 0
         """Prompt tokens of the choices it finished, and of those, the ones its engine
         found in its prefix cache (``cached_tokens``): a replica's cached share."""
         self.cached_tokens = 0
-        """Generations this worker finished: proof it was healthy (resets crash backoff)."""
 
     def _read_monitor(self) -> None:
         """Drain the socket monitor's events (edge-triggered, like every ZeroMQ fd).
@@ -415,7 +415,7 @@ class WorkerLink:
     @property
     def busy(self) -> bool:
         """Generations or calls (but pings) in flight on this worker."""
-        return bool(self._routes) or len(self._calls) > self._probes
+        return self.in_flight > 0
 
     @property
     def in_flight(self) -> int:
