@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterable
@@ -30,13 +31,6 @@ log = logging.getLogger("modelyard.router")
 
 EVERY = 0.25
 """Seconds between looks (the policy's clocks are seconds: ``up_wait``, ``up_after``)."""
-
-
-def retry_after(failures: int) -> float:
-    """Seconds before a replica is started again after ``failures`` in a row: none before
-    the first, then 0.5 s, 1 s, 2 s, ... up to 30 s (a model's own restart backoff,
-    ``supervisor.backoff_seconds``)."""
-    return 0.0 if failures <= 0 else min(30.0, 0.5 * 2 ** (failures - 1))
 
 
 class Scaler:
@@ -65,7 +59,7 @@ class Scaler:
         self._retires: dict[str, asyncio.Task[None]] = {}
         self._failed: dict[str, tuple[int, float]] = {}
         """Each model's replicas that failed to start or crashed in a row, and when the
-        last did (``failed``): the next add waits ``retry_after`` of that."""
+        last did (``failed``): the next add waits ``scale.backoff_seconds`` of that."""
         self._pressure: dict[str, float | None] = {}
         self._changed: dict[str, float] = {}
 
@@ -83,7 +77,7 @@ class Scaler:
         return {n for n, t in self._starts.get(entry.id, {}).items() if not t.done()}
 
     def starting(self, entry: ModelEntry) -> int:
-        return sum(not t.done() for t in self._starts.get(entry.id, {}).values())
+        return len(self.pending(entry))
 
     def view(self, entry: ModelEntry, now: float) -> scale.ScaleView:
         """``entry`` as the policy sees it at ``now``."""
@@ -110,21 +104,20 @@ class Scaler:
     def tick(self, now: float) -> None:
         for entry in self.models:
             limits = entry.spec.replicas
-            if limits.max == 1 and limits.min == 1:
+            if not scale.scales(limits):
                 continue
             if entry.state != "ready" or entry.id in self._retires:
                 self._pressure.pop(entry.id, None)
                 continue
             view = self.view(entry, now)
-            self._pressure[entry.id] = scale.pressure(self._pressure.get(entry.id),
-                                                      view.waiters, now, limits)
-            view = scale.ScaleView(view.replicas, view.waiters, self._pressure[entry.id],
-                                   view.room, view.last_change, view.hold_last)
+            since = scale.pressure(view.pressure_since, view.waiters, now, limits)
+            self._pressure[entry.id] = since
+            view = dataclasses.replace(view, pressure_since=since)
             decision = scale.decide(limits, view, now)
             if decision is None:
                 continue
             failed, at = self._failed.get(entry.id, (0, 0.0))
-            if decision.action == "add" and now - at < retry_after(failed):
+            if decision.action == "add" and now - at < scale.backoff_seconds(failed):
                 continue  # a replica that keeps failing is not started at every tick
             self._changed[entry.id] = now
             log.info("model %s: %s replica %d (%s)", entry.id, decision.action,

@@ -45,6 +45,7 @@ from router.lifecycle.idle_reaper import IdleReaper
 from router.lifecycle.parking import Parker
 from router.lifecycle.policy import room
 from router.lifecycle.policy.park import RESIDENT_STATES
+from router.lifecycle.policy.scale import backoff_seconds, scales
 from router.lifecycle.replica import Replica, ReplicaSet, link_of, ready_link, replica_key
 from router.lifecycle.room_maker import RoomMaker
 from router.lifecycle.routing import Routes
@@ -64,13 +65,7 @@ from shared.protocol import Generate, Ready
 
 log = logging.getLogger("modelyard.router")
 _generation = itertools.count(1)
-BACKOFF_MAX = 30.0
 POLL = 0.05  # seconds between looks at state that has no event of its own
-
-
-def backoff_seconds(failures: int) -> float:
-    """0 before the first failure, then 0.5 s, 1 s, 2 s, … up to 30 s."""
-    return 0.0 if failures <= 0 else min(BACKOFF_MAX, 0.5 * 2 ** (failures - 1))
 
 
 class Supervisor:
@@ -182,7 +177,7 @@ class Supervisor:
         if isinstance(ray, RayBackend):
             ray.connect()  # blocks ~2 s, once, before the router serves
         self._reaper = asyncio.create_task(self.idler.run(), name="reaper")
-        if any(scales(e) for e in self.registry):
+        if any(scales(e.spec.replicas) for e in self.registry):
             self._scale()
         self.spares.replenish()  # first: a load_on_startup model takes it as it is
         for entry in self.startup_models():
@@ -490,7 +485,7 @@ class Supervisor:
             if not extra:
                 self.parker.measure(entry)  # what a park of it would hold
                 self._log_ready(entry, worker)
-                if scales(entry):
+                if scales(entry.spec.replicas):
                     self._scale()
                 self.scaler.fill(entry)  # the replicas its ``replicas.min`` asks for
             if isinstance(handle, LocalHandle):
@@ -607,8 +602,16 @@ class Supervisor:
         self.remove_worker(entry, worker)
         self.placer.release(worker.key)
         self.routes.forget(entry.id, worker.number)  # its engine's cache is gone with it
+        self._hand_over(entry, worker)
+        self._publish_replica(entry, worker, gone=True)
+
+    def _hand_over(self, entry: ModelEntry, worker: Replica) -> None:
+        """``worker`` serves no more (drains or is gone): the model is named by its
+        lowest-numbered replica that serves (``ModelEntry.replica``, and the pid, node
+        and placement shown), or by none, and its slots are those of the ones left."""
         if entry.replica is worker:
-            entry.replica = self._next_serving(entry)
+            serving = self.replicas_of(entry).serving()
+            entry.replica = serving[0] if serving else None
         if entry.pid == worker.handle.pid:
             first = entry.replica
             if isinstance(first, Replica):
@@ -617,13 +620,6 @@ class Supervisor:
             else:
                 entry.pid = entry.node = None
         self._size_slots(entry)
-        self._publish_replica(entry, worker, gone=True)
-
-    def _next_serving(self, entry: ModelEntry) -> Replica | None:
-        """A replica to name ``entry``'s worker (``ModelEntry.replica``) while another
-        stops: the lowest-numbered one that serves."""
-        serving = self.replicas_of(entry).serving()
-        return serving[0] if serving else None
 
     def _size_slots(self, entry: ModelEntry) -> None:
         """``max_concurrent`` is each replica's: the model's slots are that times the
@@ -678,12 +674,7 @@ class Supervisor:
         if worker.state == "draining" or worker not in self.replicas_of(entry):
             return
         worker.state = "draining"
-        if entry.replica is worker:
-            entry.replica = self._next_serving(entry)
-            if isinstance(entry.replica, Replica):
-                entry.pid, entry.node = entry.replica.handle.pid, entry.replica.handle.node
-                entry.placement = entry.replica.placement
-        self._size_slots(entry)
+        self._hand_over(entry, worker)
         self._publish_replica(entry, worker)
         await self._stop_worker(entry, worker)
 
@@ -727,25 +718,21 @@ class Supervisor:
         replicas = self._replicas.get(entry.id)
         if replicas is None:
             return link
+        only: Replica | None
         if len(replicas) < 2:
-            # The link ``acquire`` gave may be a crashed sibling's, reaped since (its lease
-            # was granted before): the replica left serving takes the request instead.
             only = replicas.first()
-            if only is None or not only.serving:
-                return link
-            only.last_used = time.monotonic()  # used: else ``min: 0`` finds it idle
-            return only.link
-        serving = replicas.serving()
-        if len(serving) < 2:
-            if not serving:
-                return link
-            # The one left, not ``link``: the replica that named the model at the lease
-            # may have been drained or reaped since. Marked used: else the scaler finds
-            # the only replica of a model in steady use idle (``min: 0`` stops it).
-            only = serving[0]
-            only.last_used = time.monotonic()
-            return only.link
-        return self.routes.pick(entry, serving, gens, session).link
+        else:
+            serving = replicas.serving()
+            if len(serving) > 1:
+                return self.routes.pick(entry, serving, gens, session).link
+            only = serving[0] if serving else None
+        if only is None or not only.serving:
+            return link
+        # The one left, not ``link``: the replica that named the model at the lease may
+        # have been drained or reaped since. Marked used: else the scaler finds the only
+        # replica of a model in steady use idle (``min: 0`` stops it).
+        only.last_used = time.monotonic()
+        return only.link
 
     # -- stopping ----------------------------------------------------------------------
     async def stop(self, entry: ModelEntry, *, force: bool = False, grace: float = 1.0) -> None:
@@ -889,12 +876,9 @@ class Supervisor:
         # (which would take the cores from the model in use).
         serving = entry.state in ("loading", "ready", "sleeping", "waking")
 
-        def outdated() -> bool:
-            return self._outdated(entry)
-
-        if scales(entry):  # a router-only change (``min: 0``) restarts nothing
+        if scales(entry.spec.replicas):  # a router-only change (``min: 0``) restarts nothing
             self._scale()
-        if entry.id not in self._loads and outdated():
+        if entry.id not in self._loads and self._outdated(entry):
             # Begun before the reload answers (a stop marks the model ``stopping`` at
             # once): no later request leases the worker of the old spec.
             self.stopping(entry)
@@ -903,7 +887,7 @@ class Supervisor:
             starting = self._loads.get(entry.id)
             if starting is not None and entry.state == "loading":
                 await asyncio.wait({starting})  # its waiters get the worker they waited for
-            if outdated():
+            if self._outdated(entry):
                 log.info("model %s: its spec changed; restarting once its requests are done",
                          entry.id)
                 await self.stop(entry)  # the one begun above, if it was
@@ -927,8 +911,3 @@ class Supervisor:
         self._ctx.destroy(linger=0)  # closes any socket a cancelled start left behind
         for backend in self.backends.values():
             backend.close()
-
-
-def scales(entry: ModelEntry) -> bool:
-    """Whether ``entry`` may run other than one replica (the scaler's to watch)."""
-    return entry.spec.replicas.max > 1 or entry.spec.replicas.min != 1

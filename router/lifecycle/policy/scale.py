@@ -77,6 +77,22 @@ class ScaleDecision:
     wait; ``idle``: a replica has served nothing for ``replicas.idle`` s."""
 
 
+BACKOFF_MAX = 30.0
+
+
+def backoff_seconds(failures: int) -> float:
+    """Seconds before a worker that failed ``failures`` times in a row starts again: 0
+    before the first failure, then 0.5 s, 1 s, 2 s, … up to 30 s (a model's restart after
+    a crash or a failed start; a replica's start after its own)."""
+    return 0.0 if failures <= 0 else min(BACKOFF_MAX, 0.5 * 2 ** (failures - 1))
+
+
+def scales(replicas: Replicas) -> bool:
+    """Whether a model may run other than one replica (``replicas.max`` above 1, or
+    ``min: 0``): the scaler's to watch; a model of exactly one worker runs as before."""
+    return replicas.max > 1 or replicas.min != 1
+
+
 def head_since(waiters: Iterable[Waiter]) -> float | None:
     """Since when the oldest waiting request that is not a batch line has waited (batch
     lines use capacity nobody waits for: they never add a replica)."""
